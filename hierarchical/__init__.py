@@ -1,0 +1,34 @@
+"""Topology-aware collectives for training across sites (datacenters). Pure ``torch.distributed``.
+
+Typical use, on every rank after ``init_process_group``::
+
+    from multidc.hierarchical import Topology, WanConfig, all_reduce, register_ddp_hook
+
+    topo = Topology.build(num_sites=2)                      # or MULTIDC_SITE / MULTIDC_NUM_SITES
+    all_reduce(tensor, topo, wan=WanConfig(compression="bf16"))
+    register_ddp_hook(ddp_model, topo)                      # gradients go site-first, then over the WAN
+    print(topo.wan_stats.snapshot())                        # bytes sent between sites
+"""
+
+from multidc.hierarchical.all_reduce import WanError, all_reduce
+from multidc.hierarchical.chunking import Chunk, plan_chunks
+from multidc.hierarchical.compression import get_codec
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.stats import WanStats
+from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
+
+__all__ = [
+    "Chunk",
+    "HierarchicalHookState",
+    "SiteLayout",
+    "Topology",
+    "WanConfig",
+    "WanError",
+    "WanStats",
+    "all_reduce",
+    "get_codec",
+    "plan_chunks",
+    "register_ddp_hook",
+    "resolve_sites",
+]

@@ -1,0 +1,246 @@
+"""The hierarchical all-reduce: reduce inside each site, cross the WAN once per shard, spread inside the site.
+
+Per chunk: intra-site reduce-scatter -> inter-site all-reduce of each shard over its rail -> intra-site
+all-gather. Chunks are pipelined: while chunk ``i`` crosses the WAN, chunk ``i+1`` is reduced inside the site
+and chunk ``i-1`` is gathered; up to ``WanConfig.streams`` WAN transfers are in flight, each on its own group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical import _compat
+from multidc.hierarchical.chunking import Chunk, plan_chunks
+from multidc.hierarchical.compression import get_codec
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.topology import Topology
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = ("sum", "avg")
+
+
+class WanError(RuntimeError):
+    """A transfer between sites failed or timed out; the message names the sites and the rail."""
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    topology: Topology,
+    *,
+    wan: WanConfig | None = None,
+    op: str = "sum",
+    async_op: bool = False,
+) -> torch.futures.Future | None:
+    """Sum (or average) ``tensor`` over every rank of ``topology``, in place. Every rank must call it.
+
+    Any shape and size; float32, bfloat16 or float16. Every rank ends with bitwise-identical values, also with
+    compression. Compression (``wan.compression``) applies to the inter-site hop only.
+
+    Args:
+        tensor: the local values; overwritten with the result.
+        topology: from ``Topology.build``.
+        wan: WAN settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``). ``wan.streams`` may not exceed the
+            streams the topology was built with.
+        op: ``"sum"`` or ``"avg"`` (the sum divided by the number of ranks).
+        async_op: return a ``torch.futures.Future`` at once; ``wait()`` returns ``tensor`` or raises.
+
+    Returns:
+        ``None``, or the future when ``async_op``.
+    """
+    wan = _check(tensor, topology, wan, op)
+    future = submit(tensor, topology, wan, op=op)
+    if async_op:
+        return future
+    future.wait()
+    return None
+
+
+def submit(
+    tensor: torch.Tensor,
+    topology: Topology,
+    wan: WanConfig,
+    *,
+    op: str,
+    residual: torch.Tensor | None = None,
+) -> torch.futures.Future:
+    """Queue a checked all-reduce on the topology's worker thread. ``residual``: see ``residual_numel``."""
+    return topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual))
+
+
+def residual_numel(numel: int, element_size: int, topology: Topology, wan: WanConfig) -> int:
+    """Length of the float32 error-feedback buffer for a tensor: one slot per element this rank sends."""
+    chunks = plan_chunks(numel, element_size, wan.chunk_mb, topology.num_rails)
+    return sum(c.shard_numel for c in chunks)
+
+
+def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: str) -> WanConfig:
+    wan = wan if wan is not None else WanConfig()
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in SUPPORTED_DTYPES:
+        got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"all_reduce supports float32, bfloat16 and float16 tensors, not {got}.")
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not supported; use 'sum' or 'avg'.")
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a Topology from Topology.build, not {type(topology).__name__}.")
+    if wan.streams > topology.streams:
+        raise ValueError(
+            f"wan.streams={wan.streams} but the topology prepared {topology.streams}; pass the same WanConfig "
+            f"to Topology.build(wan=...) or lower streams."
+        )
+    return wan
+
+
+def _all_reduce(tensor, topology, wan, op, residual):
+    started = time.perf_counter()
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    if flat.numel():
+        if topology.num_sites == 1:
+            dist.all_reduce(flat, group=topology.intra_group)
+        else:
+            _Pipeline(flat, topology, wan, residual).run()
+        if op == "avg":
+            flat.div_(topology.size)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    topology.wan_stats.add(calls=1, seconds=time.perf_counter() - started)
+    return tensor
+
+
+class _Pipeline:
+    """One hierarchical all-reduce of a flat tensor. Issues operations in a fixed order on every rank."""
+
+    def __init__(self, flat: torch.Tensor, topology: Topology, wan: WanConfig, residual: torch.Tensor | None):
+        self.flat = flat
+        self.topo = topology
+        self.codec = get_codec(wan.compression)
+        self.streams = wan.streams
+        self.timeout = datetime.timedelta(seconds=wan.timeout_s)
+        self.chunks = plan_chunks(flat.numel(), flat.element_size(), wan.chunk_mb, topology.num_rails)
+        self.residual = residual if self.codec is not None else None
+        offsets = [0]
+        for chunk in self.chunks:
+            offsets.append(offsets[-1] + chunk.shard_numel)
+        self.residual_offsets = offsets
+        intra = topology.intra_group
+        self.leaders = [dist.get_global_rank(intra, r) for r in range(topology.num_rails)]
+        self.state: list[dict] = [{} for _ in self.chunks]
+
+    def run(self) -> None:
+        started = finished = 0
+        for i in range(len(self.chunks)):
+            self._reduce_in_site(i)
+            if i >= 1:
+                finished = self._start_wan(started, finished)
+                started += 1
+        finished = self._start_wan(started, finished)
+        while finished < len(self.chunks):
+            self._finish_wan(finished)
+            finished += 1
+        for i, chunk in enumerate(self.chunks):
+            self._finish_in_site(i, chunk)
+
+    def _start_wan(self, i: int, finished: int) -> int:
+        if i - finished >= self.streams:  # keep at most `streams` WAN transfers in flight
+            self._finish_wan(finished)
+            finished += 1
+        state = self.state[i]
+        _wait(state.pop("works"))
+        if self.topo.rail is None:
+            return finished
+        shard = state["shard"]
+        group = self.topo.rail_groups[i % self.streams]
+        if self.codec is None:
+            state["wan"] = dist.all_reduce(shard, group=group, async_op=True)
+            ring = shard.numel() * shard.element_size() * 2 * (self.topo.num_sites - 1) // self.topo.num_sites
+            self.topo.wan_stats.add(sent=ring, received=ring)
+            return finished
+        values = shard.to(torch.float32, copy=True)
+        if self.residual is not None:
+            values += self._residual_slice(i)
+        state["values"] = values
+        wire = self.codec.encode(values)
+        gathered = wire.new_empty(self.topo.num_sites * wire.numel())  # gloo wants a flat output
+        state["gathered"] = gathered.view(self.topo.num_sites, wire.numel())
+        state["wan"] = _compat.all_gather_single(gathered, wire, group=group, async_op=True)
+        moved = wire.numel() * wire.element_size() * (self.topo.num_sites - 1)
+        self.topo.wan_stats.add(sent=moved, received=moved)
+        return finished
+
+    def _finish_wan(self, i: int) -> None:
+        state = self.state[i]
+        chunk = self.chunks[i]
+        if "wan" in state:
+            self._wait_wan(state.pop("wan"), i)
+        if "gathered" in state:
+            gathered, values = state.pop("gathered"), state.pop("values")
+            if self.residual is not None:
+                own = self.codec.decode(gathered[self.topo.site], chunk.shard_numel)
+                torch.sub(values, own, out=self._residual_slice(i))
+            state["shard"].copy_(self.codec.decode_sum(gathered, chunk.shard_numel))
+        state["works"] = self._gather_in_site(state)
+
+    def _reduce_in_site(self, i: int) -> None:
+        chunk, state = self.chunks[i], self.state[i]
+        if not chunk.padded:
+            buffer = self.flat[chunk.start : chunk.end]
+        else:
+            buffer = self.flat.new_zeros(chunk.padded_numel)
+            buffer[: chunk.numel].copy_(self.flat[chunk.start : chunk.end])
+        state["buffer"] = buffer
+        pieces = buffer.split(chunk.shard_numel)
+        topo = self.topo
+        if topo.site_size == 1:
+            state["shard"], state["works"] = buffer, []
+        elif topo.layout.equal_sites:
+            state["shard"] = buffer.new_empty(chunk.shard_numel)
+            state["works"] = [
+                _compat.reduce_scatter_single(state["shard"], buffer, group=topo.intra_group, async_op=True)
+            ]
+        else:  # unequal sites: only the first num_rails ranks of a site hold a shard
+            state["shard"] = pieces[topo.rail] if topo.rail is not None else None
+            state["works"] = [
+                dist.reduce(piece, dst=leader, group=topo.intra_group, async_op=True)
+                for piece, leader in zip(pieces, self.leaders)
+            ]
+
+    def _gather_in_site(self, state: dict) -> list:
+        topo, buffer = self.topo, state["buffer"]
+        if topo.site_size == 1:
+            return []
+        if topo.layout.equal_sites:
+            return [_compat.all_gather_single(buffer, state["shard"], group=topo.intra_group, async_op=True)]
+        pieces = buffer.split(buffer.numel() // topo.num_rails)
+        return [
+            dist.broadcast(piece, src=leader, group=topo.intra_group, async_op=True)
+            for piece, leader in zip(pieces, self.leaders)
+        ]
+
+    def _finish_in_site(self, i: int, chunk: Chunk) -> None:
+        state = self.state[i]
+        _wait(state.pop("works"))
+        if chunk.padded:
+            self.flat[chunk.start : chunk.end].copy_(state["buffer"][: chunk.numel])
+
+    def _residual_slice(self, i: int) -> torch.Tensor:
+        return self.residual[self.residual_offsets[i] : self.residual_offsets[i + 1]]
+
+    def _wait_wan(self, work, i: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            names = ", ".join(self.topo.layout.site_names)
+            raise WanError(
+                f"WAN transfer of chunk {i} between sites [{names}] on rail {self.topo.rail} "
+                f"(rank {self.topo.rank}, site {self.topo.site_name!r}) failed or exceeded "
+                f"timeout_s={self.timeout.total_seconds():g}: {exc}. Check the inter-site link and that every "
+                f"site runs the same step."
+            ) from exc
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()

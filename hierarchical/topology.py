@@ -1,0 +1,260 @@
+"""``Topology``: which rank sits in which site, and the process groups that follow from it.
+
+Built once per process, collectively, right after ``init_process_group``; then passed to every hierarchical
+collective. Nothing here is global: two topologies over different groups live side by side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.stats import WanStats
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What one rank says about its own site, gathered from every rank before anything is decided."""
+
+    site: int | str | None
+    num_sites: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SiteLayout:
+    """The resolved site layout, identical on every rank. Pure data: no process groups.
+
+    ``site_ranks[s]`` lists the group ranks of site ``s`` in increasing order; ``site_names[s]`` is its name.
+    """
+
+    site_ranks: tuple[tuple[int, ...], ...]
+    site_names: tuple[str, ...]
+
+    @property
+    def num_sites(self) -> int:
+        return len(self.site_ranks)
+
+    @property
+    def num_rails(self) -> int:
+        """Rails = the smallest site size: local index ``j < num_rails`` exists in every site."""
+        return min(len(r) for r in self.site_ranks)
+
+    @property
+    def equal_sites(self) -> bool:
+        return len({len(r) for r in self.site_ranks}) == 1
+
+    def site_of(self, rank: int) -> int:
+        for site, ranks in enumerate(self.site_ranks):
+            if rank in ranks:
+                return site
+        raise ValueError(f"rank {rank} is in no site of {self.site_ranks}")
+
+    def rail_ranks(self, rail: int) -> tuple[int, ...]:
+        """Ranks with local index ``rail`` in each site, in site order: the ranks that talk over the WAN."""
+        return tuple(ranks[rail] for ranks in self.site_ranks)
+
+
+def resolve_sites(claims: list[_Claim]) -> SiteLayout:
+    """Turn every rank's claim (indexed by group rank) into one layout, or raise ValueError saying why.
+
+    Every rank runs this on the same gathered claims, so every rank raises the same error.
+    """
+    world = len(claims)
+    for rank, claim in enumerate(claims):
+        if claim.error:
+            raise ValueError(f"rank {rank}: {claim.error}")
+    counts = sorted({c.num_sites for c in claims if c.num_sites is not None})
+    if len(counts) > 1:
+        per_rank = {rank: c.num_sites for rank, c in enumerate(claims)}
+        raise ValueError(
+            f"ranks disagree on num_sites ({per_rank}); pass the same num_sites / {_env.NUM_SITES} on every rank."
+        )
+    num_sites = counts[0] if counts else None
+    if num_sites is not None and num_sites < 1:
+        raise ValueError(f"num_sites={num_sites} must be at least 1.")
+    explicit = [c.site for c in claims]
+    if any(s is not None for s in explicit):
+        return _explicit_layout(explicit, num_sites)
+    if num_sites is None:
+        return SiteLayout(site_ranks=(tuple(range(world)),), site_names=("0",))
+    if world % num_sites:
+        raise ValueError(
+            f"{world} ranks cannot be split into num_sites={num_sites} equal contiguous sites; use a num_sites "
+            f"that divides {world}, or give every rank its site (site= or {_env.SITE}) for unequal sites."
+        )
+    size = world // num_sites
+    ranks = tuple(tuple(range(s * size, (s + 1) * size)) for s in range(num_sites))
+    return SiteLayout(site_ranks=ranks, site_names=tuple(str(s) for s in range(num_sites)))
+
+
+def _explicit_layout(sites: list[int | str | None], num_sites: int | None) -> SiteLayout:
+    missing = [rank for rank, s in enumerate(sites) if s is None]
+    if missing:
+        raise ValueError(
+            f"ranks {missing} have no site while others do; set site= or {_env.SITE} on every rank or on none."
+        )
+    kinds = {type(s) for s in sites}
+    if kinds == {int}:
+        count = num_sites if num_sites is not None else max(sites) + 1
+        bad = sorted({s for s in sites if not 0 <= s < count})
+        if bad:
+            raise ValueError(f"site indices {bad} are outside 0..{count - 1} (num_sites={count}).")
+        names = [str(s) for s in range(count)]
+        index = list(sites)
+    elif kinds == {str}:
+        names = list(dict.fromkeys(sites))  # ordered by the lowest rank in each site
+        if num_sites is not None and num_sites != len(names):
+            raise ValueError(f"num_sites={num_sites} but ranks name {len(names)} sites: {names}.")
+        index = [names.index(s) for s in sites]
+    else:
+        raise ValueError(f"sites mix indices and names ({sorted(map(str, set(sites)))}); use one kind.")
+    site_ranks = tuple(tuple(r for r, s in enumerate(index) if s == site) for site in range(len(names)))
+    empty = [names[s] for s, ranks in enumerate(site_ranks) if not ranks]
+    if empty:
+        raise ValueError(f"site(s) {empty} have no ranks; every site needs at least one rank.")
+    return SiteLayout(site_ranks=site_ranks, site_names=tuple(names))
+
+
+def _local_claim(site: int | str | None, num_sites: int | None) -> _Claim:
+    """This rank's claim from arguments, else environment. Errors are carried, not raised: see ``build``."""
+    try:
+        if site is None:
+            site = _env.read(_env.SITE)
+        if isinstance(site, str) and site.lstrip("-").isdigit():
+            site = int(site)
+        if site is not None and not isinstance(site, (int, str)):
+            raise ValueError(f"site={site!r} must be an int index or a name such as 'us-east'.")
+        if num_sites is None:
+            num_sites = _env.read_int(_env.NUM_SITES)
+        return _Claim(site=site, num_sites=num_sites)
+    except ValueError as exc:
+        return _Claim(site=None, num_sites=None, error=str(exc))
+
+
+class Topology:
+    """Sites of the ranks of one process group, with the intra-site and inter-site ("rail") groups.
+
+    Rail ``j`` joins the ranks with local index ``j`` in every site; only rails cross the WAN. With unequal
+    sites there are ``min(site sizes)`` rails and the other ranks of larger sites stay inside their site.
+
+    Attributes:
+        site: index of this process's site (sites are ordered by their lowest rank).
+        site_name: the site's name (its index as a string when sites were given by index or count).
+        num_sites: number of sites.
+        site_size: ranks in this process's site.
+        local_rank_in_site: this process's index inside its site.
+        layout: the full ``SiteLayout``, identical on every rank.
+        group: the process group the topology spans (``None`` = the default group).
+        intra_group: this site's group.
+        rail_groups: one group per WAN stream for this rank's rail; empty for off-rail ranks.
+        streams: how many WAN streams were prepared (``WanConfig.streams`` at build time).
+        wan_stats: bytes and seconds of this rank's WAN traffic, see ``WanStats``.
+    """
+
+    def __init__(self, layout: SiteLayout, group: dist.ProcessGroup | None, wan: WanConfig) -> None:
+        # Runs on every rank of the default group: torch creates groups collectively there. See ``build``.
+        self.layout = layout
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.streams = wan.streams
+        self.wan_stats = WanStats()
+        self._lock = threading.Lock()
+        self._executor = None
+        global_ranks = dist.get_process_group_ranks(group) if group is not None else None
+
+        def new_group(ranks, **kwargs):
+            return dist.new_group([global_ranks[r] for r in ranks] if global_ranks else list(ranks), **kwargs)
+
+        intra = [new_group(ranks) for ranks in layout.site_ranks]
+        timeout = datetime.timedelta(seconds=wan.timeout_s)
+        rails = [
+            [new_group(layout.rail_ranks(j), timeout=timeout) for j in range(layout.num_rails)]
+            for _ in range(wan.streams)
+        ]
+        if self.rank < 0:  # outside ``group``: this rank only helped create the groups
+            return
+        self.site = layout.site_of(self.rank)
+        self.site_name = layout.site_names[self.site]
+        self.num_sites = layout.num_sites
+        self.site_size = len(layout.site_ranks[self.site])
+        self.local_rank_in_site = layout.site_ranks[self.site].index(self.rank)
+        self.intra_group = intra[self.site]
+        self.rail_groups = [per_stream[self.rail] for per_stream in rails] if self.rail is not None else []
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        num_sites: int | None = None,
+        site: int | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        wan: WanConfig | None = None,
+    ) -> Topology | None:
+        """Resolve this process's site and build the groups. Every rank of the default group must call it.
+
+        Site of this process: ``site`` (an index or a name such as ``"us-east"``), else env ``MULTIDC_SITE``,
+        else contiguous equal blocks of ranks from ``num_sites`` / env ``MULTIDC_NUM_SITES``, else one site.
+        Sites may have unequal sizes and need not be contiguous in rank order.
+
+        Args:
+            num_sites: number of sites; with no explicit sites, ranks form contiguous equal blocks.
+            site: this process's site index or name.
+            group: the ranks to span (default: all). Ranks outside it still call ``build`` (torch creates
+                groups collectively over the default group) and get ``None``.
+            wan: ``wan.streams`` rail groups are made per rail, with ``wan.timeout_s``; default ``WanConfig()``.
+                Later collectives may use fewer streams than this, not more.
+
+        Raises:
+            ValueError: on every rank alike, before any group is created, when the layout cannot work.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.build needs torch.distributed: call init_process_group first.")
+        wan = wan if wan is not None else WanConfig()
+        member = group is None or dist.get_rank(group) >= 0
+        claims: list[_Claim | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(claims, _local_claim(site, num_sites) if member else None)
+        members = dist.get_process_group_ranks(group) if group is not None else range(len(claims))
+        topology = cls(resolve_sites([claims[r] for r in members]), group, wan)
+        return topology if member else None
+
+    @property
+    def num_rails(self) -> int:
+        return self.layout.num_rails
+
+    @property
+    def size(self) -> int:
+        """Ranks in all sites together."""
+        return sum(len(ranks) for ranks in self.layout.site_ranks)
+
+    @property
+    def rail(self) -> int | None:
+        """This rank's rail index, or ``None`` for a rank that never talks over the WAN."""
+        return self.local_rank_in_site if self.local_rank_in_site < self.num_rails else None
+
+    def executor(self):
+        """The one worker thread that issues this topology's hierarchical collectives, in call order."""
+        from multidc.hierarchical._executor import SerialExecutor
+
+        with self._lock:
+            if self._executor is None:
+                self._executor = SerialExecutor(name=f"multidc-wan-site{self.site}")
+            return self._executor
+
+    def close(self) -> None:
+        """Wait for queued collectives and stop the worker thread. Groups are freed with the default group."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def __repr__(self) -> str:
+        sizes = [len(r) for r in self.layout.site_ranks]
+        return (
+            f"Topology(site={self.site_name!r} ({self.site}/{self.num_sites}), site_sizes={sizes}, "
+            f"local_rank_in_site={self.local_rank_in_site}, rail={self.rail})"
+        )

@@ -1,0 +1,76 @@
+"""Run a function on N gloo ranks in spawned processes, with a deadline and full clean-up.
+
+``run_ranks(fn, world, *args, env=...)`` calls ``fn(rank, world, *args)`` in each rank after
+``init_process_group("gloo")`` over a file:// rendezvous, and returns the per-rank return values (which must
+pickle). A rank that raises makes ``run_ranks`` raise with that rank's traceback; a hang past ``timeout``
+kills every rank and raises.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+
+_CTX = mp.get_context("spawn")
+
+
+def _entry(fn, rank, world, init_file, env, args, results):
+    os.environ.update(env.get(rank, {}) if isinstance(env, dict) else env[rank])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        buffer = io.BytesIO()
+        # torch.save, not the queue's pickling: tensors in a queue share memory with a process that may exit.
+        torch.save(fn(rank, world, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, env=None, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; ``env[rank]`` adds environment variables."""
+    env = env or {}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = _CTX.Queue()
+        procs = [
+            _CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), env, args, results))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        values, errors = {}, {}
+        try:
+            for _ in range(world):
+                rank, ok, value = results.get(timeout=timeout)
+                (values if ok else errors)[rank] = value
+                if errors:
+                    break
+        except queue.Empty:
+            errors[-1] = f"timed out after {timeout}s; ranks done: {sorted(values)}"
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            rank = min(errors)
+            raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        import torch
+
+        return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world)]
