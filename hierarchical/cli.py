@@ -1,7 +1,7 @@
-"""The ``multidc`` command: ``multidc bench allreduce``, ``multidc doctor``, ``multidc demo``.
+"""The ``multidc`` command: ``multidc bench allreduce``, ``multidc doctor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
-only wires them up. Those modules import optional frameworks (Lightning, Accelerate) inside ``run`` only.
+only wires them up and imports just the module of the subcommand being run.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import sys
 _COMMANDS = {
     ("bench", "allreduce"): ("multidc.hierarchical.bench", "time flat vs hierarchical all-reduce over a lab WAN"),
     ("doctor",): ("multidc.hierarchical.doctor", "print the detected sites and measure intra/inter-site bandwidth"),
-    ("demo",): ("multidc.hierarchical.demo", "run the main demo (what `make demo` runs)"),
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multidc", description="multidc: train one model across datacenters.")
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -27,17 +26,32 @@ def _parser() -> argparse.ArgumentParser:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
             if path[0] not in groups:
-                groups[path[0]] = top.add_parser(path[0]).add_subparsers(dest="subcommand", required=True)
+                groups[path[0]] = top.add_parser(path[0], help=f"{path[0]} commands").add_subparsers(
+                    dest="subcommand", required=True)
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        if path == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
     return parser
 
 
+def _selected(argv: list[str]) -> tuple[str, ...] | None:
+    words = [a for a in argv if not a.startswith("-")]
+    for path in _COMMANDS:
+        if tuple(words[: len(path)]) == path:
+            return path
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args._run(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(_selected(argv)).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as exc:  # user mistakes: one clear line, not a traceback
+        print(f"multidc {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
