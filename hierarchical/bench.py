@@ -17,14 +17,13 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 
 from multidc.hierarchical.config import COMPRESSIONS
-from multidc.hierarchical.lab import SITE_IFACE, Lab, lab_available, parse_rate
+from multidc.hierarchical.launch import SiteJob
+from multidc.hierarchical.lab import SITE_IFACE, parse_rate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,64 +58,35 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     modes = _validate(args)
-    reason = "--loopback was given" if args.loopback else lab_available()
-    if reason:
-        print(f"[multidc bench] {reason}: running on loopback WITHOUT bandwidth shaping; the figures show the "
-              f"algorithms' CPU cost, not a WAN. Run as root on Linux for the lab WAN.", flush=True)
     out = args.json or os.path.join("bench-results", datetime.datetime.now().strftime("allreduce-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="multidc-bench-") as tmp:
         plan = {"modes": modes, "size_mb": args.size_mb, "repeats": args.repeats, "warmup": args.warmup,
-                "chunk_mb": args.chunk_mb, "streams": args.streams, "out": os.path.join(tmp, "records.json"),
-                "iface": None if reason else SITE_IFACE}
-        if reason:
-            _launch(args, plan, lab=None)
-        else:
-            with Lab(args.sites, args.wan_rate) as lab:
-                _launch(args, plan, lab=lab)
+                "chunk_mb": args.chunk_mb, "streams": args.streams, "out": os.path.join(tmp, "records.json")}
+        argv = [sys.executable, "-m", "multidc.hierarchical._bench_worker"]
+        job = SiteJob(argv, sites=args.sites, ranks_per_site=args.ranks_per_site, wan_rate=args.wan_rate,
+                      loopback=args.loopback, env={"OMP_NUM_THREADS": "1"})
+        if job.reason:
+            print(f"[multidc bench] {job.reason}: running on loopback WITHOUT bandwidth shaping; the figures show "
+                  f"the algorithms' CPU cost, not a WAN. Run as root on Linux for the lab WAN.", flush=True)
+        plan["iface"] = None if job.reason else SITE_IFACE
+        job.argv.append(json.dumps(plan))
+        with job:
+            codes = job.wait(args.timeout_s)
+        if any(codes):
+            raise RuntimeError(f"bench ranks exited with codes {codes} (see their output above); "
+                               f"a code of -9 means killed after --timeout-s {args.timeout_s} or a peer's failure.")
         with open(plan["out"]) as f:
             records = json.load(f)
-    summary = summarize(records, modes, args, shaped=not reason)
-    print_table(summary, args, shaped=not reason)
+    shaped = not job.reason
+    summary = summarize(records, modes, args, shaped=shaped)
+    print_table(summary, args, shaped=shaped)
     with open(out, "w") as f:
-        json.dump({"config": vars(args) | {"modes": modes, "shaped": not reason}, "summary": summary,
+        json.dump({"config": vars(args) | {"modes": modes, "shaped": shaped}, "summary": summary,
                    "records": records}, f, indent=1, default=str)
     print(json.dumps({"bench": "allreduce", "summary": summary}))
     print(f"[multidc bench] results written to {out}")
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args, plan: dict, lab: Lab | None) -> None:
-    world = args.sites * args.ranks_per_site
-    base = {"MASTER_ADDR": lab.site_ip(0) if lab else "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": SITE_IFACE if lab else "lo", "OMP_NUM_THREADS": "1",
-            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
-    procs = []
-    try:
-        for rank in range(world):
-            site = rank // args.ranks_per_site
-            env = os.environ | base | {"RANK": str(rank), "LOCAL_RANK": str(rank % args.ranks_per_site),
-                                       "MULTIDC_SITE": str(site)}
-            argv = [sys.executable, "-m", "multidc.hierarchical._bench_worker", json.dumps(plan)]
-            procs.append(subprocess.Popen(lab.wrap(site, argv) if lab else argv, env=env))
-        deadline = args.timeout_s
-        for rank, proc in enumerate(procs):
-            code = proc.wait(timeout=deadline)
-            if code != 0:
-                raise RuntimeError(f"bench rank {rank} exited with code {code}; see its output above.")
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"bench did not finish within --timeout-s {args.timeout_s}") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def summarize(records: list[dict], modes: list[str], args, shaped: bool) -> list[dict]:

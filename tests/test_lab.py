@@ -151,3 +151,46 @@ def test_bench_in_lab_reads_interface_counters_and_leaves_no_namespace(tmp_path)
 def test_bench_rejects_unknown_compression_before_launching(capsys):
     assert cli.main(["bench", "allreduce", "--compression", "none,zstd"]) == 2
     assert "zstd" in capsys.readouterr().err
+
+
+_RANK_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from multidc.hierarchical import Topology, all_reduce
+    dist.init_process_group("gloo")
+    topo = Topology.build()
+    t = torch.full((5,), float(dist.get_rank()))
+    all_reduce(t, topo)
+    in_lab = os.path.exists("/sys/class/net/wan0")
+    line = f"rank={dist.get_rank()} site={topo.site} local={topo.local_rank_in_site} lab={in_lab} sum={t[0].item()}"
+    os.write(1, (line + "\n").encode())  # one write: ranks share the terminal
+    dist.destroy_process_group()
+    sys.exit(int(os.environ.get("FAIL_RANK", "-1") == os.environ["RANK"]) * 3)
+""")
+
+
+def _lab_run(tmp_path, capfd, *extra, env=None):
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        code = cli.main(["lab", "run", "--sites", "2", "--ranks-per-site", "2", "--timeout-s", "90", *extra,
+                         "--", sys.executable, str(script)])
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return code, capfd.readouterr()
+
+
+def test_lab_run_gives_each_rank_its_site_and_torchrun_env(tmp_path, capfd):
+    code, out = _lab_run(tmp_path, capfd)
+    assert code == 0, out.err
+    lines = sorted(line for line in out.out.splitlines() if line.startswith("rank="))
+    in_lab = lab_available() is None
+    assert lines == [f"rank={r} site={r // 2} local={r % 2} lab={in_lab} sum=6.0" for r in range(4)]
+
+
+def test_lab_run_reports_a_failed_rank(tmp_path, capfd):
+    code, out = _lab_run(tmp_path, capfd, env={"FAIL_RANK": "2"})
+    assert code == 1
+    assert "{2: 3}" in out.err
