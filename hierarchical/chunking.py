@@ -49,16 +49,22 @@ def plan_chunks(numel: int, element_size: int, chunk_mb: float, num_shards: int)
     Returns:
         Consecutive chunks covering ``[0, numel)`` exactly once.
     """
-    if numel < 1 or element_size < 1 or num_shards < 1 or not chunk_mb > 0:
+    if numel < 1 or element_size < 1 or num_shards < 1 or not (math.isfinite(chunk_mb) and chunk_mb > 0):
         raise ValueError(
-            f"plan_chunks needs numel>=1, element_size>=1, num_shards>=1, chunk_mb>0; got "
+            f"plan_chunks needs numel>=1, element_size>=1, num_shards>=1, finite chunk_mb>0; got "
             f"numel={numel}, element_size={element_size}, num_shards={num_shards}, chunk_mb={chunk_mb}."
         )
-    target = max(num_shards, int(chunk_mb * MIB) // element_size)
-    count = math.ceil(numel / target)
-    per_chunk = math.ceil(math.ceil(numel / count) / num_shards) * num_shards
-    chunks = []
-    for start in range(0, numel, per_chunk):
-        size = min(per_chunk, numel - start)
-        chunks.append(Chunk(start, size, math.ceil(size / num_shards), num_shards))
+    # Plan in "rows" of one element per shard, so every chunk but the last is an exact multiple of num_shards
+    # and no chunk exceeds the budget (unless a single row already does). Rows are spread evenly over the
+    # fewest chunks that fit the budget: sizes differ by at most one row, plus the last chunk's padding.
+    rows = math.ceil(numel / num_shards)
+    budget_rows = max(1, int(chunk_mb * MIB) // element_size // num_shards)
+    count = math.ceil(rows / budget_rows)
+    base, extra = divmod(rows, count)
+    chunks, start = [], 0
+    for i in range(count):
+        padded = (base + (i < extra)) * num_shards
+        size = min(padded, numel - start)
+        chunks.append(Chunk(start, size, padded // num_shards, num_shards))
+        start += size
     return chunks

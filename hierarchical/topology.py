@@ -128,10 +128,12 @@ def _local_claim(site: int | str | None, num_sites: int | None) -> _Claim:
             site = _env.read(_env.SITE)
         if isinstance(site, str) and site.lstrip("-").isdigit():
             site = int(site)
-        if site is not None and not isinstance(site, (int, str)):
+        if site is not None and (isinstance(site, bool) or not isinstance(site, (int, str))):
             raise ValueError(f"site={site!r} must be an int index or a name such as 'us-east'.")
         if num_sites is None:
             num_sites = _env.read_int(_env.NUM_SITES)
+        if num_sites is not None and (isinstance(num_sites, bool) or not isinstance(num_sites, int)):
+            raise ValueError(f"num_sites={num_sites!r} must be an int.")
         return _Claim(site=site, num_sites=num_sites)
     except ValueError as exc:
         return _Claim(site=None, num_sites=None, error=str(exc))
