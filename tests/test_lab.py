@@ -162,7 +162,7 @@ _RANK_SCRIPT = textwrap.dedent("""
     all_reduce(t, topo)
     in_lab = os.path.exists("/sys/class/net/wan0")
     line = f"rank={dist.get_rank()} site={topo.site} local={topo.local_rank_in_site} lab={in_lab} sum={t[0].item()}"
-    os.write(1, (line + "\n").encode())  # one write: ranks share the terminal
+    os.write(1, (line + "\\n").encode())  # one write: ranks share the terminal
     dist.destroy_process_group()
     sys.exit(int(os.environ.get("FAIL_RANK", "-1") == os.environ["RANK"]) * 3)
 """)
