@@ -39,6 +39,8 @@ class Codec:
 
 
 class _CastCodec(Codec):
+    """A plain cast, for a target type with float32's exponent range (bfloat16): no overflow, no scale needed."""
+
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name = name
         self.dtype = dtype
@@ -51,13 +53,56 @@ class _CastCodec(Codec):
         return wire.float()
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        # Round to nearest: half an ulp, i.e. eps/2 relative (the smallest fp16 normals aside).
+        # Round to nearest: half an ulp, i.e. eps/2 relative; ``tiny`` covers values in the subnormal range.
         tiny = torch.finfo(self.dtype).tiny
         return x.float().abs() * (self._eps / 2) + tiny
 
 
+class Fp16Codec(Codec):
+    """float16 with one power-of-two float32 scale per shard, carried in the last 2 wire elements (4 bytes).
+
+    A plain cast would turn every value above 65504 into ``inf`` and flush values below ``6e-8`` to zero. The
+    shard is multiplied by ``2**k`` so that its largest magnitude lands in ``[2**14, 2**15)``; scaling by a power
+    of two is exact, so the only loss is float16's rounding: ``eps/2 = 2**-11`` relative, plus half a float16
+    subnormal step (scaled back) for values ``2**-28`` times smaller than the shard's largest. ``inf`` and
+    ``nan`` stay non-finite, so overflow checks (``GradScaler``) still see them.
+    """
+
+    name = "fp16"
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        scale = _fp16_scale(xf)
+        wire = torch.empty(xf.numel() + 2, dtype=torch.float16, device=x.device)
+        wire[:-2].copy_(xf * scale)
+        wire[-2:].copy_(scale.reshape(1).view(torch.float16))
+        return wire
+
+    def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
+        scale = wire[numel : numel + 2].clone().view(torch.float32)
+        return wire[:numel].float() / scale
+
+    def wire_numel(self, numel: int) -> int:
+        return numel + 2
+
+    def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return xf.abs() * 2.0**-11 + 2.0**-25 / _fp16_scale(xf)
+
+
+def _fp16_scale(xf: torch.Tensor) -> torch.Tensor:
+    amax = xf.abs().max() if xf.numel() else torch.zeros((), device=xf.device)
+    _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1); 0, inf, nan give exponent 0
+    k = (15 - exponent.to(torch.int32)).clamp(-126, 127)  # a normal float32, so the bits below are exact
+    return ((k + 127) << 23).view(torch.float32)
+
+
 class Int8Codec(Codec):
-    """Symmetric int8 with one float32 scale per shard (``max|x| / 127``), carried in the last 4 wire bytes."""
+    """Symmetric int8 with one float32 scale per shard (``max|x| / 127``), carried in the last 4 wire bytes.
+
+    A shard holding ``nan`` or ``inf`` decodes to all ``nan``: non-finite gradients stay visible to overflow
+    checks instead of turning into finite garbage.
+    """
 
     name = "int8"
 
@@ -65,7 +110,7 @@ class Int8Codec(Codec):
         xf = x.float()
         scale = _int8_scale(xf)
         wire = torch.empty(xf.numel() + 4, dtype=torch.uint8, device=x.device)
-        q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
+        q = torch.round(xf / scale).clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
         wire[:-4].copy_(q.view(torch.uint8))
         wire[-4:].copy_(scale.reshape(1).view(torch.uint8))
         return wire
@@ -78,12 +123,16 @@ class Int8Codec(Codec):
         return numel + 4
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        return _int8_scale(x.float()).expand(x.shape) / 2
+        # Half a quantisation step, plus float32 rounding of the division and the product.
+        xf = x.float()
+        return _int8_scale(xf).expand(x.shape) / 2 + xf.abs() * torch.finfo(torch.float32).eps
 
 
 def _int8_scale(xf: torch.Tensor) -> torch.Tensor:
     amax = xf.abs().max() if xf.numel() else torch.zeros((), device=xf.device)
-    return torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.float32)
+    # Floor at the smallest normal float32: an all-zero shard stays exactly zero, a tiny one is not divided by a
+    # subnormal (or zero) scale. ``clamp_min`` keeps nan, so a nan anywhere makes the whole shard decode to nan.
+    return (amax / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.float32)
 
 
 def get_codec(name: str) -> Codec | None:
@@ -91,7 +140,7 @@ def get_codec(name: str) -> Codec | None:
     codecs = {
         "none": None,
         "bf16": _CastCodec("bf16", torch.bfloat16),
-        "fp16": _CastCodec("fp16", torch.float16),
+        "fp16": Fp16Codec(),
         "int8": Int8Codec(),
     }
     if name not in codecs:
