@@ -1,0 +1,245 @@
+"""``HierarchicalDDPStrategy``: Lightning's DDP, with each gradient bucket averaged inside its site first and then
+across sites over the WAN (chunked, optionally compressed), via ``multidc.hierarchical.register_ddp_hook``.
+
+Importing ``multidc.strategies`` registers ``"hierarchical_ddp"`` and ``"hierarchical_ddp_spawn"`` with
+Lightning's ``StrategyRegistry`` (Trainer) and Fabric's ``STRATEGY_REGISTRY``; with a string name the site layout
+and WAN settings come from ``MULTIDC_NUM_SITES`` / ``MULTIDC_SITE`` / ``MULTIDC_WAN_*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.stats import WanStepMeter
+from multidc.hierarchical.topology import Topology
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
+    from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
+    ) from exc
+
+from multidc.strategies._wan_metrics import WanMetricsCallback
+
+# DDPStrategy arguments that would install a second comm hook; DDP accepts only one per model.
+_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class _HierarchicalSync:
+    """The framework-agnostic part both strategies share: settings, topology, hook and WAN meter."""
+
+    def _init_sites(self, num_sites: int | None, site: int | str | None, wan: WanConfig | None) -> None:
+        self.num_sites = _resolve_num_sites(num_sites)
+        self.site = site
+        if wan is not None and not isinstance(wan, WanConfig):
+            raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
+        self.wan = wan if wan is not None else WanConfig()
+        self.topology: Topology | None = None
+        self.hook_states: list[HierarchicalHookState] = []
+        self.wan_meter: WanStepMeter | None = None
+
+    def _check_site_split(self, world_size: int) -> None:
+        # Fails in the launching process, before any rank starts, for the one layout known there: contiguous
+        # equal blocks. Explicit per-node sites (MULTIDC_SITE / site=) are checked collectively at setup.
+        if self.num_sites is None or self.site is not None or _env.read(_env.SITE) is not None:
+            return
+        if world_size % self.num_sites:
+            raise ValueError(
+                f"{world_size} ranks (devices x num_nodes) cannot be split into num_sites={self.num_sites} equal "
+                f"contiguous sites (num_sites / {_env.NUM_SITES}); use a num_sites that divides {world_size}, or "
+                f"set {_env.SITE} on each node for unequal sites."
+            )
+
+    def _build_topology(self) -> None:
+        if self.topology is None:  # collective; every rank reaches it in setup_environment
+            self.topology = Topology.build(num_sites=self.num_sites, site=self.site, wan=self.wan)
+
+    def _attach(self, ddp_model: DistributedDataParallel) -> None:
+        assert self.topology is not None, "the topology is built in setup_environment, before the model"
+        self.hook_states.append(register_ddp_hook(ddp_model, self.topology, wan=self.wan))
+        if self.wan_meter is None:
+            self.wan_meter = WanStepMeter(self.topology.wan_stats, [])
+        self.wan_meter.watch(ddp_model.parameters())
+
+    def wan_metrics(self) -> dict[str, float]:
+        """WAN figures since the previous call (see ``multidc.hierarchical.stats.WanStepMeter``); ``{}`` before
+        a model is set up. Keys: ``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``."""
+        return self.wan_meter.take() if self.wan_meter is not None else {}
+
+    def _close(self) -> None:
+        if self.wan_meter is not None:
+            self.wan_meter.close()
+            self.wan_meter = None
+        if self.topology is not None:
+            self.topology.close()  # the worker thread; groups stay valid and the next fit reuses them
+
+
+class HierarchicalDDPStrategy(_HierarchicalSync, DDPStrategy):
+    """Lightning ``DDPStrategy`` whose gradient all-reduce is hierarchical: site first, then the WAN.
+
+    Everything else is Lightning's DDP (launchers, ``no_sync`` during gradient accumulation, checkpointing). The
+    WAN figures of every optimizer step are logged with ``LightningModule.log``: ``wan/bytes_sent``,
+    ``wan/comm_s``, and ``wan/MBps`` / ``wan/wait_s`` also in the progress bar (see ``WanStepMeter``), as this
+    rank sees them (rank 0's in the logger).
+
+    Args:
+        num_sites: sites as contiguous equal blocks of ranks; default env ``MULTIDC_NUM_SITES``, else 1 site
+            unless ``MULTIDC_SITE`` is set per node (see ``multidc.hierarchical.Topology.build``).
+        site: this process's site index or name; default env ``MULTIDC_SITE``.
+        wan: WAN settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+        **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
+            ``process_group_backend``, ``find_unused_parameters``, ...). Comm-hook arguments are rejected:
+            this strategy installs its own.
+
+    Raises:
+        ValueError: bad settings, at construction; a layout that cannot split the ranks, at ``Trainer(...)``
+            (contiguous sites) or on every rank at setup, before any training collective.
+    """
+
+    strategy_name = "hierarchical_ddp"
+
+    def __init__(
+        self,
+        *,
+        num_sites: int | None = None,
+        site: int | str | None = None,
+        wan: WanConfig | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        _reject_hook_args(ddp_kwargs)
+        super().__init__(**ddp_kwargs)
+        self._init_sites(num_sites, site, wan)
+
+    def _configure_launcher(self) -> None:
+        self._check_site_split(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._build_topology()
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers user comm hooks on CUDA only; the hierarchical hook runs on every device type.
+        assert isinstance(self.model, DistributedDataParallel)
+        self._attach(self.model)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and not any(
+            isinstance(c, WanMetricsCallback) for c in trainer.callbacks
+        ):
+            # First, so its on_after_backward runs right after backward returns (see WanStepMeter.wait_s).
+            trainer.callbacks.insert(0, WanMetricsCallback(self))
+
+    def teardown(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WanMetricsCallback)]
+        self._close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
+            _register(strategy_registry, name, cls, start_method)
+
+
+class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
+    """Fabric ``DDPStrategy`` with the hierarchical gradient all-reduce; see ``HierarchicalDDPStrategy``.
+
+    Fabric has no automatic logging: log ``fabric.strategy.wan_metrics()`` yourself once per optimizer step,
+    e.g. ``fabric.log_dict(fabric.strategy.wan_metrics())``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_sites: int | None = None,
+        site: int | str | None = None,
+        wan: WanConfig | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(**ddp_kwargs)
+        self._init_sites(num_sites, site, wan)
+
+    def _configure_launcher(self) -> None:
+        self._check_site_split(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        self._build_topology()
+
+    def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+        ddp_model = super().setup_module(module)
+        self._attach(ddp_model)
+        return ddp_model
+
+    def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        if self.wan_meter is not None:
+            self.wan_meter.backward_done()
+
+    def teardown(self) -> None:
+        self._close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
+            _register(strategy_registry, name, cls, start_method)
+
+
+def _resolve_num_sites(num_sites: int | None) -> int | None:
+    source = "num_sites"
+    if num_sites is None:
+        num_sites, source = _env.read_int(_env.NUM_SITES), _env.NUM_SITES
+    if num_sites is not None and (isinstance(num_sites, bool) or not isinstance(num_sites, int) or num_sites < 1):
+        raise ValueError(f"{source}={num_sites!r} must be a positive integer number of sites, e.g. 2.")
+    return num_sites
+
+
+def _reject_hook_args(ddp_kwargs: dict) -> None:
+    given = sorted(k for k in _HOOK_ARGS if ddp_kwargs.get(k) is not None)
+    if given:
+        raise ValueError(
+            f"HierarchicalDDPStrategy installs its own DDP comm hook, so {given} cannot be used with it (DDP "
+            f"allows one hook per model). For WAN compression pass wan=WanConfig(compression='bf16'|'int8'); "
+            f"for another hook use Lightning's DDPStrategy."
+        )
+
+
+def _register(registry, name: str, cls: type, start_method: str) -> None:
+    """Register ``cls`` under ``name``; idempotent (re-import, module reload), but never steals a name."""
+    current = registry[name]["strategy"] if name in registry else None
+    if current is not None and _qualified(current) != _qualified(cls):
+        raise RuntimeError(
+            f"strategy name {name!r} is already registered to {_qualified(current)}; multidc cannot register "
+            f"{_qualified(cls)} under it. Remove the other registration or pass a strategy instance."
+        )
+    registry.register(
+        name,
+        cls,
+        description=f"multidc hierarchical (site-first, then WAN) DDP with start_method={start_method!r}",
+        override=True,
+        start_method=start_method,
+    )
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+HierarchicalDDPStrategy.register_strategies(StrategyRegistry)
+HierarchicalDDPFabricStrategy.register_strategies(_FABRIC_REGISTRY)
