@@ -45,3 +45,12 @@ def read_float(name: str) -> float | None:
         return float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number; set it to a number or unset it.") from None
+
+
+# Parallel layout (multidc.strategies.ParallelLayout) and pipeline settings.
+DP_REPLICATE = "MULTIDC_DP_REPLICATE"
+DP_SHARD = "MULTIDC_DP_SHARD"
+PP_SIZE = "MULTIDC_PP_SIZE"
+TP_SIZE = "MULTIDC_TP_SIZE"
+PP_SCHEDULE = "MULTIDC_PP_SCHEDULE"
+PP_MICROBATCHES = "MULTIDC_PP_MICROBATCHES"

@@ -9,6 +9,8 @@ to install.
 import importlib
 import importlib.util
 
+from multidc.strategies.layout import ParallelLayout
+
 # Public names that need Lightning -> the module defining them. Those modules register their strategy names
 # when imported, so they are imported eagerly whenever Lightning is installed.
 _LIGHTNING_EXPORTS = {
@@ -17,6 +19,7 @@ _LIGHTNING_EXPORTS = {
 }
 
 __all__: list[str] = ["HierarchicalDDPFabricStrategy", "HierarchicalDDPStrategy"]
+__all__ += ["ParallelLayout"]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,280 @@
+"""``ParallelLayout``: how the ranks split into sites, data-parallel replicas and shards, pipeline stages and
+tensor-parallel groups, and the one ``DeviceMesh`` that follows from it.
+
+Mesh axes, outermost first: ``("site", "pp", "dp_replicate", "dp_shard", "tp")``.
+
+* ``site`` is outermost, so site ``s`` owns the contiguous ranks ``[s * site_size, (s + 1) * site_size)`` and every
+  group along the other axes stays inside one site: tensor- and pipeline-parallel traffic never crosses the WAN.
+  Only the data-parallel replica reduction (the ``"replicate"`` groups = ``site`` x ``dp_replicate``) does, and it
+  goes through the hierarchical all-reduce.
+* Inside a site the order is torchtitan's: ``tp`` innermost (the fastest links: it talks every layer), then
+  ``dp_shard`` (FSDP all-gathers and reduce-scatters every layer), then ``dp_replicate`` (one all-reduce per step),
+  then ``pp`` (point-to-point activations, the lightest traffic, tolerant of the slowest links inside a site).
+
+Flattened aliases on the same mesh: ``"data_parallel"`` = site x dp_replicate x dp_shard (what a Lightning
+``ModelParallelStrategy`` ``configure_model`` expects), ``"tensor_parallel"`` = tp, ``"pipeline_parallel"`` = pp,
+``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields, replace
+
+from multidc.hierarchical import _env
+
+MESH_AXES = ("site", "pp", "dp_replicate", "dp_shard", "tp")
+ALIASES = {
+    "data_parallel": ("site", "dp_replicate", "dp_shard"),
+    "replicate": ("site", "dp_replicate"),
+    "tensor_parallel": ("tp",),
+    "pipeline_parallel": ("pp",),
+}
+_FIELD_OF_AXIS = {
+    "site": "num_sites",
+    "pp": "pipeline_parallel_size",
+    "dp_replicate": "dp_replicate",
+    "dp_shard": "dp_shard",
+    "tp": "tensor_parallel_size",
+}
+_ENV_OF_FIELD = {
+    "num_sites": _env.NUM_SITES,
+    "dp_replicate": _env.DP_REPLICATE,
+    "dp_shard": _env.DP_SHARD,
+    "pipeline_parallel_size": _env.PP_SIZE,
+    "tensor_parallel_size": _env.TP_SIZE,
+}
+_DEFAULTS = {"num_sites": 1, "dp_replicate": 1, "dp_shard": -1, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
+AUTO = -1
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelLayout:
+    """Sizes of the five mesh axes, validated. Pure data: building it touches no process group.
+
+    A size left at ``None`` takes its environment variable (``MULTIDC_NUM_SITES``, ``MULTIDC_DP_REPLICATE``,
+    ``MULTIDC_DP_SHARD``, ``MULTIDC_PP_SIZE``, ``MULTIDC_TP_SIZE``), else its default. At most one size may be
+    ``-1`` or ``"auto"``: it becomes whatever makes the product equal the world size. With ``world_size`` given
+    (or after ``resolve(world_size)``) every size is a concrete int and the product is checked.
+    """
+
+    num_sites: int | str | None = None
+    """Sites (datacenters); ranks of site ``s`` are the ``s``-th contiguous block. Default 1."""
+    dp_replicate: int | str | None = None
+    """Data-parallel replicas inside each site (HSDP replicate degree per site). Default 1."""
+    dp_shard: int | str | None = None
+    """FSDP2 shard degree inside a site; 1 = plain replicated data parallelism. Default ``-1`` (infer)."""
+    pipeline_parallel_size: int | str | None = None
+    """Pipeline stages (rank groups); each holds a contiguous run of the model's blocks. Default 1."""
+    tensor_parallel_size: int | str | None = None
+    """Tensor-parallel degree (innermost axis). Default 1."""
+    world_size: int | None = None
+    """Ranks in all; when given, sizes are resolved and checked at construction."""
+
+    def __post_init__(self) -> None:
+        for name, default in _DEFAULTS.items():
+            value = getattr(self, name)
+            if value is None:
+                env_value = _env.read(_ENV_OF_FIELD[name])
+                value = default if env_value is None else _parse(name, env_value, _ENV_OF_FIELD[name])
+            object.__setattr__(self, name, _parse(name, value))
+        auto = [name for name in _DEFAULTS if getattr(self, name) == AUTO]
+        if len(auto) > 1:
+            raise ValueError(
+                f"ParallelLayout: only one size can be inferred, but {auto} are all -1/'auto'; give all but one "
+                f"of them a number."
+            )
+        if self.world_size is not None:
+            if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+                raise ValueError(f"ParallelLayout.world_size={self.world_size!r} must be a positive int.")
+            for name, value in _resolve_sizes(self._sizes(), self.world_size).items():
+                object.__setattr__(self, name, value)
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Return this layout with concrete sizes for ``world_size`` ranks; ValueError saying what would fit."""
+        if self.world_size is not None and self.world_size != world_size:
+            raise ValueError(
+                f"ParallelLayout was resolved for world_size={self.world_size} but the job has {world_size} ranks."
+            )
+        return replace(self, world_size=world_size)
+
+    @property
+    def resolved(self) -> bool:
+        return self.world_size is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in ``MESH_AXES`` order."""
+        self._require_resolved()
+        return tuple(getattr(self, _FIELD_OF_AXIS[axis]) for axis in MESH_AXES)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{axis: size}`` for ``MESH_AXES`` and the flattened aliases."""
+        shape = dict(zip(MESH_AXES, self.shape))
+        return {**shape, **{alias: math.prod(shape[a] for a in axes) for alias, axes in ALIASES.items()}}
+
+    @property
+    def site_size(self) -> int:
+        """Ranks per site."""
+        self._require_resolved()
+        return self.world_size // self.num_sites
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree over all sites: different batches are fed to this many model replicas."""
+        return self.sizes["data_parallel"]
+
+    @property
+    def replicate_size(self) -> int:
+        """Ranks holding the same shard of the same stage, across all sites: site x dp_replicate."""
+        return self.sizes["replicate"]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``{axis: index}`` of ``rank`` on each of ``MESH_AXES``. Pure arithmetic, the same as the mesh's."""
+        shape = self.shape
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}.")
+        coords = {}
+        for axis, size in zip(reversed(MESH_AXES), reversed(shape)):
+            rank, coords[axis] = divmod(rank, size)
+        return {axis: coords[axis] for axis in MESH_AXES}
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every rank group along ``axis`` (a mesh axis or an alias), each in increasing rank order."""
+        axes = ALIASES.get(axis, (axis,))
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"unknown mesh axis {axis!r}; use one of {MESH_AXES + tuple(ALIASES)}.")
+        by_key: dict[tuple, list[int]] = {}
+        self._require_resolved()
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            key = tuple(coords[a] for a in MESH_AXES if a not in axes)
+            by_key.setdefault(key, []).append(rank)
+        return list(by_key.values())
+
+    def site_of(self, rank: int) -> int:
+        return rank // self.site_size
+
+    def describe(self) -> str:
+        """One line such as ``8 ranks = site 2 x pp 2 x dp_replicate 1 x dp_shard 1 x tp 2``."""
+        shape = self.shape
+        return f"{self.world_size} ranks = " + " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, shape))
+
+    def build_mesh(self, device_type: str = "cpu"):
+        """Build the ``DeviceMesh`` (with aliases). Every rank must call it, after ``init_process_group``.
+
+        The layout is resolved against the job's world size and checked for agreement across ranks (sizes and
+        ``MULTIDC_SITE``) before any mesh group is created; a mismatch raises ValueError on every rank.
+
+        Returns:
+            The root ``DeviceMesh`` with axes ``MESH_AXES``; ``mesh["data_parallel"]``, ``mesh["tensor_parallel"]``,
+            ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelLayout.build_mesh needs torch.distributed: call init_process_group first.")
+        layout = self.resolve(dist.get_world_size())
+        claims: list = [None] * layout.world_size
+        dist.all_gather_object(claims, (self._sizes(), _env.read(_env.SITE)))
+        _check_agreement(layout, claims)
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns about slicing flattened axes; we own them
+            for alias, axes in ALIASES.items():
+                mesh[axes]._flatten(alias)
+        return mesh
+
+    def _sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in _DEFAULTS}
+
+    def _require_resolved(self) -> None:
+        if self.world_size is None:
+            raise ValueError("ParallelLayout is not resolved yet: pass world_size= or call resolve(world_size).")
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"ParallelLayout({inner})"
+
+
+def _parse(name: str, value, source: str | None = None) -> int:
+    where = f" (from {source})" if source else ""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"ParallelLayout.{name}={value!r}{where} must be a positive int, -1 or 'auto'.") from None
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != AUTO):
+        raise ValueError(f"ParallelLayout.{name}={value!r}{where} must be a positive int, -1 or 'auto'.")
+    return value
+
+
+def _resolve_sizes(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Fill the one ``AUTO`` size (if any) so the product is ``world``; ValueError naming what would fit."""
+    auto = [name for name, v in sizes.items() if v == AUTO]
+    fixed = math.prod(v for v in sizes.values() if v != AUTO)
+    product = " x ".join(f"{n}={'auto' if v == AUTO else v}" for n, v in sizes.items())
+    if auto:
+        if world % fixed:
+            raise ValueError(
+                f"ParallelLayout: {auto[0]} cannot be inferred for world size {world}: the other sizes "
+                f"({product}) multiply to {fixed}, which does not divide {world}. {_what_fits(sizes, world)}"
+            )
+        return {**sizes, auto[0]: world // fixed}
+    if fixed != world:
+        raise ValueError(
+            f"ParallelLayout: {product} = {fixed} ranks, but the world has {world}. {_what_fits(sizes, world)}"
+        )
+    return dict(sizes)
+
+
+def _what_fits(sizes: dict[str, int], world: int) -> str:
+    """Single-size changes that would make ``sizes`` fit ``world``, as a sentence."""
+    auto = AUTO in sizes.values()
+    options = []
+    for name, value in sizes.items():
+        if value == AUTO:
+            continue
+        others = math.prod(v for n, v in sizes.items() if n != name and v != AUTO)
+        if world % others:
+            continue
+        room = world // others
+        if auto:  # the inferred size absorbs the rest: any divisor of what is left works
+            options.append(f"{name} in {[d for d in range(1, room + 1) if room % d == 0]}")
+        else:
+            options.append(f"{name}={room}")
+    hint = "Would fit: " + ", or ".join(options) + "." if options else f"No single change fits {world} ranks."
+    return f"{hint} At most one size may be -1 (inferred); the product of the sizes must be {world}."
+
+
+def _check_agreement(layout: ParallelLayout, claims: list) -> None:
+    """Every rank gathered the same claims; raise the same ValueError on every rank if they disagree."""
+    sizes = [c[0] for c in claims]
+    differing = [rank for rank, s in enumerate(sizes) if s != sizes[0]]
+    if differing:
+        raise ValueError(
+            f"ranks disagree on the parallel layout: rank 0 has {sizes[0]}, ranks {differing} have "
+            f"{[sizes[r] for r in differing]}; pass the same sizes / MULTIDC_* variables on every rank."
+        )
+    sites = [c[1] for c in claims]
+    if all(s is None for s in sites):
+        return
+    if any(s is None for s in sites):
+        missing = [r for r, s in enumerate(sites) if s is None]
+        raise ValueError(f"ranks {missing} have no {_env.SITE} while others do; set it on every rank or on none.")
+    blocks = [sites[s * layout.site_size : (s + 1) * layout.site_size] for s in range(layout.num_sites)]
+    names = [block[0] for block in blocks]
+    if any(len(set(block)) != 1 for block in blocks) or len(set(names)) != layout.num_sites:
+        raise ValueError(
+            f"{_env.SITE} per rank is {sites}, but ParallelLayout(num_sites={layout.num_sites}) needs each site "
+            f"to be a contiguous block of {layout.site_size} ranks (site s = ranks s*{layout.site_size}.."
+            f"(s+1)*{layout.site_size}-1). Give the ranks of each site consecutive global ranks (torchrun: one "
+            f"node rank range per site) and the same num_sites."
+        )
