@@ -2,9 +2,11 @@
 launches its own ranks). The only multidc lines are the import and the strategy name.
 
     python tests/_lightning_script.py --strategy hierarchical_ddp --out DIR [--devices 4] [--accumulate 2]
+    python tests/_lightning_script.py --fabric --strategy hierarchical_ddp --out DIR --devices 2
 
-Rank 0 writes DIR/weights.pt (final parameters) and DIR/run.json (what the test checks); the CSV logger writes
-DIR/csv/.../metrics.csv.
+Rank 0 writes DIR/weights.pt (final and initial parameters) and DIR/run.json (what the test checks); the CSV
+logger writes DIR/csv/.../metrics.csv. ``--fabric`` trains the same model with ``lightning.fabric.Fabric`` and also
+stores a single-process reference trained on the union of the ranks' batches.
 """
 
 from __future__ import annotations
@@ -56,14 +58,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--fabric", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     pl.seed_everything(0, workers=True)
-    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(1))
-    y = x.sum(dim=1, keepdim=True).sin()
+    x, y = _data()
+    if args.fabric:
+        return _main_fabric(args, x, y)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     model = TinyRegressor()
+    initial = _weights(model)
     probe = WanPerBatch()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -80,7 +85,7 @@ def main() -> None:
     trainer.fit(model, loader)
 
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "weights.pt"))
+        torch.save({"final": _weights(model), "initial": initial}, os.path.join(args.out, "weights.pt"))
         strategy = trainer.strategy
         topology = getattr(strategy, "topology", None)
         report = {
@@ -94,6 +99,48 @@ def main() -> None:
         }
         with open(os.path.join(args.out, "run.json"), "w") as f:
             json.dump(report, f, default=str)
+
+
+def _main_fabric(args, x: torch.Tensor, y: torch.Tensor) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+    fabric.launch()
+    model = TinyRegressor().net
+    reference = TinyRegressor().net
+    reference.load_state_dict(model.state_dict())
+    initial = _weights(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    per_rank, world, metrics = 4, fabric.world_size, []
+    for step in range(args.max_steps):
+        batch = slice(step * per_rank * world, (step + 1) * per_rank * world)
+        mine = slice(batch.start + fabric.global_rank * per_rank, batch.start + (fabric.global_rank + 1) * per_rank)
+        optimizer.zero_grad()
+        fabric.backward(torch.nn.functional.mse_loss(model(x[mine]), y[mine]))
+        optimizer.step()
+        metrics.append(fabric.strategy.wan_metrics() if hasattr(fabric.strategy, "wan_metrics") else {})
+        # Reference: one process, the mean of the ranks' mean losses (what DDP's averaged gradient descends).
+        ref_optimizer.zero_grad()
+        chunks = zip(x[batch].split(per_rank), y[batch].split(per_rank))
+        (sum(torch.nn.functional.mse_loss(reference(a), b) for a, b in chunks) / world).backward()
+        ref_optimizer.step()
+    if fabric.global_rank == 0:
+        weights = {"final": _weights(model.module), "initial": initial, "reference": _weights(reference)}
+        torch.save(weights, os.path.join(args.out, "weights.pt"))
+        report = {"strategy_class": type(fabric.strategy).__name__, "wan_metrics": metrics}
+        with open(os.path.join(args.out, "run.json"), "w") as f:
+            json.dump(report, f)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(1))
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 if __name__ == "__main__":
