@@ -1,3 +1,42 @@
 """Accelerate integration and object-store checkpoint I/O (see the project issues)."""
 
-__all__: list[str] = []
+from multidc.plugins._checkpoint_state import ModelState, RNGState
+from multidc.plugins.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointInfo,
+    Checkpointer,
+    CheckpointSaveError,
+    SaveHandle,
+    latest,
+    list_checkpoints,
+    load,
+    save,
+    wait,
+)
+from multidc.plugins.object_store import (
+    ObjectStore,
+    ObjectStoreAuthError,
+    ObjectStoreError,
+    ObjectStoreNotFoundError,
+    RetryPolicy,
+)
+
+__all__: list[str] = [
+    "CheckpointCorruptError",
+    "CheckpointInfo",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "ModelState",
+    "ObjectStore",
+    "ObjectStoreAuthError",
+    "ObjectStoreError",
+    "ObjectStoreNotFoundError",
+    "RNGState",
+    "RetryPolicy",
+    "SaveHandle",
+    "latest",
+    "list_checkpoints",
+    "load",
+    "save",
+    "wait",
+]

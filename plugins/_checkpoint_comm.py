@@ -1,0 +1,148 @@
+"""The few collectives a checkpoint needs, on a dedicated gloo group, with errors raised on every rank.
+
+Every helper here is called by every rank of the group. A failure on one rank is gathered and re-raised on all
+ranks (the failing rank raises its own exception; the others an exception of the same kind naming the rank), so
+no rank is left waiting in a later collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from multidc.plugins._checkpoint_format import CheckpointCorruptError
+from multidc.plugins.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+
+_KNOWN = {cls.__name__: cls for cls in (
+    ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,
+    ObjectStoreAuthError, ObjectStoreNotFoundError)}
+
+
+def _describe(error: BaseException | None):
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _rebuild(rank: int, described, error_type=None) -> BaseException:
+    name, message = described
+    cls = error_type or _KNOWN.get(name, RuntimeError)
+    return cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+
+
+class Comm:
+    """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
+
+    def __init__(self, group, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+
+    @classmethod
+    def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None:
+                raise ValueError("process_group was given but torch.distributed is not initialized.")
+            return cls(None, 0, 1)
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
+        return cls(group, dist.get_rank(group), len(ranks))
+
+    def all_gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj):
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def raise_if_any(self, fn, *args) -> None:
+        """Run ``fn(*args)`` here; if it failed on any rank, raise on every rank (same exception kind)."""
+        error = None
+        try:
+            fn(*args)
+        except Exception as exc:
+            error = exc
+        self._raise_gathered(self.all_gather(_describe(error)), error)
+
+    def _raise_gathered(self, described: list, own: BaseException | None, error_type=None, what=None) -> None:
+        failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
+        if not failed:
+            return
+        if error_type is not None:
+            detail = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failed)
+            raise error_type(f"{what} failed: {detail}") from own
+        if own is not None:
+            raise own
+        raise _rebuild(*failed[0])
+
+    def plan(self, local, make_global):
+        """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""
+        if self.group is None:
+            return make_global([local])[0]
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        outgoing, error = None, None
+        if self.rank == 0:
+            try:
+                outgoing = [(plan, None) for plan in make_global(gathered)]
+            except Exception as exc:
+                error = exc
+                outgoing = [(None, _describe(exc))] * self.world_size
+        box = [None]
+        dist.scatter_object_list(box, outgoing, src=dist.get_global_rank(self.group, 0), group=self.group)
+        plan, described = box[0]
+        if described is not None:
+            raise error if error is not None else _rebuild(0, described)
+        return plan
+
+    def gather_outcomes(self, result, error, *, what: str, error_type) -> list:
+        """All ranks' ``result``; if any rank had an ``error``, raise ``error_type`` on every rank."""
+        gathered = self.all_gather((result, _describe(error)))
+        self._raise_gathered([d for _, d in gathered], error, error_type, what)
+        return [r for r, _ in gathered]
+
+    def from_rank0(self, fn, *, what: str, error_type):
+        """Run ``fn()`` on rank 0 and return its value on every rank, or raise its error on every rank."""
+        value, error = None, None
+        if self.rank == 0:
+            try:
+                value = fn()
+            except Exception as exc:
+                error = exc
+        value, described = self._broadcast((value, _describe(error)))
+        if described is None:
+            return value
+        if error is not None:
+            if error_type is None:
+                raise error
+            raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}") from error
+        if error_type is None:
+            raise _rebuild(0, described)
+        raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}")
+
+    def dcp_load(self, state: dict, reader, planner) -> None:
+        """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error."""
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group,
+                         no_dist=self.group is None)
+        except CheckpointException as exc:
+            rank, (error, _trace) = min(exc.failures.items(), key=lambda kv: kv[0])
+            if rank == self.rank or self.group is None:
+                raise error from None
+            raise _rebuild(rank, (type(error).__name__, str(error))) from None
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None

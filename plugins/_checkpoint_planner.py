@@ -1,0 +1,153 @@
+"""DCP planners: striped saving of replicated state, and loading that never runs arbitrary unpickling.
+
+Striping: DCP's default planner gives each replicated tensor (the same key and offset proposed by several
+ranks: DDP parameters, HSDP shards repeated across replicas, optimizer state of replicated parameters) to one
+rank whole. A model dominated by a few large tensors then leaves one rank uploading most of the bytes while the
+others idle. :class:`StripedSavePlanner` instead cuts every replicated tensor of at least ``stripe_min_bytes``
+into row ranges (dim 0), one per replica, so each replica uploads an equal share; only one copy is stored, as
+ordinary DCP chunks, so any reader (and any later layout) reassembles it through DCP's resharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import defaultdict
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+
+class StripedSavePlanner(DefaultSavePlanner):
+    """A ``DefaultSavePlanner`` that splits replicated tensors across the replicas holding them.
+
+    Args:
+        stripe_min_bytes: replicated tensors smaller than this go to one replica whole (the least loaded).
+    """
+
+    def __init__(self, *, stripe_min_bytes: int = 1 << 20) -> None:
+        super().__init__(enable_plan_caching=False)
+        if stripe_min_bytes < 0:
+            raise ValueError(f"stripe_min_bytes={stripe_min_bytes} must be >= 0.")
+        self.stripe_min_bytes = stripe_min_bytes
+        self._local_chunks: dict[str, list[WriteItem]] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self._local_index = {item.index for item in plan.items}
+        self._local_chunks = defaultdict(list)
+        for item in plan.items:
+            if item.tensor_data is not None:
+                self._local_chunks[item.index.fqn].append(item)
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], object]:
+        return super().create_global_plan(stripe_plans(all_plans, self.stripe_min_bytes))
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.index in self._local_index:
+            return super().resolve_data(write_item)
+        original = self._containing_local_item(write_item)
+        tensor = super().resolve_data(original)
+        start = write_item.tensor_data.chunk.offsets[0] - original.tensor_data.chunk.offsets[0]
+        return tensor.narrow(0, start, write_item.tensor_data.chunk.sizes[0])
+
+    def _containing_local_item(self, item: WriteItem) -> WriteItem:
+        """The local chunk a row-range piece was cut from (same trailing dims, rows inside)."""
+        chunk = item.tensor_data.chunk
+        for local in self._local_chunks.get(item.index.fqn, ()):
+            own = local.tensor_data.chunk
+            if own.offsets[1:] == chunk.offsets[1:] and own.sizes[1:] == chunk.sizes[1:] and (
+                    own.offsets[0] <= chunk.offsets[0]
+                    and chunk.offsets[0] + chunk.sizes[0] <= own.offsets[0] + own.sizes[0]):
+                return local
+        raise AssertionError(f"no local chunk of {item.index.fqn} contains {chunk}")
+
+
+def stripe_plans(all_plans: list[SavePlan], stripe_min_bytes: int) -> list[SavePlan]:
+    """Deduplicate items proposed by several ranks, splitting large tensors by rows across those ranks.
+
+    Deterministic in its input. Every item ends up in exactly one plan (or split into row ranges, each in one).
+    """
+    proposers: dict[MetadataIndex, list[int]] = defaultdict(list)
+    first: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            proposers[item.index].append(rank)
+            first.setdefault(item.index, item)
+    load = [0] * len(all_plans)
+    assigned: list[list[WriteItem]] = [[] for _ in all_plans]
+    for index, item in first.items():
+        ranks = proposers[index]
+        size = item.tensor_storage_size() or 1
+        rows = item.tensor_data.chunk.sizes[0] if item.tensor_data and len(item.tensor_data.chunk.sizes) else 0
+        if len(ranks) > 1 and item.type != WriteItemType.BYTE_IO and size >= stripe_min_bytes and rows >= 2:
+            chosen = sorted(ranks, key=lambda r: (load[r], r))[: min(len(ranks), rows)]
+            for rank, piece in zip(chosen, _row_pieces(item, len(chosen))):
+                assigned[rank].append(piece)
+                load[rank] += piece.tensor_storage_size() or 1
+        else:
+            rank = min(ranks, key=lambda r: (load[r], r))
+            assigned[rank].append(item)
+            load[rank] += size
+    return [dataclasses.replace(plan, items=items) for plan, items in zip(all_plans, assigned)]
+
+
+def _row_pieces(item: WriteItem, parts: int) -> list[WriteItem]:
+    chunk = item.tensor_data.chunk
+    rows = chunk.sizes[0]
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    pieces = []
+    for start, end in zip(bounds, bounds[1:]):
+        offsets = torch.Size([chunk.offsets[0] + start, *chunk.offsets[1:]])
+        sizes = torch.Size([end - start, *chunk.sizes[1:]])
+        data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                               properties=item.tensor_data.properties, size=item.tensor_data.size)
+        pieces.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                                tensor_data=data))
+    return pieces
+
+
+def safe_load_bytes(value: io.BytesIO):
+    """Deserialize a non-tensor value with torch's safe unpickler only (tensors, containers, primitives)."""
+    return torch.load(value, weights_only=True, map_location="cpu")
+
+
+class _SafeBytes:
+    """Mixin for DCP load planners: non-tensor values go through torch's safe unpickler unless ``trusted``."""
+
+    trusted: bool = False
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=False) if self.trusted else safe_load_bytes(value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor values go through ``torch.load(weights_only=True)``.
+
+    With ``trusted=True`` (a store you fully control, e.g. Lightning's ``weights_only=False``) values are
+    unpickled without restriction.
+    """
+
+    def __init__(self, *, trusted: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.trusted = trusted
+
+
+class SafeRebuildLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds the whole saved state dict from the commit record (no template), with safe value loading."""
+
+    def __init__(self, *, trusted: bool = False) -> None:
+        super().__init__()
+        self.trusted = trusted

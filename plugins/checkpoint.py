@@ -1,0 +1,356 @@
+"""Sharded, striped, async, atomic checkpoints to any fsspec URL (``s3://bucket/prefix``, ``file://``, a path).
+
+Typical use (every rank calls every function here, after ``init_process_group`` if distributed)::
+
+    from multidc.plugins import Checkpointer, ModelState, RNGState
+
+    ckpt = Checkpointer("s3://bucket/run1", keep_last_k=3, async_save=True)
+    state = {"model": ModelState(model, optimizer), "sched": scheduler, "rng": RNGState(), "trainer": {"step": 0}}
+    info = ckpt.load(state)                       # newest committed checkpoint; None-safe: see ``latest()``
+    for step in ...:
+        ...
+        if step % 100 == 0:
+            state["trainer"]["step"] = step
+            ckpt.save(state, step=step)           # blocks only for the host-memory snapshot
+    ckpt.close()                                  # waits for the last upload and raises its error
+
+On storage, under the root URL::
+
+    <root>/step_0000000100/                     one checkpoint, named by its step (10+ digits, sorts by step)
+        data/rank00000.distcp                    bytes written by rank 0: its items back to back, each item
+        data/rank00001.distcp                    the raw bytes of one tensor chunk, or a torch.save'd value
+        ...
+        COMMIT.json                              written last; its presence is what makes the folder a checkpoint
+
+``COMMIT.json`` (plain JSON) records the format version, step, world size, creation time, every tensor's
+dtype / global size / chunks (DCP metadata, so any later layout can reshard), where each chunk and value lives
+(object, byte range), its CRC-32, the size of every shard object, and ``extra`` user data.
+
+Guarantees:
+
+* **Sharded and striped.** Each rank writes its own shard object in parallel (S3: multipart, parts sent
+  concurrently). Replicated tensors (DDP, HSDP replicas) are cut into row ranges across the replicas holding
+  them, so every replica uploads an equal share and exactly one copy is stored.
+* **Atomic.** After every rank reported success (a collective on a dedicated gloo group: the barrier), rank
+  0 writes ``COMMIT.json`` in one atomic PUT (rename on local filesystems). ``latest``, ``list_checkpoints``,
+  ``load`` and retention only ever see committed checkpoints. A crash mid-save leaves the previous checkpoint
+  untouched; the half-written folder is ignored and deleted by the next successful save.
+* **Async.** ``async_save=True`` blocks only to copy this rank's share into host memory; a background thread
+  checksums, uploads and commits. The next ``save``, ``load``, ``wait`` or ``close`` waits for it and raises
+  its error.
+* **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
+  a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor.
+* **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
+  number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
+  :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
+* **Safe loading.** Tensors are read as raw bytes; the commit record is JSON; other values are loaded with
+  ``torch.load(weights_only=True)`` only (``trusted=True`` lifts that for stores you fully control).
+
+Only one training job may write under a root URL at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from multidc.plugins import _checkpoint_retention as _retention
+from multidc.plugins._checkpoint_comm import Comm
+from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit
+from multidc.plugins._checkpoint_planner import SafeLoadPlanner, StripedSavePlanner
+from multidc.plugins._checkpoint_state import RNGState
+from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, stage, upload
+from multidc.plugins.object_store import ObjectStore, RetryPolicy
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save did not commit; the message says which ranks failed and why. The previous checkpoint is intact."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint. ``world_size`` / ``created_unix`` are ``None`` when only listed, not read."""
+
+    url: str
+    name: str
+    step: int
+    world_size: int | None = None
+    created_unix: float | None = None
+
+
+class SaveHandle:
+    """The outcome of one ``save``: finished already (sync) or still uploading (async)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+
+    def _finish(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until committed; return its info, or raise the save's error (every rank raises)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint upload still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._info
+
+
+class Checkpointer:
+    """Saves and loads checkpoints under one root URL for one group of ranks.
+
+    Constructing it is collective when a process group exists (it creates a dedicated gloo group for
+    checkpoint traffic, so background uploads never interleave with training collectives): every rank of the
+    default group must construct it, in the same order.
+
+    Args:
+        url: root URL (``s3://bucket/prefix``, ``file:///dir``, local path, any fsspec URL).
+        process_group: the ranks that save together (default: the default group; none: single process).
+        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); never logged.
+        keep_last_k: after each commit keep only the ``k`` newest committed checkpoints (``None``: keep all).
+        async_save: default for ``save(async_save=...)``.
+        stripe_min_mb: replicated tensors of at least this many MiB are striped across replicas.
+        part_size_mb: multipart part size for S3, MiB (>= 5). ``max_concurrency``: parallel requests per rank.
+        retry: retry policy for transient storage errors.
+        timeout_s: how long a rank waits for the others in a checkpoint collective (seconds).
+    """
+
+    def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
+                 keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
+                 part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
+                 timeout_s: float = 1800.0) -> None:
+        if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
+            raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
+        if stripe_min_mb < 0:
+            raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
+        self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
+                                 max_concurrency=max_concurrency)
+        self.keep_last_k, self.async_save = keep_last_k, async_save
+        self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
+        self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
+        self._pending: SaveHandle | None = None
+        _OPEN.add(self)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # ------------------------------------------------------------------ save
+    def save(self, state: dict, *, step: int, async_save: bool | None = None, extra: dict | None = None
+             ) -> SaveHandle:
+        """Save ``state`` as checkpoint ``step``. Every rank must call this with the same ``step``.
+
+        Args:
+            state: name -> Stateful (``ModelState``, scheduler, ``RNGState``), tensor, or nested dict/list of
+                tensors and plain values.
+            step: training step (int >= 0); names the checkpoint and orders ``latest``.
+            async_save: override the constructor default. Async returns right after the snapshot.
+            extra: small JSON-serialisable data stored in the commit record.
+
+        Raises:
+            ValueError: bad ``step`` / a committed checkpoint of this step exists (before any upload).
+            ObjectStoreAuthError / ObjectStoreNotFoundError: credentials refused / bucket missing (before any
+                upload, on every rank).
+            CheckpointSaveError: an upload or the commit failed (sync; async: from the next call that waits).
+        """
+        self.wait()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0.")
+        name = checkpoint_name(step)
+        self.comm.raise_if_any(self._preflight_save, name)
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
+        writer = ObjectStoreWriter(self.store, name, step=step, extra=extra)
+        planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
+        writer.set_up_storage_writer(self.comm.rank == 0)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+        plan = self.comm.plan(local, lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
+        plan = planner.finish_plan(plan)
+        staged, stage_error = None, None
+        try:
+            staged = stage(plan, planner, plan.storage_data)
+        except Exception as exc:  # reported to every rank at the commit barrier, never dropped
+            stage_error = exc
+        handle = SaveHandle()
+        args = (handle, writer, planner, staged, stage_error, name, step)
+        if async_save if async_save is not None else self.async_save:
+            self._pending = handle
+            threading.Thread(target=self._upload_and_commit, args=args, name=f"multidc-ckpt-{name}",
+                             daemon=True).start()
+            return handle
+        self._upload_and_commit(*args)
+        handle.wait()
+        return handle
+
+    def _preflight_save(self, name: str) -> None:
+        self.store.check_access()
+        if self.comm.rank == 0:
+            if self.store.exists(f"{name}/{COMMIT}"):
+                raise ValueError(f"checkpoint {self.store.where(name)} is already committed; save under another "
+                                 "step or delete it first.")
+            self.store.delete_tree(name)  # leftovers of a crashed save of this step
+
+    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step) -> None:
+        info, failure = None, None
+        try:
+            results = None
+            if error is None:
+                try:
+                    results = upload(staged, self.store, name)
+                except Exception as exc:
+                    error = exc
+            all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
+                                                    error_type=CheckpointSaveError)
+            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step),
+                                        what=f"committing {self.store.where(name)}",
+                                        error_type=CheckpointSaveError)
+        except BaseException as exc:  # noqa: BLE001 - handed to the SaveHandle, raised by wait()
+            failure = exc
+        handle._finish(info, failure)
+
+    def _commit(self, writer, planner, results, name, step) -> CheckpointInfo:
+        writer.finish(planner.metadata, results)
+        _retention.clean(self.store, keep_last_k=self.keep_last_k, just_committed=name)
+        return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
+
+    def wait(self) -> CheckpointInfo | None:
+        """Wait for a pending async save; return its info or raise its error. ``None`` if none was pending."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error) and release the checkpoint process group."""
+        try:
+            self.wait()
+        finally:
+            _OPEN.discard(self)
+            self.comm.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ load / list
+    def load(self, state: dict, which: str | int | CheckpointInfo = "latest", *, trusted: bool = False,
+             allow_partial: bool = False) -> CheckpointInfo:
+        """Load a committed checkpoint into ``state`` in place (resharding to this layout). Collective.
+
+        Args:
+            state: same structure as saved (Stateful objects get ``load_state_dict``; plain values replaced).
+            which: ``"latest"``, a step number, a checkpoint name (``step_0000000100``) or a CheckpointInfo.
+            trusted: unpickle non-tensor values without ``weights_only`` (only for stores you control).
+            allow_partial: allow keys of ``state`` missing from the checkpoint (they keep their values).
+
+        Raises:
+            FileNotFoundError: no committed checkpoint matches ``which``.
+            CheckpointCorruptError: a checksum or the commit record does not match (names the shard).
+        """
+        self.wait()
+        self.comm.raise_if_any(self.store.check_access)
+        name, raw = self.comm.from_rank0(lambda: self._read_commit(which), what=f"resolving {which!r}",
+                                         error_type=None)
+        commit = decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
+        for value in state.values():
+            if isinstance(value, RNGState):
+                value.select_source(commit.world_size)
+        reader = ObjectStoreReader(self.store, name, commit)
+        self.comm.dcp_load(state, reader, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
+        return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
+                              world_size=commit.world_size, created_unix=commit.created_unix)
+
+    def _read_commit(self, which) -> tuple[str, bytes]:
+        name = _retention.resolve(self.store, which)
+        return name, self.store.get(f"{name}/{COMMIT}")
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first. Not collective (any rank, any process may call it)."""
+        return [CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step)
+                for step, name in _retention.committed(self.store)]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or ``None``. Not collective."""
+        found = self.list()
+        return found[-1] if found else None
+
+
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """An interpreter exiting with an upload in flight finishes it (its error is printed by the handle)."""
+    for ckpt in list(_OPEN):
+        pending = ckpt._pending
+        if pending is not None:
+            pending._done.wait()
+
+
+# ---------------------------------------------------------------------- one-call API
+_BY_URL: dict[tuple[str, int], Checkpointer] = {}
+
+
+def _checkpointer(url: str, process_group, storage_options, **kwargs) -> Checkpointer:
+    key = (str(url).rstrip("/"), id(process_group))
+    ckpt = _BY_URL.get(key)
+    if ckpt is None or ckpt.comm.group is None and dist.is_available() and dist.is_initialized():
+        ckpt = _BY_URL[key] = Checkpointer(url, process_group=process_group, storage_options=storage_options,
+                                           **kwargs)
+    return ckpt
+
+
+def save(url: str, state: dict, *, step: int, process_group=None, async_save: bool = False,
+         keep_last_k: int | None = None, storage_options: dict | None = None, extra: dict | None = None
+         ) -> SaveHandle:
+    """Save ``state`` under ``url`` as checkpoint ``step``; see :class:`Checkpointer`. Collective.
+
+    Reuses one :class:`Checkpointer` per ``(url, process_group)``, so an async save is awaited (and its error
+    raised) by the next ``save`` / ``load`` of the same URL, by ``wait(url)``, or at interpreter exit.
+    """
+    ckpt = _checkpointer(url, process_group, storage_options)
+    ckpt.keep_last_k = keep_last_k
+    return ckpt.save(state, step=step, async_save=async_save, extra=extra)
+
+
+def load(url: str, state: dict, which: str | int | CheckpointInfo = "latest", *, process_group=None,
+         storage_options: dict | None = None, trusted: bool = False, allow_partial: bool = False
+         ) -> CheckpointInfo:
+    """Load checkpoint ``which`` (default the newest committed one) under ``url`` into ``state``. Collective."""
+    ckpt = _checkpointer(url, process_group, storage_options)
+    return ckpt.load(state, which, trusted=trusted, allow_partial=allow_partial)
+
+
+def wait(url: str, *, process_group=None) -> CheckpointInfo | None:
+    """Wait for the pending async save to ``url`` started by :func:`save`; raise its error."""
+    ckpt = _BY_URL.get((str(url).rstrip("/"), id(process_group)))
+    return ckpt.wait() if ckpt is not None else None
+
+
+def list_checkpoints(url: str, *, storage_options: dict | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``url``, oldest first. Not collective; half-written ones are not listed."""
+    store = ObjectStore(url, storage_options=storage_options)
+    return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
+            for step, name in _retention.committed(store)]
+
+
+def latest(url: str, *, storage_options: dict | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint under ``url``, or ``None``. Not collective."""
+    found = list_checkpoints(url, storage_options=storage_options)
+    return found[-1] if found else None
+
+
+__all__ = ["CheckpointCorruptError", "CheckpointInfo", "CheckpointSaveError", "Checkpointer", "SaveHandle",
+           "latest", "list_checkpoints", "load", "save", "wait"]

