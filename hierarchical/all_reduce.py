@@ -179,7 +179,9 @@ class _Pipeline:
             gathered, values = state.pop("gathered"), state.pop("values")
             if self.residual is not None:
                 own = self.codec.decode(gathered[self.topo.site], chunk.shard_numel)
-                torch.sub(values, own, out=self._residual_slice(i))
+                residual = torch.sub(values, own, out=self._residual_slice(i))
+                # An overflowed step (skipped by a GradScaler) must not poison every later step's residual.
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             state["shard"].copy_(self.codec.decode_sum(gathered, chunk.shard_numel))
         state["works"] = self._gather_in_site(state)
 

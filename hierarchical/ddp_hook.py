@@ -1,6 +1,7 @@
 """A DDP communication hook that sends each gradient bucket through the hierarchical all-reduce."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: DDP's ``register_comm_hook`` compares the hook's annotations
+# with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects and rejects strings.
 
 import torch
 import torch.distributed as dist
@@ -22,21 +23,28 @@ class HierarchicalHookState:
         self.wan = wan
         self.error_feedback = error_feedback
         self.residuals: dict[int, torch.Tensor] = {}
+        self._bucket_params: dict[int, tuple[int, ...]] = {}
 
-    def residual(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
+    def _residual(self, bucket: dist.GradBucket) -> torch.Tensor | None:
+        """This rank's float32 error-feedback buffer for ``bucket``, zeroed when the bucket is new or changed."""
         if not self.error_feedback:
             return None
+        index, buffer = bucket.index(), bucket.buffer()
+        # DDP rebuilds its buckets after the first step (in gradient-ready order): the same index can then
+        # hold other parameters, even at the same size, and an old residual would land on the wrong elements.
+        params = tuple(id(p) for p in bucket.parameters())
         numel = residual_numel(buffer.numel(), buffer.element_size(), self.topology, self.wan)
         current = self.residuals.get(index)
-        if current is None or current.numel() != numel:  # first step, or DDP rebuilt its buckets
+        if current is None or current.numel() != numel or self._bucket_params.get(index) != params:
             current = self.residuals[index] = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
+            self._bucket_params[index] = params
         return current
 
 
-def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over all ranks hierarchically; the future resolves to the bucket's buffer."""
     buffer = bucket.buffer()
-    return submit(buffer, state.topology, state.wan, op="avg", residual=state.residual(bucket.index(), buffer))
+    return submit(buffer, state.topology, state.wan, op="avg", residual=state._residual(bucket))
 
 
 def register_ddp_hook(
@@ -62,14 +70,22 @@ def register_ddp_hook(
     """
     wan = wan if wan is not None else WanConfig()
     _check(torch.empty(0), topology, wan, "avg")
-    ddp_size = dist.get_world_size(ddp_model.process_group)
-    if ddp_size != topology.size:
+    ddp_ranks = sorted(dist.get_process_group_ranks(ddp_model.process_group))
+    topology_ranks = sorted(
+        dist.get_process_group_ranks(topology.group) if topology.group is not None else range(dist.get_world_size())
+    )
+    if ddp_ranks != topology_ranks:
         raise ValueError(
-            f"the DDP model spans {ddp_size} ranks but the topology {topology.size}; build the topology over "
-            f"the DDP model's process group (Topology.build(group=...))."
+            f"the DDP model spans {len(ddp_ranks)} ranks {_short(ddp_ranks)} but the topology spans "
+            f"{len(topology_ranks)} ranks {_short(topology_ranks)}; build the topology over the DDP model's "
+            f"process group (Topology.build(group=...))."
         )
     if error_feedback is None:
         error_feedback = wan.compression == "int8"
     state = HierarchicalHookState(topology, wan, error_feedback)
     ddp_model.register_comm_hook(state, hierarchical_hook)
     return state
+
+
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"

@@ -159,7 +159,13 @@ class Topology:
         wan_stats: bytes and seconds of this rank's WAN traffic, see ``WanStats``.
     """
 
-    def __init__(self, layout: SiteLayout, group: dist.ProcessGroup | None, wan: WanConfig) -> None:
+    def __init__(
+        self,
+        layout: SiteLayout,
+        group: dist.ProcessGroup | None,
+        wan: WanConfig,
+        members: list[int] | None = None,
+    ) -> None:
         # Runs on every rank of the default group: torch creates groups collectively there. See ``build``.
         self.layout = layout
         self.group = group
@@ -168,7 +174,11 @@ class Topology:
         self.wan_stats = WanStats()
         self._lock = threading.Lock()
         self._executor = None
-        global_ranks = dist.get_process_group_ranks(group) if group is not None else None
+        # Default-group ranks of ``group``, in group-rank order. Passed in by ``build``: a rank outside ``group``
+        # cannot ask torch for them, yet must create the same subgroups.
+        if members is None and group is not None:
+            members = dist.get_process_group_ranks(group)
+        global_ranks = members
 
         def new_group(ranks, **kwargs):
             return dist.new_group([global_ranks[r] for r in ranks] if global_ranks else list(ranks), **kwargs)
@@ -221,8 +231,9 @@ class Topology:
         member = group is None or dist.get_rank(group) >= 0
         claims: list[_Claim | None] = [None] * dist.get_world_size()
         dist.all_gather_object(claims, _local_claim(site, num_sites) if member else None)
-        members = dist.get_process_group_ranks(group) if group is not None else range(len(claims))
-        topology = cls(resolve_sites([claims[r] for r in members]), group, wan)
+        # Members sent a claim, others None: every rank learns the members, also those outside ``group``.
+        members = [r for r, claim in enumerate(claims) if claim is not None]
+        topology = cls(resolve_sites([claims[r] for r in members]), group, wan, members=members)
         return topology if member else None
 
     @property
