@@ -114,20 +114,29 @@ def _error_feedback(rank, world, topo):
     return out
 
 
-def _group_errors(rank, topo):
+def _subgroups(rank, topo):
     out = {}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
     try:  # DDP over 2 ranks, topology over all 4
-        register_ddp_hook(DDP(_model(), process_group=pairs[rank // 2]), topo)
+        register_ddp_hook(DDP(_model(), process_group=pair), topo)
     except ValueError as exc:
         out["size"] = str(exc)
-    # Topologies over {0,1} and {2,3}; DDP over {0,2} and {1,3}: same size, other ranks.
+    # Topologies over {0,1} and {2,3} (every rank helps build both); DDP over {0,2} and {1,3}: same size,
+    # other ranks.
     per_pair = [Topology.build(num_sites=2, group=g) for g in pairs]
+    out["per_pair_is_none"] = [t is None for t in per_pair]
     crossed = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     try:
         register_ddp_hook(DDP(_model(), process_group=crossed[rank % 2]), per_pair[rank // 2])
     except ValueError as exc:
         out["ranks"] = str(exc)
+    # The fix the error suggests: the topology over the DDP model's group. Pair {2,3} trains on rank 2's and
+    # 3's batches; compare with plain DDP over the same pair.
+    hooked = DDP(_model(), process_group=pair)
+    register_ddp_hook(hooked, per_pair[rank // 2], wan=WanConfig(compression="none"))
+    out["pair_hooked"], _ = _train(hooked, rank)
+    out["pair_plain"], _ = _train(DDP(_model(), process_group=pair), rank)
     for t in per_pair:
         if t is not None:
             t.close()
@@ -141,7 +150,7 @@ def _scenarios(rank, world):
             "layout": (topo.num_sites, topo.site_size),
             "parity": _parity(rank, topo),
             "ef": _error_feedback(rank, world, topo),
-            "errors": _group_errors(rank, topo),
+            "groups": _subgroups(rank, topo),
         }
     finally:
         topo.close()
@@ -211,13 +220,24 @@ def test_int8_error_feedback_recovers_after_a_non_finite_step(results):
 
 def test_register_rejects_ddp_group_of_another_size(results):
     for r in results:
-        assert "the DDP model spans 2 ranks" in r["errors"]["size"]
-        assert "topology spans 4 ranks" in r["errors"]["size"]
+        assert "the DDP model spans 2 ranks" in r["groups"]["size"]
+        assert "topology spans 4 ranks" in r["groups"]["size"]
 
 
 def test_register_rejects_ddp_group_with_other_ranks_of_the_same_size(results):
     expected = {0: ("[0, 2]", "[0, 1]"), 1: ("[1, 3]", "[0, 1]"), 2: ("[0, 2]", "[2, 3]"), 3: ("[1, 3]", "[2, 3]")}
     for rank, r in enumerate(results):
         ddp_ranks, topo_ranks = expected[rank]
-        message = r["errors"]["ranks"]
+        message = r["groups"]["ranks"]
         assert f"spans 2 ranks {ddp_ranks} but the topology spans 2 ranks {topo_ranks}" in message
+
+
+def test_topology_over_the_ddp_subgroup_trains_like_plain_ddp_on_that_subgroup(results):
+    for rank, r in enumerate(results):
+        groups = r["groups"]
+        assert groups["per_pair_is_none"] == [rank >= 2, rank < 2]  # ranks outside a group get None
+        for a, b in zip(groups["pair_plain"], groups["pair_hooked"]):
+            assert (a - b).abs().max().item() <= PARITY_ATOL
+    pair_01, pair_23 = results[0]["groups"]["pair_hooked"], results[2]["groups"]["pair_hooked"]
+    assert all(torch.equal(a, b) for a, b in zip(pair_01, results[1]["groups"]["pair_hooked"]))
+    assert not all(torch.equal(a, b) for a, b in zip(pair_01, pair_23))  # the pairs trained on different data
