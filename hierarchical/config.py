@@ -24,7 +24,8 @@ class WanConfig:
     """
 
     compression: str | None = None
-    """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"int8"`` (per-chunk scale).
+    """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"int8"`` (fp16 and int8 carry one scale
+    per shard of each chunk, so fp16 does not overflow above 65504; bounds in ``compression.py``).
     Env ``MULTIDC_WAN_COMPRESSION``; default ``"none"``. Intra-site traffic always stays at the input precision."""
 
     chunk_mb: float | None = None
