@@ -183,10 +183,8 @@ class ParallelLayout:
         dist.all_gather_object(claims, (self._sizes(), _env.read(_env.SITE)))
         _check_agreement(layout, claims)
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch warns about slicing flattened axes; we own them
-            for alias, axes in ALIASES.items():
-                mesh[axes]._flatten(alias)
+        for alias, axes in ALIASES.items():
+            submesh(mesh, axes)._flatten(alias)
         return mesh
 
     def _sizes(self) -> dict[str, int]:
@@ -199,6 +197,14 @@ class ParallelLayout:
     def __repr__(self) -> str:
         inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
         return f"ParallelLayout({inner})"
+
+
+def submesh(mesh, axis: str):
+    """``mesh[axis]`` for an axis or alias of a ``build_mesh`` mesh, without torch's warning about slicing
+    flattened axes from the root (it still works in torch 2.13; this is the one place to change if it stops)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return mesh[axis]
 
 
 def _parse(name: str, value, source: str | None = None) -> int:
