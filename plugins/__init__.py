@@ -29,6 +29,7 @@ __all__: list[str] = [
     "ModelState",
     "ObjectStore",
     "ObjectStoreAuthError",
+    "ObjectStoreCheckpointIO",
     "ObjectStoreError",
     "ObjectStoreNotFoundError",
     "RNGState",
@@ -40,3 +41,11 @@ __all__: list[str] = [
     "save",
     "wait",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ObjectStoreCheckpointIO":  # imports Lightning: only when asked for
+        from multidc.plugins.lightning_checkpoint_io import ObjectStoreCheckpointIO
+
+        return ObjectStoreCheckpointIO
+    raise AttributeError(f"module 'multidc.plugins' has no attribute {name!r}")

