@@ -1,0 +1,361 @@
+"""Sharded object-store checkpoints: striping, resharded resume parity, async, atomicity, integrity, retention.
+
+Distributed cases run 2-4 gloo ranks against a real SeaweedFS S3 server (or file://) and compare with a
+single-process reference run computed in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.checkpoint.planner import SavePlan
+
+from multidc.plugins import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointSaveError,
+    ModelState,
+    ObjectStore,
+    ObjectStoreAuthError,
+    ObjectStoreNotFoundError,
+    RNGState,
+    latest,
+    list_checkpoints,
+)
+from multidc.plugins._checkpoint_format import CheckpointCorruptError as FormatError
+from multidc.plugins._checkpoint_format import checkpoint_name, decode_commit, parse_step
+from multidc.plugins._checkpoint_planner import stripe_plans
+from tests._dist import run_ranks
+from tests.conftest import AUTH_KEYS, READONLY_KEYS
+
+pytestmark = pytest.mark.timeout(240)
+BATCH = 16
+
+
+# ----------------------------------------------------------------------------- model, data, reference
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+
+
+def _batch(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 32, generator=gen), torch.randn(BATCH, 4, generator=gen)
+
+
+def _optim(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _train(model, opt, sched, steps, rank=0, world=1) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        loss = torch.nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(float(loss))
+    return losses
+
+
+def _reference(total_steps: int):
+    model = _model()
+    opt, sched = _optim(model)
+    return _train(model, opt, sched, range(total_steps)), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _state(model, opt, sched, step):
+    return {"model": ModelState(model, opt), "sched": sched, "rng": RNGState(), "trainer": {"step": step}}
+
+
+# ----------------------------------------------------------------------------- rank functions
+def _ddp_train_then_save(rank, world, url, options, steps):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    opt, sched = _optim(ddp)
+    losses = _train(ddp, opt, sched, range(steps), rank, world)
+    with Checkpointer(url, storage_options=options, stripe_min_mb=0) as ckpt:
+        info = ckpt.save(_state(ddp, opt, sched, steps), step=steps).wait()
+    return losses, torch.rand(3), info.step
+
+
+def _ddp_resume_and_train(rank, world, url, options, total_steps):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(seed=123))  # different init: the load must matter
+    opt, sched = _optim(ddp)
+    state = _state(ddp, opt, sched, 0)
+    with Checkpointer(url, storage_options=options) as ckpt:
+        info = ckpt.load(state)
+    draws = torch.rand(3)
+    start = state["trainer"]["step"]
+    losses = _train(ddp, opt, sched, range(start, total_steps), rank, world)
+    return info.world_size, start, draws, losses, {k: v.clone() for k, v in ddp.module.state_dict().items()}
+
+
+def test_resume_on_another_world_size_matches_an_unbroken_run(s3_server, s3_bucket):
+    """4-rank DDP saves striped to S3 after 3 steps; 2 ranks resume and finish: same losses and weights."""
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    ref_losses, ref_weights = _reference(6)
+    saved = run_ranks(_ddp_train_then_save, 4, url, options, 3, timeout=180)
+    assert [s[2] for s in saved] == [3] * 4
+    for losses, _, _ in saved:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:3]), rtol=1e-5, atol=1e-6)
+
+    store = ObjectStore(url, storage_options=options)
+    commit = decode_commit(store.get("step_0000000003/COMMIT.json"), "test")
+    sizes = [commit.files[f"data/rank{r:05d}.distcp"] for r in range(4)]
+    state_bytes = sum(3 * v.numel() * 4 for v in ref_weights.values())  # weights + 2 Adam moments
+    assert sum(sizes) < 1.05 * state_bytes + 64 * 1024, "replicated state must be stored once"
+    assert max(sizes) < 1.3 * min(sizes), f"striping should balance the replicas' shares: {sizes}"
+
+    resumed = run_ranks(_ddp_resume_and_train, 2, url, options, 6, timeout=180)
+    for rank, (saved_world, start, draws, losses, weights) in enumerate(resumed):
+        assert (saved_world, start) == (4, 3)
+        torch.testing.assert_close(draws, saved[rank][1])  # RNG streams continue where rank r left off
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+        for name, value in ref_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _round_trip(rank, world, url):
+    model = _model(seed=rank)  # ranks differ: per-rank values go through "rank<r>" keys
+    values = {"w": model[0].weight.detach().clone(), "per_rank": {f"r{rank}": torch.arange(5) * rank},
+              "meta": {"epoch": 7, "name": "abc", "floats": [0.5, 1.5]}, "scalar": torch.tensor(2.5)}
+    with Checkpointer(url) as ckpt:
+        ckpt.save(values, step=11)
+        target = {"w": torch.zeros(256, 32), "per_rank": {f"r{rank}": torch.zeros(5, dtype=torch.int64)},
+                  "meta": {"epoch": 0, "name": "", "floats": []}, "scalar": torch.tensor(0.0)}
+        info = ckpt.load(target)
+        latest_info = ckpt.latest()
+    return values, target, info.step, latest_info.name
+
+
+def test_round_trip_to_a_file_url_restores_tensors_and_plain_values(tmp_path):
+    url = f"file://{tmp_path}/ckpts"
+    out = run_ranks(_round_trip, 2, url, timeout=120)
+    for rank, (saved, loaded, step, name) in enumerate(out):
+        assert (step, name) == (11, "step_0000000011")
+        torch.testing.assert_close(loaded["w"], out[0][0]["w"])  # same key on all ranks: rank 0's copy
+        torch.testing.assert_close(loaded["per_rank"], saved["per_rank"])
+        assert loaded["meta"] == {"epoch": 7, "name": "abc", "floats": [0.5, 1.5]}
+        assert float(loaded["scalar"]) == 2.5
+    assert sorted(os.listdir(tmp_path / "ckpts" / "step_0000000011")) == ["COMMIT.json", "data"]
+
+
+def _async_then_failing_async(rank, world, url, options, readonly_options):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    opt, sched = _optim(ddp)
+    _train(ddp, opt, sched, range(2), rank, world)
+    expected = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    with Checkpointer(url, storage_options=options, async_save=True) as ckpt:
+        handle = ckpt.save(_state(ddp, opt, sched, 2), step=2)
+        _train(ddp, opt, sched, range(2, 4), rank, world)  # training (DDP all-reduces) while uploading
+        with torch.no_grad():
+            for p in ddp.parameters():
+                p.add_(100.0)  # the snapshot must not see changes made after save() returned
+        assert handle.wait().step == 2
+        restored = _model(seed=9)
+        ckpt.load({"model": ModelState(restored)}, allow_partial=True)
+    failing = Checkpointer(url, storage_options=readonly_options, async_save=True)
+    failing.save(_state(ddp, opt, sched, 4), step=4)  # passes the access check (the bucket is readable)
+    _train(ddp, opt, sched, range(4, 5), rank, world)
+    error = None
+    try:
+        failing.save(_state(ddp, opt, sched, 5), step=5)  # must raise the previous upload's error
+    except CheckpointSaveError as exc:
+        error = str(exc)
+    finally:
+        failing.comm.close()
+    return expected, restored.state_dict(), error
+
+
+def test_async_save_snapshots_then_uploads_and_surfaces_upload_errors(s3_auth_server):
+    url = s3_auth_server.make_bucket("asyncb") + "/run"
+    readonly = s3_auth_server.storage_options(key=READONLY_KEYS[0], secret=READONLY_KEYS[1])
+    out = run_ranks(_async_then_failing_async, 2, url, s3_auth_server.storage_options(), readonly, timeout=180)
+    for expected, restored, error in out:
+        for name, value in expected.items():
+            torch.testing.assert_close(restored[name], value)
+        assert error is not None and "access denied" in error and s3_auth_server.endpoint in error
+        assert READONLY_KEYS[1] not in error
+    assert [c.step for c in list_checkpoints(url, storage_options=s3_auth_server.storage_options())] == [2]
+
+
+def _save_and_kill(rank, world, url, options):
+    model = _model()
+    with Checkpointer(url, storage_options=options, stripe_min_mb=0, timeout_s=30) as ckpt:
+        ckpt.save({"model": ModelState(model)}, step=1)
+        if rank == 1:
+            real_put = ObjectStore.put
+
+            def put_then_die(self, key, data, **kwargs):
+                real_put(self, key, bytes(memoryview(data)[: len(memoryview(data)) // 2]), **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save, after a partial shard reached storage
+
+            ObjectStore.put = put_then_die
+        ckpt.save({"model": ModelState(model)}, step=2)
+
+
+def _save_model(rank, world, url, options, step):
+    with Checkpointer(url, storage_options=options) as ckpt:
+        ckpt.save({"model": ModelState(_model())}, step=step)
+
+
+def test_rank_killed_mid_save_leaves_previous_checkpoint_latest(s3_server, s3_bucket):
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    with pytest.raises(AssertionError, match="rank 0 failed"):
+        run_ranks(_save_and_kill, 2, url, options, timeout=90)
+    assert latest(url, storage_options=options).step == 1
+    store = ObjectStore(url, storage_options=options)
+    assert store.exists("step_0000000002/data/rank00001.distcp")  # half-written, ignored
+    assert not store.exists("step_0000000002/COMMIT.json")
+    restored = _model(seed=5)
+    Checkpointer(url, storage_options=options).load({"model": ModelState(restored)})
+    torch.testing.assert_close(restored.state_dict(), _model().state_dict())
+    run_ranks(_save_model, 2, url, options, 3, timeout=90)  # the next commit cleans the half-written one
+    assert [c.step for c in list_checkpoints(url, storage_options=options)] == [1, 3]
+    assert _folders_with_objects(store) == {"step_0000000001", "step_0000000003"}
+
+
+def _folders_with_objects(store: ObjectStore) -> set[str]:
+    """Checkpoint folders that still hold objects (S3 servers may list emptied folders for a while)."""
+    store.fs.invalidate_cache()
+    return {path[len(store.root) + 1:].split("/", 1)[0] for path in store.fs.find(store.root)}
+
+
+def test_corrupted_shard_is_detected_and_named(s3_server, s3_bucket):
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    run_ranks(_save_model, 2, url, options, 1, timeout=90)
+    store = ObjectStore(url, storage_options=options)
+    key = "step_0000000001/data/rank00001.distcp"
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x01
+    store.put(key, bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"corrupt shard data/rank00001\.distcp") as info:
+        Checkpointer(url, storage_options=options).load({"model": ModelState(_model(seed=3))})
+    assert "model." in str(info.value) and "crc32" in str(info.value)
+
+
+def test_keep_last_k_keeps_only_the_newest_committed_and_cleans_half_written(s3_server, s3_bucket):
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    store = ObjectStore(url, storage_options=options)
+    store.put("step_0000000000/data/rank00000.distcp", b"half-written by a crashed job")
+    ckpt = Checkpointer(url, storage_options=options, keep_last_k=2)
+    assert ckpt.latest() is None  # uncommitted folders are never listed
+    for step in (1, 2, 3, 4):
+        ckpt.save({"x": torch.full((4,), float(step))}, step=step)
+    assert [c.step for c in ckpt.list()] == [3, 4]
+    assert _folders_with_objects(store) == {"step_0000000003", "step_0000000004"}
+    target = {"x": torch.zeros(4)}
+    assert ckpt.load(target, 3).step == 3 and float(target["x"][0]) == 3.0
+    with pytest.raises(ValueError, match="already committed"):
+        ckpt.save({"x": torch.zeros(4)}, step=4)
+    with pytest.raises(FileNotFoundError, match="step_0000000001"):
+        ckpt.load(target, 1)
+
+
+def _wrong_credentials(rank, world, url, options):
+    try:
+        Checkpointer(url, storage_options=options).save({"x": torch.ones(3)}, step=1)
+    except ObjectStoreAuthError as exc:
+        return str(exc)
+    return None
+
+
+def test_wrong_credentials_fail_on_every_rank_before_anything_is_written(s3_auth_server):
+    url = s3_auth_server.make_bucket("wrongcreds") + "/run"
+    wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-77")
+    messages = run_ranks(_wrong_credentials, 2, url, wrong, timeout=90)
+    for message in messages:
+        assert message and "access denied" in message and "wrongcreds" in message
+        assert s3_auth_server.endpoint in message and "not-the-secret-77" not in message
+    assert s3_auth_server.filesystem().ls("wrongcreds") == []
+    right = Checkpointer(url, storage_options=s3_auth_server.storage_options())
+    right.save({"x": torch.ones(3)}, step=1)
+    target = {"x": torch.zeros(3)}
+    right.load(target)
+    assert torch.equal(target["x"], torch.ones(3))
+
+
+def test_missing_bucket_and_missing_checkpoint_are_clear_errors(s3_server, s3_bucket):
+    with pytest.raises(ObjectStoreNotFoundError, match="bucket 'absent-bucket-q' does not exist"):
+        Checkpointer("s3://absent-bucket-q/run", storage_options=s3_server.storage_options()).save(
+            {"x": torch.ones(1)}, step=0)
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        Checkpointer(f"{s3_bucket}/empty", storage_options=s3_server.storage_options()).load({"x": torch.ones(1)})
+
+
+class _Opaque:
+    def __init__(self, value):
+        self.value = value
+
+
+def test_loading_refuses_arbitrary_pickled_objects_unless_trusted(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save({"obj": _Opaque(3), "t": torch.ones(2)}, step=0)
+    with pytest.raises(Exception, match="weights_only|Unsupported global"):
+        ckpt.load({"obj": None, "t": torch.zeros(2)})
+    target = {"obj": None, "t": torch.zeros(2)}
+    ckpt.load(target, trusted=True)
+    assert target["obj"].value == 3
+
+
+def test_loading_into_a_different_model_fails_clearly(tmp_path):
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save({"model": ModelState(_model())}, step=0)
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(Exception, match="Missing key|weight"):
+        ckpt.load({"model": ModelState(other)})
+
+
+# ----------------------------------------------------------------------------- pure logic
+def test_stripe_plans_split_replicated_tensors_evenly_and_store_one_copy():
+    state = {"big": torch.zeros(1000, 64), "small": torch.zeros(3), "odd": torch.zeros(3, 50), "n": 5}
+    plans = [create_default_local_save_plan(state, rank == 0) for rank in range(4)]
+    striped = stripe_plans(plans, stripe_min_bytes=64)
+    per_rank = [sum(i.tensor_storage_size() or 0 for i in plan.items) for plan in striped]
+    assert max(per_rank) - min(per_rank) <= 4 * 64 * 4  # within a few rows of each other
+    rows = sorted((i.tensor_data.chunk.offsets[0], i.tensor_data.chunk.sizes[0])
+                  for plan in striped for i in plan.items if i.index.fqn == "big")
+    assert rows[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))
+    assert rows[-1][0] + rows[-1][1] == 1000 and len(rows) == 4
+    odd = [i for plan in striped for i in plan.items if i.index.fqn == "odd"]
+    assert sorted(i.tensor_data.chunk.sizes[0] for i in odd) == [1, 1, 1]  # 3 rows: 3 of the 4 replicas
+    for fqn in ("small", "n"):
+        assert sum(i.index.fqn == fqn for plan in striped for i in plan.items) == 1
+
+
+def test_stripe_plans_leave_unreplicated_items_with_their_owner():
+    plans = [SavePlan(create_default_local_save_plan({f"own{r}": torch.zeros(100, 10)}, r == 0).items)
+             for r in range(3)]
+    striped = stripe_plans(plans, stripe_min_bytes=0)
+    assert [[i.index.fqn for i in p.items] for p in striped] == [["own0"], ["own1"], ["own2"]]
+
+
+@pytest.mark.parametrize("record", [
+    b"not json", b'{"format": "other/1"}',
+    b'{"format": "multidc-checkpoint/1", "step": 1, "world_size": 1, "created_unix": 0, "files": {}, '
+    b'"planner_data": {}, "entries": {"x": {"kind": "bytes", "at": ["../../etc/passwd", 0, 1, 0, null, null]}}}',
+    b'{"format": "multidc-checkpoint/1", "step": 1, "world_size": 1, "created_unix": 0, "files": {}, '
+    b'"planner_data": {}, "entries": {"x": {"kind": "tensor", "dtype": "Tensor", "size": [1], '
+    b'"requires_grad": false, "chunks": []}}}',
+])
+def test_bad_commit_records_are_rejected(record):
+    with pytest.raises(FormatError, match="commit record where is invalid"):
+        decode_commit(record, "where")
+
+
+def test_checkpoint_names_sort_by_step_and_parse_back():
+    steps = [10**10 + 3, 0, 10, 7, 9]
+    names = [checkpoint_name(s) for s in steps]
+    assert [parse_step(n) for n in sorted(names)] == sorted(steps)
+    assert parse_step("step_12") is None and parse_step("last.ckpt") is None
