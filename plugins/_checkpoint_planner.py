@@ -41,7 +41,7 @@ class StripedSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        self._local_index = {item.index for item in plan.items}
+        self._local_items = {item.index: item for item in plan.items}
         self._local_chunks = defaultdict(list)
         for item in plan.items:
             if item.tensor_data is not None:
@@ -52,8 +52,10 @@ class StripedSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(stripe_plans(all_plans, self.stripe_min_bytes))
 
     def resolve_data(self, write_item: WriteItem):
-        if write_item.index in self._local_index:
-            return super().resolve_data(write_item)
+        local = self._local_items.get(write_item.index)
+        if local is not None and (local.tensor_data is None or local.tensor_data.chunk.sizes
+                                  == write_item.tensor_data.chunk.sizes):
+            return super().resolve_data(write_item)  # a whole local item (the first piece shares its index)
         original = self._containing_local_item(write_item)
         tensor = super().resolve_data(original)
         start = write_item.tensor_data.chunk.offsets[0] - original.tensor_data.chunk.offsets[0]
