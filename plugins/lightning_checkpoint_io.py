@@ -107,10 +107,10 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         self.wait()
         store, name = self._split(path)
         commit = decode_commit(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
-        state: dict = {}
         trusted = weights_only is False
-        Comm(None, 0, 1).dcp_load(state, ObjectStoreReader(store, name, commit),
-                                  SafeRebuildLoadPlanner(trusted=trusted))
+        planner = SafeRebuildLoadPlanner(trusted=trusted)
+        Comm(None, 0, 1).dcp_load({}, ObjectStoreReader(store, name, commit), planner)
+        state = planner.original_state_dict  # the planner rebuilt the saved structure from the commit record
         blob = io.BytesIO(state["skeleton"].numpy().tobytes())
         skeleton = torch.load(blob, weights_only=False) if trusted else safe_load_bytes(blob)
         device = map_location if isinstance(map_location, (str, torch.device)) else None

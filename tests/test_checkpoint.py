@@ -362,3 +362,55 @@ def test_checkpoint_names_sort_by_step_and_parse_back():
     names = [checkpoint_name(s) for s in steps]
     assert [parse_step(n) for n in sorted(names)] == sorted(steps)
     assert parse_step("step_12") is None and parse_step("last.ckpt") is None
+
+
+# ----------------------------------------------------------------------------- Lightning CheckpointIO
+def _lightning_run(root, max_steps, io_plugin, ckpt_path=None, save_every=None):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch(0)), batch_size=4)  # 4 steps/epoch
+    callbacks = []
+    if save_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpts", filename="m-{step}",
+                                                      every_n_train_steps=save_every, save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, plugins=[io_plugin],
+                         callbacks=callbacks, enable_checkpointing=bool(save_every), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    module = Module()
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return module.net.state_dict(), trainer.global_step
+
+
+def test_lightning_checkpoint_io_saves_to_s3_and_resumes_to_the_same_weights(s3_auth_server, monkeypatch,
+                                                                               tmp_path):
+    pytest.importorskip("lightning")
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    # credentials and endpoint from the standard AWS variables: Lightning's own fsspec calls see them too
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_auth_server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", AUTH_KEYS[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AUTH_KEYS[1])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    root = s3_auth_server.make_bucket("lightning") + "/run"
+    unbroken, _ = _lightning_run(str(tmp_path), 6, ObjectStoreCheckpointIO())
+    _lightning_run(root, 4, ObjectStoreCheckpointIO(async_save=True), save_every=4)
+    path = f"{root}/ckpts/m-step=4.ckpt"
+    assert ObjectStore(path).exists("COMMIT.json")
+    resumed, step = _lightning_run(root, 6, ObjectStoreCheckpointIO(), ckpt_path=path)
+    assert step == 6
+    for name, value in unbroken.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+    ObjectStoreCheckpointIO().remove_checkpoint(path)
+    assert not ObjectStore(f"{root}/ckpts").exists("m-step=4.ckpt/COMMIT.json")
