@@ -161,7 +161,7 @@ class SeaweedS3:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=3)
+                self.process.wait(timeout=1.5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()

@@ -1,0 +1,202 @@
+"""Checkpoint save/load to a real S3 server (SeaweedFS on loopback), 4 gloo ranks holding a replicated model.
+
+Compares, in the same run and against the same server:
+
+* ``multidc``       : ``Checkpointer.save`` (sharded, replicated tensors striped across the 4 replicas,
+                      parallel multipart), sync; and async (time training is blocked vs time to commit);
+* ``lightning``     : Lightning's default ``TorchCheckpointIO`` (rank 0 ``torch.save``s everything into one
+                      ``.ckpt`` object; the others wait), the same s3:// URL;
+* ``dcp-fsspec``    : plain ``torch.distributed.checkpoint.save`` with torch's ``FsspecWriter`` (defaults).
+
+Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file).
+Prints median and spread (min-max) of ``--repeats`` runs per figure, the physical bound (bytes / measured
+single-stream PUT throughput is NOT claimed; the machine has 2 shared cores, so figures are CPU-bound), and
+one JSON line. Usage::
+
+    python benchmarks/bench_checkpoint.py [--size-mb 256] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+KEYS = ("BENCHKEY", "bench-secret-not-printed")
+
+
+def _model(size_mb: float):
+    """An embedding (half the bytes, one big tensor) plus square layers: a typical LM shape mix."""
+    import torch
+
+    torch.manual_seed(0)
+    width = 2048
+    emb_rows = int(size_mb * (1 << 20) / 2 / (width * 4))
+    layers = max(1, int(size_mb * (1 << 20) / 2 / (width * width * 4)))
+    modules = [torch.nn.Embedding(emb_rows, width)] + [torch.nn.Linear(width, width) for _ in range(layers)]
+    return torch.nn.ModuleList(modules)
+
+
+def _timed(fn, group):
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    out = fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - start, out
+
+
+def _max(value: float, group) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _rank_main(rank, world, url, options, size_mb, repeats):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from multidc.plugins import Checkpointer, ObjectStore
+
+    group = dist.new_group(backend="gloo")
+    model = _model(size_mb)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    store = ObjectStore(url, storage_options=options)
+    ckpt = Checkpointer(url + "/multidc", storage_options=options)
+    times: dict[str, list[float]] = {}
+
+    def record(name, seconds):
+        times.setdefault(name, []).append(seconds)
+
+    def fresh():
+        return {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+
+    def clean():
+        dist.barrier(group=group)
+        if rank == 0:
+            for sub in ("multidc", "lightning", "dcp"):
+                store.delete_tree(sub)
+        dist.barrier(group=group)
+
+    lightning_io = None
+    try:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        lightning_io = TorchCheckpointIO()
+    except ImportError:
+        pass
+
+    for rep in range(-1, repeats):  # rep -1 warms up connections, buckets and code paths; not recorded
+        clean()
+        if rep == 0:
+            times.clear()
+        rep += 1
+        seconds, _ = _timed(lambda: ckpt.save({"model": model.state_dict()}, step=rep), group)
+        record("multidc save", seconds)
+        target = {"model": fresh()}
+        seconds, _ = _timed(lambda: ckpt.load(target), group)
+        record("multidc load", seconds)
+        assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
+
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        handle = ckpt.save({"model": model.state_dict()}, step=1000 + rep, async_save=True)
+        blocked = _max(time.perf_counter() - start, group)
+        handle.wait()
+        dist.barrier(group=group)
+        record("multidc async: blocked", blocked)
+        record("multidc async: to commit", time.perf_counter() - start)
+
+        if lightning_io is not None:
+            path = f"{url}/lightning/step={rep}.ckpt"
+            checkpoint = {"state_dict": model.state_dict(), "global_step": rep}
+            seconds, _ = _timed(lambda: lightning_io.save_checkpoint(checkpoint, path) if rank == 0 else None,
+                                group)
+            record("lightning single-file save", seconds)
+            seconds, loaded = _timed(lambda: lightning_io.load_checkpoint(path, weights_only=True), group)
+            record("lightning single-file load", seconds)
+            assert torch.equal(loaded["state_dict"]["0.weight"], model.state_dict()["0.weight"])
+            del loaded
+
+        dcp_url = f"{url}/dcp/step_{rep}"
+        seconds, _ = _timed(lambda: dcp.save({"model": model.state_dict()},
+                                             storage_writer=FsspecWriter(dcp_url, **options),
+                                             process_group=group), group)
+        record("dcp-fsspec save", seconds)
+        target = {"model": fresh()}
+        seconds, _ = _timed(lambda: dcp.load(target, storage_reader=FsspecReader(dcp_url, **options),
+                                             process_group=group), group)
+        record("dcp-fsspec load", seconds)
+    clean()
+    ckpt.close()
+    return {"times": times, "state_bytes": state_bytes}
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "n": len(values)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=256, help="model state per replica, MiB (>= 200)")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the JSON result to this file")
+    args = parser.parse_args(argv)
+
+    from tests._dist import run_ranks
+    from tests._s3 import SeaweedS3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = SeaweedS3.start(tmp, auth=KEYS)
+        try:
+            url = server.make_bucket("bench") + "/ckpt"
+            options = server.storage_options()
+            # Lightning's TorchCheckpointIO takes credentials and endpoint from the standard AWS variables
+            env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEYS[0],
+                   "AWS_SECRET_ACCESS_KEY": KEYS[1], "AWS_DEFAULT_REGION": "us-east-1"}
+            results = run_ranks(_rank_main, args.ranks, url, options, args.size_mb, args.repeats,
+                                env={r: env for r in range(args.ranks)}, timeout=3600)
+        finally:
+            server.stop()
+    out = results[0]
+    rows = {name: _summary(values) for name, values in out["times"].items()}
+    size_mib = out["state_bytes"] / (1 << 20)
+    print(f"\ncheckpoint of {size_mib:.0f} MiB model state, {args.ranks} ranks (replicas), SeaweedFS S3 on loopback, "
+          f"{os.cpu_count()} CPU cores, {args.repeats} repeats")
+    print(f"{'method':32s} {'median s':>9s} {'min s':>8s} {'max s':>8s} {'MiB/s':>8s}")
+    for name, row in rows.items():
+        print(f"{name:32s} {row['median_s']:9.2f} {row['min_s']:8.2f} {row['max_s']:8.2f} "
+              f"{size_mib / row['median_s']:8.0f}")
+    ratios = {}
+    if "lightning single-file save" in rows:
+        ratios["speedup_vs_lightning_save"] = rows["lightning single-file save"]["median_s"] / rows["multidc save"]["median_s"]
+    ratios["speedup_vs_dcp_fsspec_save"] = rows["dcp-fsspec save"]["median_s"] / rows["multidc save"]["median_s"]
+    ratios["async_blocked_share_of_sync_save"] = rows["multidc async: blocked"]["median_s"] / rows["multidc save"]["median_s"]
+    for name, value in ratios.items():
+        print(f"{name:40s} {value:6.2f}")
+    record = {"bench": "checkpoint", "state_mib": size_mib, "ranks": args.ranks, "repeats": args.repeats,
+              "cpu_count": os.cpu_count(), "rows": rows, **ratios}
+    line = json.dumps(record)
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
