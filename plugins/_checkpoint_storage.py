@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -206,7 +213,8 @@ class ObjectStoreReader(StorageReader):
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(data))
                     continue
-                saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+                    0, dtype=torch.uint8)
                 saved = saved.view(parse_dtype(loc.dtype)).view(loc.sizes)
                 saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
