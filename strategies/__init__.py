@@ -9,7 +9,12 @@ to install.
 import importlib
 import importlib.util
 
+from multidc.strategies.data_parallel import apply_data_parallel, replicate_topology
+from multidc.strategies.grad_clip import clip_grad_norm_
 from multidc.strategies.layout import ParallelLayout
+from multidc.strategies.parallelize import ParallelModel, RemoteBlock, parallelize, rebind_optimizer
+from multidc.strategies.pipeline import Pipeline, PipelineConfig, split_blocks
+from multidc.strategies.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 
 # Public names that need Lightning -> the module defining them. Those modules register their strategy names
 # when imported, so they are imported eagerly whenever Lightning is installed.
@@ -17,9 +22,25 @@ _LIGHTNING_EXPORTS = {
     "HierarchicalDDPStrategy": "multidc.strategies.hierarchical_ddp",
     "HierarchicalDDPFabricStrategy": "multidc.strategies.hierarchical_ddp",
 }
+_LIGHTNING_EXPORTS["Parallel3DStrategy"] = "multidc.strategies.parallel_3d"
 
 __all__: list[str] = ["HierarchicalDDPFabricStrategy", "HierarchicalDDPStrategy"]
-__all__ += ["ParallelLayout"]
+__all__ += [
+    "ParallelLayout",
+    "ParallelModel",
+    "Parallel3DStrategy",
+    "Pipeline",
+    "PipelineConfig",
+    "RemoteBlock",
+    "apply_data_parallel",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "parallelize",
+    "rebind_optimizer",
+    "replicate_topology",
+    "split_blocks",
+    "transformer_block_plan",
+]
 
 
 def __getattr__(name: str):

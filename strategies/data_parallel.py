@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multidc.hierarchical import HierarchicalHookState, SiteLayout, Topology, WanConfig, WanStats
-from multidc.hierarchical.all_reduce import submit
+from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
+from multidc.hierarchical.all_reduce import residual_numel, submit
 from multidc.strategies.layout import submesh
 
 
@@ -123,14 +123,37 @@ def apply_data_parallel(
         wan = wan if wan is not None else WanConfig()
         if error_feedback is None:
             error_feedback = wan.compression == "int8"
-        state = HierarchicalHookState(topology, wan, error_feedback)
+        state = _ReplicaReduction(topology, wan, error_feedback)
         fsdp_units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for index, unit in enumerate(fsdp_units):
             unit.set_all_reduce_hook(partial(_reduce_replicas, state, index))
     return module
 
 
-def _reduce_replicas(state: HierarchicalHookState, index: int, reduce_output: torch.Tensor) -> None:
+class _ReplicaReduction:
+    """What the FSDP hooks of one model share: topology, WAN settings, per-unit error-feedback residuals.
+
+    With error feedback (int8), each unit keeps what WAN compression dropped from the shards this rank sent and
+    adds it back next step, so the compression error does not accumulate.
+    """
+
+    def __init__(self, topology: Topology, wan: WanConfig, error_feedback: bool) -> None:
+        self.topology = topology
+        self.wan = wan
+        self.error_feedback = error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def residual(self, index: int, values: torch.Tensor) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        numel = residual_numel(values.numel(), values.element_size(), self.topology, self.wan)
+        current = self.residuals.get(index)
+        if current is None or current.numel() != numel:
+            current = self.residuals[index] = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        return current
+
+
+def _reduce_replicas(state: _ReplicaReduction, index: int, reduce_output: torch.Tensor) -> None:
     """FSDP all-reduce hook: average this unit's reduce-scatter output over the replicas, hierarchically."""
     if reduce_output.is_cuda:  # FSDP produced it on another stream; the WAN worker thread must see it finished
         torch.cuda.current_stream().synchronize()

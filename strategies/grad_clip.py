@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from multidc.strategies.layout import ALIASES, MESH_AXES
 
@@ -77,8 +77,8 @@ def _local_and_sharded_axes(grad: torch.Tensor) -> tuple[torch.Tensor, set[str]]
                 f"a gradient lives on mesh axis {name!r}, which is not an axis of the ParallelLayout mesh "
                 f"{MESH_AXES + tuple(ALIASES)}; build tensor/data parallelism on that mesh."
             )
-        if isinstance(placement, Shard):
+        if placement.is_shard() or "Shard" in type(placement).__name__:  # _StridedShard (FSDP over TP) too
             sharded.update(axes)
-        elif not isinstance(placement, Replicate):
+        elif not placement.is_replicate():
             raise ValueError(f"cannot clip a gradient with placement {placement} (expected Shard or Replicate).")
     return grad.to_local(), sharded

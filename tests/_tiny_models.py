@@ -155,6 +155,13 @@ def parallel_run(rank: int, world: int, case: dict) -> dict:
         params[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     out = {"losses": losses, "norms": norms, "params": params, "dp_rank": dp_rank}
     out["wan"] = pm.topology.wan_stats.snapshot() if pm.topology is not None else None
+    if case.get("no_sync_probe"):  # after the compared state: an accumulation micro-step must not touch the WAN
+        pm.set_requires_gradient_sync(False)
+        pm.step(x, y, loss_fn)
+        out["wan_after_no_sync_step"] = pm.topology.wan_stats.snapshot()
+        pm.set_requires_gradient_sync(True)
+        pm.step(x, y, loss_fn)
+        out["wan_after_sync_step"] = pm.topology.wan_stats.snapshot()
     if case.get("memory"):
         out["memory"] = _memory_case(mesh, pipeline)
     return out

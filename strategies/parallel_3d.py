@@ -1,0 +1,276 @@
+"""``Parallel3DStrategy``: Lightning's ``ModelParallelStrategy`` extended to site x data (FSDP2 / replicated) x
+pipeline x tensor parallelism, registered as ``"parallel_3d"``. A thin adapter over ``multidc.strategies.parallelize``.
+
+What a LightningModule does with it:
+
+* ``configure_model``: apply tensor parallelism as with ``ModelParallelStrategy`` (``self.device_mesh`` answers to
+  ``"tensor_parallel"`` and ``"data_parallel"``), e.g. ``apply_tensor_parallel(blocks, self.device_mesh["tensor_parallel"])``.
+  Leave data parallelism to the strategy: it shards with FSDP2 inside each site and reduces replicas across sites
+  hierarchically. (A ``configure_model`` that calls ``fully_shard`` itself still runs, without pipeline
+  parallelism, but its gradients then cross sites flat, and the strategy warns.)
+* ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks (see ``multidc.strategies.pipeline``).
+  Required with ``pipeline_parallel_size > 1``; otherwise used as FSDP units when defined.
+* ``training_step``: with pipeline parallelism, ``self(x)`` is not available on any one rank. Instead write
+  ``loss = self.trainer.strategy.pipeline_step(x, y, loss_fn)``: it runs the schedule (forward and backward of
+  every microbatch) and returns the batch's mean loss on every rank, for ``self.log``; return it as usual, the
+  strategy skips Lightning's backward for it. With ``pipeline_parallel_size == 1`` the same line is just
+  ``loss_fn(self(x), y)``. ``validation_step`` uses ``pipeline_eval_step`` the same way.
+* ``gradient_clip_val`` clips by the global norm over all TP/FSDP shards and pipeline stages; optimizers and LR
+  schedulers are the usual ones over ``self.parameters()`` (this rank's stages only).
+* ``accumulate_grad_batches`` works without pipeline parallelism (non-sync steps send nothing over the WAN); with
+  it, raise ``microbatches`` instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from multidc.hierarchical import WanConfig
+from multidc.hierarchical.stats import WanStepMeter
+from multidc.strategies.data_parallel import fsdp_mesh_crosses_sites
+from multidc.strategies.layout import ParallelLayout, submesh
+from multidc.strategies.parallelize import ParallelModel, parallelize
+from multidc.strategies.pipeline import PipelineConfig
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
+    ) from exc
+
+from multidc.strategies._wan_metrics import WanMetricsCallback
+
+
+class Parallel3DStrategy(ModelParallelStrategy):
+    """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
+
+    Args:
+        num_sites, dp_replicate, dp_shard, pipeline_parallel_size, tensor_parallel_size: see ``ParallelLayout``
+            (``None`` = ``MULTIDC_*`` env, then default; one may be ``-1``/``"auto"``; ``dp_shard`` defaults to
+            auto).
+        pipeline_schedule, microbatches, stages_per_rank, split_points: see ``PipelineConfig`` (env
+            ``MULTIDC_PP_SCHEDULE`` / ``MULTIDC_PP_MICROBATCHES``).
+        wan: cross-site reduction settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+        save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
+
+    Raises:
+        ValueError: bad sizes at construction; sizes that do not multiply to ``devices x num_nodes`` when the
+            ``Trainer`` launches, before any process group exists.
+    """
+
+    strategy_name = "parallel_3d"
+
+    def __init__(
+        self,
+        *,
+        num_sites: int | str | None = None,
+        dp_replicate: int | str | None = None,
+        dp_shard: int | str | None = None,
+        pipeline_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
+        pipeline_schedule: str | None = None,
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        split_points: Sequence[int] | None = None,
+        wan: WanConfig | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.layout = ParallelLayout(
+            num_sites=num_sites, dp_replicate=dp_replicate, dp_shard=dp_shard,
+            pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size,
+        )
+        self.pipeline_config = PipelineConfig(
+            schedule=pipeline_schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
+            split_points=split_points,
+        )
+        if wan is not None and not isinstance(wan, WanConfig):
+            raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
+        self.wan = wan if wan is not None else WanConfig()
+        self.parallel: ParallelModel | None = None
+        self.wan_meter: WanStepMeter | None = None
+        self._parked_grads: list | None = None
+
+    @property
+    def topology(self):
+        """The replica topology (WAN statistics in ``topology.wan_stats``), or ``None`` without replicas."""
+        return self.parallel.topology if self.parallel is not None else None
+
+    def _configure_launcher(self) -> None:
+        self.layout.resolve(self.num_nodes * self.num_processes)  # fails here, before any rank starts
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
+        self._setup_distributed()
+        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # ``configure_model`` runs inside: ``device_mesh["tensor_parallel"]`` slices a flattened axis of the root
+        # mesh, which torch 2.13 supports but warns about; the aliases are this strategy's documented interface.
+        with warnings.catch_warnings(), super().model_sharded_context():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            yield
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        pp = self.layout.pipeline_parallel_size
+        blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
+        if pp > 1 and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with pipeline_parallel_size={pp}: the "
+                f"schedule already accumulates over microbatches; raise microbatches instead."
+            )
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            if pp > 1:
+                raise ValueError(
+                    "configure_model applied fully_shard, but with pipeline_parallel_size > 1 the strategy shards "
+                    "each stage itself; apply only tensor parallelism in configure_model."
+                )
+            if fsdp_mesh_crosses_sites(module, self.device_mesh):
+                rank_zero_warn(
+                    "configure_model sharded over device_mesh['data_parallel'], which spans sites: gradients cross "
+                    "the WAN flat. Leave data parallelism to Parallel3DStrategy for the hierarchical reduction."
+                )
+            self.parallel = ParallelModel(module, self.device_mesh, self.layout, roots=[module])
+        else:
+            self.parallel = parallelize(
+                module, self.device_mesh, blocks=blocks, pipeline=self.pipeline_config, wan=self.wan,
+                wrap_root=False, device=self.root_device,
+            )
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning has no strategy hook for clipping: the precision plugin clips with torch's per-process
+        # clip_grad_norm_, which cannot see other stages' and shards' gradients. Route it to the global norm.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._add_wan_metrics(trainer)
+
+    def _add_wan_metrics(self, trainer: pl.Trainer) -> None:
+        if self.topology is None or any(isinstance(c, WanMetricsCallback) for c in trainer.callbacks):
+            return
+        self.wan_meter = WanStepMeter(self.topology.wan_stats, [])
+        trainer.callbacks.insert(0, WanMetricsCallback(self))
+
+    def wan_metrics(self) -> dict[str, float]:
+        """WAN figures since the previous call (``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``).
+
+        The FSDP hook runs the replica reduction inside backward and backward waits for it, so ``wan/wait_s``
+        equals ``wan/comm_s``.
+        """
+        if self.wan_meter is None:
+            return {}
+        metrics = self.wan_meter.take()
+        metrics["wan/wait_s"] = metrics["wan/comm_s"]
+        return metrics
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        data_parallel = submesh(self.device_mesh, "data_parallel")
+        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+
+    def pipeline_step(self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Run one training batch through the model; call it from ``training_step`` and return its result.
+
+        With pipeline parallelism: forward and backward of every microbatch, returning the detached mean loss
+        on every rank (Lightning's backward is then skipped). Without: ``loss_fn(module(inputs), target)``.
+        """
+        if self.parallel is None or self.parallel.pipeline is None:
+            return loss_fn(self.lightning_module(inputs), target)
+        # Lightning zeroes gradients between training_step and backward, not before training_step: start from
+        # none, run the schedule (which accumulates into .grad), and park its gradients until ``backward`` puts
+        # them back (references only, no copies).
+        params = list(self.parallel.parameters())
+        for p in params:
+            p.grad = None
+        loss = self.parallel.pipeline.step(inputs, target, loss_fn)
+        self._parked_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._parked_grads:
+            p.grad = None
+        return loss
+
+    def pipeline_eval_step(self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """``pipeline_step`` without backward, for ``validation_step`` / ``test_step``."""
+        if self.parallel is None or self.parallel.pipeline is None:
+            return loss_fn(self.lightning_module(inputs), target)
+        return self.parallel.pipeline.eval_step(inputs, target, loss_fn)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._parked_grads is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p, grad in self._parked_grads:  # the schedule ran backward already; keep the after-backward hooks
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._parked_grads = None
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.parallel is None:
+            yield
+            return
+        self.parallel.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.parallel.set_requires_gradient_sync(True)
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        from multidc.strategies.grad_clip import clip_grad_norm_
+
+        clip_grad_norm_(params, clip_val, self.device_mesh)
+
+    def teardown(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WanMetricsCallback)]
+        if self.topology is not None:
+            self.topology.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        current = strategy_registry[cls.strategy_name]["strategy"] if cls.strategy_name in strategy_registry else None
+        if current is not None and f"{current.__module__}.{current.__qualname__}" != f"{__name__}.{cls.__qualname__}":
+            raise RuntimeError(
+                f"strategy name {cls.strategy_name!r} is already registered to {current!r}; multidc cannot register "
+                f"its Parallel3DStrategy under it. Pass a Parallel3DStrategy(...) instance instead."
+            )
+        strategy_registry.register(
+            cls.strategy_name, cls, description="multidc site x FSDP2 x pipeline x tensor parallelism", override=True
+        )
+
+
+Parallel3DStrategy.register_strategies(StrategyRegistry)

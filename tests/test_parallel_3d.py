@@ -1,0 +1,186 @@
+"""3D/4D parallelism against one-process training: parallelize() on gloo ranks, and Parallel3DStrategy in a
+Lightning Trainer run. Per-rank parameter memory against full / (tp * pp * shard).
+
+Tolerance for every parity check (fp32, 3 steps): rtol 1e-4, atol 2e-5 on losses, global gradient norms and
+every weight (the only differences are reduction order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny_models import assert_parity, parallel_run, reference_run
+
+FOUR_RANK_CASES = {
+    "tp2xpp2": dict(
+        layout=dict(pipeline_parallel_size=2, tensor_parallel_size=2), tp="transformer",
+        pipeline=dict(schedule="1f1b"), memory=True,
+    ),
+    "dp_shard2xpp2": dict(layout=dict(pipeline_parallel_size=2, dp_shard=2), pipeline=dict(schedule="gpipe"), memory=True),
+    "sites2xdp_shard2": dict(layout=dict(num_sites=2, dp_shard=2), no_sync_probe=True),
+    "sites2xdp_replicate2": dict(layout=dict(num_sites=2, dp_replicate=2, dp_shard=1)),
+}
+EIGHT_RANK_CASE = dict(
+    layout=dict(num_sites=2, pipeline_parallel_size=2, tensor_parallel_size=2), tp="transformer",
+    pipeline=dict(schedule="interleaved_1f1b"), memory=True,
+)
+for _case in (*FOUR_RANK_CASES.values(), EIGHT_RANK_CASE):
+    _case["global_batch"] = 8
+
+
+def _cases(rank, world, cases):
+    return [parallel_run(rank, world, case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    """All 4-rank cases in one spawn (starting ranks is the slow part); {case: per-rank results}."""
+    per_rank = run_ranks(_cases, 4, list(FOUR_RANK_CASES.values()), timeout=300)
+    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(FOUR_RANK_CASES)}
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
+def test_four_rank_layout_trains_like_one_process(four_rank_results, name):
+    assert_parity(four_rank_results[name], reference_run(FOUR_RANK_CASES[name]))
+
+
+def test_sites_exchange_replicas_only_through_the_hierarchical_wan_path(four_rank_results):
+    for case in ("sites2xdp_shard2", "sites2xdp_replicate2"):
+        for result in four_rank_results[case]:
+            wan = result["wan"]
+            # 4 FSDP units (embedding, 2 blocks, head) x 3 steps, each reduced over the WAN once per step
+            assert wan["calls"] == 12 and wan["bytes_sent"] > 0, (case, wan)
+
+
+def test_accumulation_step_without_sync_sends_nothing_over_the_wan(four_rank_results):
+    for result in four_rank_results["sites2xdp_shard2"]:
+        before, no_sync, sync = result["wan"], result["wan_after_no_sync_step"], result["wan_after_sync_step"]
+        assert no_sync["bytes_sent"] == before["bytes_sent"] and no_sync["calls"] == before["calls"]
+        assert sync["bytes_sent"] > no_sync["bytes_sent"]
+
+
+@pytest.mark.parametrize("name,divisor", [("tp2xpp2", 4), ("dp_shard2xpp2", 4)])
+def test_per_rank_parameter_memory_is_full_over_tp_pp_shard(four_rank_results, name, divisor):
+    for result in four_rank_results[name]:
+        local, full = result["memory"]
+        assert local * divisor == full, (name, local, full)
+
+
+def test_sites2_pp2_tp2_on_eight_ranks_trains_like_one_process_with_a_fraction_of_the_memory():
+    results = run_ranks(parallel_run, 8, EIGHT_RANK_CASE, timeout=360)
+    assert_parity(results, reference_run(EIGHT_RANK_CASE))
+    for result in results:
+        local, full = result["memory"]
+        assert local * 4 == full  # tp 2 x pp 2 x shard 1
+        assert result["wan"]["bytes_sent"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt_3d.py")
+LIGHTNING_ARGS = dict(devices=4, sites=2, pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, hidden=16,
+                      batch_size=4, max_steps=3, clip=0.05)
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("gpt_3d_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_example(out_dir, timeout: float = 300) -> str:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in LIGHTNING_ARGS.items()]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in ("RANK", "WORLD_SIZE",
+             "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
+    proc = subprocess.Popen(
+        [sys.executable, EXAMPLE, *args, "--out", str(out_dir)], env={**clean, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"example timed out after {timeout}s:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed run left behind
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _example_reference(example) -> dict:
+    """One process, plain PyTorch: same seed, model, optimizer, LR schedule, clipping; the global batches."""
+    import lightning.pytorch as pl
+
+    a = LIGHTNING_ARGS
+    pl.seed_everything(0)
+    model = example.GPT(hidden=a["hidden"], layers=a["layers"], max_steps=a["max_steps"])
+    config = model.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    data = example.bigram_data(model.hparams.vocab, model.hparams.seq, rows=4096)
+    dp = a["devices"] // (a["pp"] * a["tp"])
+    # Lightning trains with DistributedSampler(shuffle=True, seed=0): epoch 0 is randperm(seed 0), and replica r
+    # takes every dp-th index from r, so global batch t is the t-th block of dp * batch_size indices.
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    rows = a["batch_size"] * dp
+    losses = []
+    for step in range(a["max_steps"]):
+        x, y = data[order[step * rows : (step + 1) * rows]]
+        loss = example.next_token_loss(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a["clip"])
+        assert norm > a["clip"], "the case must actually clip"
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.timeout(400)
+def test_lightning_parallel_3d_sites2_pp2_trains_like_one_process(tmp_path):
+    pytest.importorskip("lightning")
+    out = _run_example(tmp_path)
+    assert "loss: first" in out
+    with open(tmp_path / "run.json") as f:
+        run = json.load(f)
+    reference = _example_reference(_load_example())
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=1e-4, atol=2e-5)
+    merged = {}
+    for rank in range(LIGHTNING_ARGS["devices"]):
+        merged.update(torch.load(tmp_path / f"weights_rank{rank}.pt"))
+    assert set(merged) == set(reference["params"])
+    for name, value in merged.items():
+        torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=2e-5, msg=name)
+    assert run["wan"]["bytes_sent"] > 0
+
+
+def test_parallel_3d_name_reads_layout_from_env_and_bad_sizes_fail_at_trainer(monkeypatch):
+    pytest.importorskip("lightning")
+    from lightning.pytorch import Trainer
+
+    from multidc.strategies import Parallel3DStrategy
+
+    monkeypatch.setenv("MULTIDC_NUM_SITES", "2")
+    monkeypatch.setenv("MULTIDC_PP_SIZE", "2")
+    monkeypatch.setenv("MULTIDC_PP_SCHEDULE", "gpipe")
+    trainer = Trainer(accelerator="cpu", devices=4, strategy="parallel_3d", logger=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, Parallel3DStrategy)
+    assert strategy.layout.resolve(4).shape == (2, 2, 1, 1, 1)
+    assert strategy.pipeline_config.schedule == "gpipe"
+    with pytest.raises(ValueError, match="= 8 ranks, but the world has 4"):
+        Trainer(accelerator="cpu", devices=4, strategy=Parallel3DStrategy(dp_shard=2), logger=False)
