@@ -12,7 +12,14 @@ import importlib.util
 from multidc.strategies.data_parallel import apply_data_parallel, replicate_topology
 from multidc.strategies.grad_clip import clip_grad_norm_
 from multidc.strategies.layout import ParallelLayout
-from multidc.strategies.parallelize import ParallelModel, RemoteBlock, parallelize, rebind_optimizer
+from multidc.strategies.parallelize import (
+    ParallelModel,
+    RemoteBlock,
+    data_parallel_coordinate,
+    parallelize,
+    prepare_parallel,
+    rebind_optimizer,
+)
 from multidc.strategies.pipeline import Pipeline, PipelineConfig, split_blocks
 from multidc.strategies.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 
@@ -35,7 +42,9 @@ __all__ += [
     "apply_data_parallel",
     "apply_tensor_parallel",
     "clip_grad_norm_",
+    "data_parallel_coordinate",
     "parallelize",
+    "prepare_parallel",
     "rebind_optimizer",
     "replicate_topology",
     "split_blocks",

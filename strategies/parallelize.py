@@ -193,12 +193,39 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names_before: dict[int, s
         names_before: ``{id(param): qualified name}`` taken from ``model.named_parameters()`` before.
         model: the model after ``parallelize``.
     """
-    if optimizer.state:
-        raise ValueError("the optimizer has already stepped; prepare the model and optimizer before training.")
+    _check_fresh(optimizer, names_before)
     after = dict(model.named_parameters())
     for group in optimizer.param_groups:
-        names = [names_before.get(id(p)) for p in group["params"]]
-        unknown = sum(n is None for n in names)
-        if unknown:
-            raise ValueError(f"{unknown} optimizer parameters are not parameters of the model being prepared.")
-        group["params"] = [after[n] for n in names if n in after]
+        group["params"] = [after[n] for n in (names_before[id(p)] for p in group["params"]) if n in after]
+
+
+def prepare_parallel(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], mesh, **parallelize_kwargs
+) -> ParallelModel:
+    """``parallelize`` a model whose optimizers already exist (Accelerate's ``prepare`` order), then rebind them.
+
+    Every rank must call it. The optimizers must not have stepped; their parameter groups keep their settings
+    and lose the parameters of other pipeline stages. ``parallelize_kwargs`` as for ``parallelize``.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for optimizer in optimizers:
+        _check_fresh(optimizer, names)
+    prepared = parallelize(model, mesh, **parallelize_kwargs)
+    for optimizer in optimizers:
+        rebind_optimizer(optimizer, names, model)
+    return prepared
+
+
+def data_parallel_coordinate(mesh) -> tuple[int, int]:
+    """``(index, size)`` of this rank among the data-parallel replicas: ranks with the same index (the stages
+    and tensor shards of one replica) must get the same batches; shard a data loader over ``size`` by ``index``."""
+    data_parallel = submesh(mesh, "data_parallel")
+    return data_parallel.get_local_rank(), data_parallel.size()
+
+
+def _check_fresh(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    if optimizer.state:
+        raise ValueError("the optimizer has already stepped; prepare the model and optimizer before training.")
+    unknown = sum(id(p) not in names for group in optimizer.param_groups for p in group["params"])
+    if unknown:
+        raise ValueError(f"{unknown} optimizer parameters are not parameters of the model being prepared.")

@@ -126,20 +126,24 @@ def parallel_run(rank: int, world: int, case: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from multidc.hierarchical import WanConfig
-    from multidc.strategies.layout import ParallelLayout, submesh
-    from multidc.strategies.parallelize import parallelize
+    from multidc.strategies.layout import ParallelLayout
+    from multidc.strategies.parallelize import data_parallel_coordinate, parallelize, prepare_parallel
     from multidc.strategies.pipeline import PipelineConfig
 
     mesh = ParallelLayout(**case["layout"]).build_mesh()
     torch.manual_seed(0)
     model = TinyGPT(case.get("layers", 2))
     pipeline = PipelineConfig(**case["pipeline"]) if "pipeline" in case else None
-    pm = parallelize(
-        model, mesh, blocks=model.blocks(), tensor_parallel=case.get("tp"), pipeline=pipeline,
-        wan=WanConfig(chunk_mb=0.001, streams=2),
+    kwargs = dict(
+        blocks=model.blocks(), tensor_parallel=case.get("tp"), pipeline=pipeline, wan=WanConfig(chunk_mb=0.001, streams=2)
     )
-    opt, sched = _optimizer(list(pm.parameters()))
-    dp_rank, dp = submesh(mesh, "data_parallel").get_local_rank(), submesh(mesh, "data_parallel").size()
+    if case.get("optimizer_first"):  # Accelerate's order: optimizer over the full model, then prepare both
+        opt, sched = _optimizer(model.parameters())
+        pm = prepare_parallel(model, [opt], mesh, **kwargs)
+    else:
+        pm = parallelize(model, mesh, **kwargs)
+        opt, sched = _optimizer(list(pm.parameters()))
+    dp_rank, dp = data_parallel_coordinate(mesh)
     losses, norms = [], []
     for step in range(case.get("steps", 3)):
         x, y = batch(step, case["global_batch"])

@@ -25,7 +25,10 @@ FOUR_RANK_CASES = {
         layout=dict(pipeline_parallel_size=2, tensor_parallel_size=2), tp="transformer",
         pipeline=dict(schedule="1f1b"), memory=True,
     ),
-    "dp_shard2xpp2": dict(layout=dict(pipeline_parallel_size=2, dp_shard=2), pipeline=dict(schedule="gpipe"), memory=True),
+    "dp_shard2xpp2": dict(  # optimizer built before prepare_parallel, as under Accelerate
+        layout=dict(pipeline_parallel_size=2, dp_shard=2), pipeline=dict(schedule="gpipe"), memory=True,
+        optimizer_first=True,
+    ),
     "sites2xdp_shard2": dict(layout=dict(num_sites=2, dp_shard=2), no_sync_probe=True),
     "sites2xdp_replicate2": dict(layout=dict(num_sites=2, dp_replicate=2, dp_shard=1)),
 }
