@@ -63,7 +63,7 @@ def _max(value: float, group) -> float:
     return float(t)
 
 
-def _rank_main(rank, world, url, options, size_mb, repeats):
+def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concurrency):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -75,7 +75,8 @@ def _rank_main(rank, world, url, options, size_mb, repeats):
     model = _model(size_mb)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     store = ObjectStore(url, storage_options=options)
-    ckpt = Checkpointer(url + "/multidc", storage_options=options)
+    ckpt = Checkpointer(url + "/multidc", storage_options=options, part_size_mb=part_size_mb,
+                        max_concurrency=concurrency)
     times: dict[str, list[float]] = {}
 
     def record(name, seconds):
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--size-mb", type=float, default=256, help="model state per replica, MiB (>= 200)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--part-size-mb", type=float, default=16, help="multidc multipart part size, MiB")
+    parser.add_argument("--concurrency", type=int, default=8, help="multidc parallel requests per rank")
     parser.add_argument("--json", default=None, help="also write the JSON result to this file")
     args = parser.parse_args(argv)
 
@@ -168,7 +171,8 @@ def main(argv=None) -> int:
             # Lightning's TorchCheckpointIO takes credentials and endpoint from the standard AWS variables
             env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEYS[0],
                    "AWS_SECRET_ACCESS_KEY": KEYS[1], "AWS_DEFAULT_REGION": "us-east-1"}
-            results = run_ranks(_rank_main, args.ranks, url, options, args.size_mb, args.repeats,
+            results = run_ranks(_rank_main, args.ranks, url, options, args.size_mb, args.repeats, args.part_size_mb,
+                                args.concurrency,
                                 env={r: env for r in range(args.ranks)}, timeout=3600)
         finally:
             server.stop()
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
     rows = {name: _summary(values) for name, values in out["times"].items()}
     size_mib = out["state_bytes"] / (1 << 20)
     print(f"\ncheckpoint of {size_mib:.0f} MiB model state, {args.ranks} ranks (replicas), SeaweedFS S3 on loopback, "
-          f"{os.cpu_count()} CPU cores, {args.repeats} repeats")
+          f"{os.cpu_count()} CPU cores, {args.repeats} repeats, multidc parts of {args.part_size_mb:g} MiB x "
+          f"{args.concurrency} in flight per rank")
     print(f"{'method':32s} {'median s':>9s} {'min s':>8s} {'max s':>8s} {'MiB/s':>8s}")
     for name, row in rows.items():
         print(f"{name:32s} {row['median_s']:9.2f} {row['min_s']:8.2f} {row['max_s']:8.2f} "
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
     for name, value in ratios.items():
         print(f"{name:40s} {value:6.2f}")
     record = {"bench": "checkpoint", "state_mib": size_mib, "ranks": args.ranks, "repeats": args.repeats,
+              "part_size_mb": args.part_size_mb, "concurrency": args.concurrency,
               "cpu_count": os.cpu_count(), "rows": rows, **ratios}
     line = json.dumps(record)
     print(line)

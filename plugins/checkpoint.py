@@ -141,6 +141,7 @@ class Checkpointer:
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
         self._pending: SaveHandle | None = None
+        self._access_checked = False
         _OPEN.add(self)
 
     @property
@@ -195,7 +196,9 @@ class Checkpointer:
         return handle
 
     def _preflight_save(self, name: str) -> None:
-        self.store.check_access()
+        if not self._access_checked:  # once per Checkpointer: later credential failures surface from the upload
+            self.store.check_access()
+            self._access_checked = True
         if self.comm.rank == 0:
             if self.store.exists(f"{name}/{COMMIT}"):
                 raise ValueError(f"checkpoint {self.store.where(name)} is already committed; save under another "
