@@ -173,15 +173,20 @@ def set_requires_gradient_sync(module: nn.Module, requires_sync: bool) -> None:
 
 
 def fsdp_mesh_crosses_sites(module: nn.Module, mesh) -> bool:
-    """True when some FSDP unit of ``module`` shards or replicates over ranks of different sites (flat WAN)."""
-    from torch.distributed.fsdp import FSDPModule
+    """True when a parameter of ``module`` is sharded or replicated by FSDP over ranks of different sites, i.e. its
+    gradient reduction would cross the WAN flat instead of through the hierarchical hook."""
+    from torch.distributed.tensor import DTensor
 
-    if submesh(mesh, "site").size() == 1:
+    site_size = mesh.size() // submesh(mesh, "site").size()
+    if site_size == mesh.size():
         return False
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            for param in unit.parameters(recurse=False):
-                names = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
-                if any(name in ("site", "data_parallel", "replicate") for name in names):
+    for param in module.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        param_mesh = param.device_mesh
+        for dim in range(param_mesh.ndim):
+            if param_mesh.size(dim) > 1:
+                ranks = dist.get_process_group_ranks(param_mesh.get_group(dim))
+                if len({r // site_size for r in ranks}) > 1:
                     return True
     return False

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, SEQ, HIDDEN, HEADS = 32, 4, 16, 2
+EVAL_ROWS = 4  # rows of the validation batch; divides every case's microbatch count
 
 
 class Embed(nn.Module):
@@ -118,7 +119,12 @@ def reference_run(case: dict) -> dict:
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    x, y = batch(99, case["global_batch"])
+    with torch.no_grad():
+        eval_loss = loss_fn(model(x[:EVAL_ROWS]), y[:EVAL_ROWS]).item()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "eval_loss": eval_loss}
+
 
 
 def parallel_run(rank: int, world: int, case: dict) -> dict:
@@ -154,10 +160,15 @@ def parallel_run(rank: int, world: int, case: dict) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad()
+    if pm.pipeline is not None:  # validation through the schedule, on the trained weights
+        x, y = batch(99, case["global_batch"])
+        out_eval = pm.pipeline.eval_step(x[:EVAL_ROWS], y[:EVAL_ROWS], loss_fn)
     params = {}
     for name, p in model.named_parameters():
         params[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     out = {"losses": losses, "norms": norms, "params": params, "dp_rank": dp_rank}
+    if pm.pipeline is not None:
+        out["eval_loss"] = out_eval.item()
     out["wan"] = pm.topology.wan_stats.snapshot() if pm.topology is not None else None
     if case.get("no_sync_probe"):  # after the compared state: an accumulation micro-step must not touch the WAN
         pm.set_requires_gradient_sync(False)
@@ -197,6 +208,9 @@ def assert_parity(results: list[dict], reference: dict, *, rtol: float = 1e-4, a
         assert math.isclose(mean, reference["losses"][step], rel_tol=rtol, abs_tol=atol), (step, mean, reference)
         for r in results:
             assert math.isclose(r["norms"][step], reference["norms"][step], rel_tol=rtol, abs_tol=atol)
+    for r in results:
+        if "eval_loss" in r:
+            assert math.isclose(r["eval_loss"], reference["eval_loss"], rel_tol=rtol, abs_tol=atol), r["eval_loss"]
     seen = set()
     for r in results:
         for name, value in r["params"].items():

@@ -41,14 +41,37 @@ for _case in (*FOUR_RANK_CASES.values(), EIGHT_RANK_CASE):
 
 
 def _cases(rank, world, cases):
-    return [parallel_run(rank, world, case) for case in cases]
+    results = [parallel_run(rank, world, case) for case in cases]
+    return results + [_flat_fsdp_is_detected(rank, world)]
+
+
+def _flat_fsdp_is_detected(rank, world):
+    """A ModelParallelStrategy-style configure_model (fully_shard over "data_parallel") crosses sites; ours not."""
+    from torch.distributed.fsdp import fully_shard
+
+    from multidc.strategies.data_parallel import fsdp_mesh_crosses_sites
+    from multidc.strategies.layout import ParallelLayout, submesh
+    from multidc.strategies.parallelize import parallelize
+    from tests._tiny_models import TinyGPT
+
+    mesh = ParallelLayout(num_sites=2).build_mesh()
+    flat, ours = TinyGPT(), TinyGPT()
+    fully_shard(flat, mesh=submesh(mesh, "data_parallel"))
+    parallelize(ours, mesh, blocks=ours.blocks())
+    return fsdp_mesh_crosses_sites(flat, mesh), fsdp_mesh_crosses_sites(ours, mesh)
 
 
 @pytest.fixture(scope="module")
 def four_rank_results():
     """All 4-rank cases in one spawn (starting ranks is the slow part); {case: per-rank results}."""
     per_rank = run_ranks(_cases, 4, list(FOUR_RANK_CASES.values()), timeout=300)
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(FOUR_RANK_CASES)}
+    results = {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(FOUR_RANK_CASES)}
+    results["flat_fsdp_detected"] = [ranks[-1] for ranks in per_rank]
+    return results
+
+
+def test_fsdp_over_data_parallel_axis_is_flagged_as_crossing_sites(four_rank_results):
+    assert four_rank_results["flat_fsdp_detected"] == [(True, False)] * 4
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
