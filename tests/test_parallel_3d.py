@@ -124,12 +124,12 @@ def _load_example():
     return module
 
 
-def _run_example(out_dir, timeout: float = 300) -> str:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in LIGHTNING_ARGS.items()]
+def _run_script(script: str, args: list[str], env: dict | None = None, timeout: float = 300) -> str:
+    """Run a training script that launches its own ranks; kill its whole session on timeout or failure."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in ("RANK", "WORLD_SIZE",
              "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
     proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, *args, "--out", str(out_dir)], env={**clean, "OMP_NUM_THREADS": "1"},
+        [sys.executable, script, *args], env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -137,7 +137,7 @@ def _run_example(out_dir, timeout: float = 300) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"example timed out after {timeout}s:\n{out[-4000:]}")
+        pytest.fail(f"{script} timed out after {timeout}s:\n{out[-4000:]}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed run left behind
@@ -145,6 +145,18 @@ def _run_example(out_dir, timeout: float = 300) -> str:
             pass
     assert proc.returncode == 0, out[-6000:]
     return out
+
+
+def _run_example(out_dir) -> str:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in LIGHTNING_ARGS.items()]
+    return _run_script(EXAMPLE, [*args, "--out", str(out_dir)])
+
+
+def _merged_weights(out_dir, ranks: int) -> dict:
+    merged = {}
+    for rank in range(ranks):
+        merged.update(torch.load(out_dir / f"weights_rank{rank}.pt"))
+    return merged
 
 
 def _example_reference(example) -> dict:
@@ -185,13 +197,46 @@ def test_lightning_parallel_3d_sites2_pp2_trains_like_one_process(tmp_path):
         run = json.load(f)
     reference = _example_reference(_load_example())
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=1e-4, atol=2e-5)
-    merged = {}
-    for rank in range(LIGHTNING_ARGS["devices"]):
-        merged.update(torch.load(tmp_path / f"weights_rank{rank}.pt"))
+    merged = _merged_weights(tmp_path, LIGHTNING_ARGS["devices"])
     assert set(merged) == set(reference["params"])
     for name, value in merged.items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=2e-5, msg=name)
     assert run["wan"]["bytes_sent"] > 0
+
+
+MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel_script.py")
+
+
+@pytest.mark.timeout(400)
+def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_about_flat_wan(tmp_path):
+    """tests/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model."""
+    pytest.importorskip("lightning")
+    import tests._model_parallel_script as script
+    from tests._tiny_models import TinyGPT, loss_fn
+
+    out = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"})
+    assert "gradients cross the WAN flat" in out
+    with open(tmp_path / "run.json") as f:
+        run = json.load(f)
+    torch.manual_seed(0)  # seed_everything(0) before the module, as the script
+    model = TinyGPT(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    data = script.dataset(run["replicas"])
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))  # Lightning's shuffled sampler
+    rows, losses = script.ROWS_PER_REPLICA * run["replicas"], []
+    for step in range(script.STEPS):
+        x, y = data[order[step * rows : (step + 1) * rows]]
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), script.CLIP) > script.CLIP
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-4, atol=2e-5)
+    for name, value in _merged_weights(tmp_path, 4).items():
+        torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), rtol=1e-4, atol=2e-5)
 
 
 def test_parallel_3d_name_reads_layout_from_env_and_bad_sizes_fail_at_trainer(monkeypatch):
