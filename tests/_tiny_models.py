@@ -141,7 +141,8 @@ def parallel_run(rank: int, world: int, case: dict) -> dict:
     model = TinyGPT(case.get("layers", 2))
     pipeline = PipelineConfig(**case["pipeline"]) if "pipeline" in case else None
     kwargs = dict(
-        blocks=model.blocks(), tensor_parallel=case.get("tp"), pipeline=pipeline, wan=WanConfig(chunk_mb=0.001, streams=2)
+        blocks=model.blocks(), tensor_parallel=case.get("tp"), pipeline=pipeline,
+        wan=WanConfig(chunk_mb=0.001, streams=2, compression=case.get("compression", "none")),
     )
     if case.get("optimizer_first"):  # Accelerate's order: optimizer over the full model, then prepare both
         opt, sched = _optimizer(model.parameters())
