@@ -4,7 +4,8 @@ pipeline x tensor parallelism, registered as ``"parallel_3d"``. A thin adapter o
 What a LightningModule does with it:
 
 * ``configure_model``: apply tensor parallelism as with ``ModelParallelStrategy`` (``self.device_mesh`` answers to
-  ``"tensor_parallel"`` and ``"data_parallel"``), e.g. ``apply_tensor_parallel(blocks, self.device_mesh["tensor_parallel"])``.
+  ``"tensor_parallel"`` and ``"data_parallel"``), e.g.
+  ``apply_tensor_parallel(blocks, self.device_mesh["tensor_parallel"])``.
   Leave data parallelism to the strategy: it shards with FSDP2 inside each site and reduces replicas across sites
   hierarchically. (A ``configure_model`` that calls ``fully_shard`` itself still runs, without pipeline
   parallelism, but its gradients then cross sites flat, and the strategy warns.)

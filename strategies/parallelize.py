@@ -107,7 +107,7 @@ def parallelize(
     """Place ``model`` into the layout of ``mesh``, in place. Every rank must call it with the same model.
 
     Args:
-        model: the full model, identical on every rank (same seed), or on the meta device.
+        model: the full model, identical on every rank (same seed).
         mesh: from ``ParallelLayout.build_mesh``.
         blocks: the model's ordered blocks (submodules of ``model``): block 0 takes the input tensor, each next
             block the previous one's output, the last one's output goes to the loss. Required when
@@ -117,15 +117,18 @@ def parallelize(
         pipeline: schedule settings; default ``PipelineConfig()`` when pp > 1.
         wan: cross-site reduction settings; default ``WanConfig()``.
         wrap_root: make ``model`` the outer FSDP unit (its ``forward`` must be what runs); ``False`` wraps each
-            direct child with parameters instead (a LightningModule whose ``training_step`` calls children).
+            outermost submodule with parameters instead, looking into ``ModuleList``/``ModuleDict`` (a
+            LightningModule whose ``training_step`` calls its children). Ignored under pipeline parallelism.
         device: where stages run.
 
     Raises:
-        ValueError: before any change, when pp > 1 without blocks, blocks are not submodules of ``model``, or
-            the blocks cannot be split into the stages.
+        ValueError: before any change, when pp > 1 without blocks, blocks are not submodules of ``model``, the
+            blocks cannot be split into the stages, or (``wrap_root=False``) a module holds parameters directly.
     """
     layout = layout_of(mesh)
     names = _block_names(model, blocks or ())
+    if layout.pipeline_parallel_size == 1:
+        roots = [model] if wrap_root else _fsdp_roots(model)
     if layout.pipeline_parallel_size > 1:
         if not blocks:
             raise ValueError(
@@ -143,9 +146,6 @@ def parallelize(
         raise ValueError(f"tensor_parallel={tensor_parallel!r}: use None, 'transformer' or fn(model, tp_mesh).")
     topology = replicate_topology(mesh, wan)
     if layout.pipeline_parallel_size == 1:
-        roots = [model] if wrap_root else [c for c in model.children() if any(True for _ in c.parameters())]
-        if not wrap_root and any(True for _ in model.parameters(recurse=False)):
-            raise ValueError(f"{type(model).__name__} holds parameters directly; move them into a submodule.")
         for root in roots:
             units = [b for b in (blocks or ()) if b is not root and _is_within(b, root)]
             apply_data_parallel(root, mesh, units=units, topology=topology, wan=wan)
@@ -167,6 +167,21 @@ def _block_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
     if missing:
         raise ValueError(f"blocks {missing} are not submodules of {type(model).__name__}; declare its own modules.")
     return [where[id(b)] for b in blocks]
+
+
+def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
+    """The outermost submodules with parameters whose ``forward`` runs: containers are looked into."""
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(f"{type(module).__name__} holds parameters directly; move them into a submodule.")
+    roots = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # no forward of their own: FSDP cannot hook them
+            roots += _fsdp_roots(child)
+        else:
+            roots.append(child)
+    return roots
 
 
 def _is_within(module: nn.Module, root: nn.Module) -> bool:

@@ -78,7 +78,8 @@ def main() -> None:
     )
     replicas = trainer.strategy.layout.resolve(args.devices).dp_size
     trainer.fit(module, DataLoader(dataset(replicas), batch_size=ROWS_PER_REPLICA))
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in module.model.named_parameters()}
+    params = module.model.named_parameters()
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in params}
     torch.save(weights, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
     if trainer.global_rank == 0:
         with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:

@@ -130,6 +130,7 @@ def test_sites2_pp2_tp2_on_eight_ranks_trains_like_one_process_with_a_fraction_o
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt_3d.py")
 LIGHTNING_ARGS = dict(devices=4, sites=2, pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, hidden=16,
                       batch_size=4, max_steps=3, clip=0.05)
+LIGHTNING_LAYOUTS = {"sites2xpp2": dict(pp=2, tp=1), "sites2xtp2": dict(pp=1, tp=2)}
 
 
 def _load_example():
@@ -162,8 +163,8 @@ def _run_script(script: str, args: list[str], env: dict | None = None, timeout: 
     return out
 
 
-def _run_example(out_dir) -> str:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in LIGHTNING_ARGS.items()]
+def _run_example(out_dir, a: dict) -> str:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in a.items()]
     return _run_script(EXAMPLE, [*args, "--out", str(out_dir)])
 
 
@@ -174,11 +175,10 @@ def _merged_weights(out_dir, ranks: int) -> dict:
     return merged
 
 
-def _example_reference(example) -> dict:
+def _example_reference(example, a: dict) -> dict:
     """One process, plain PyTorch: same seed, model, optimizer, LR schedule, clipping; the global batches."""
     import lightning.pytorch as pl
 
-    a = LIGHTNING_ARGS
     pl.seed_everything(0)
     model = example.GPT(hidden=a["hidden"], layers=a["layers"], max_steps=a["max_steps"])
     config = model.configure_optimizers()
@@ -204,15 +204,18 @@ def _example_reference(example) -> dict:
 
 
 @pytest.mark.timeout(400)
-def test_lightning_parallel_3d_sites2_pp2_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("layout", list(LIGHTNING_LAYOUTS))
+def test_lightning_parallel_3d_example_trains_like_one_process(tmp_path, layout):
+    """examples/gpt_3d.py on 4 ranks: pipeline (pipeline_step) or tensor parallel (configure_model) x 2 sites."""
     pytest.importorskip("lightning")
-    out = _run_example(tmp_path)
+    args = {**LIGHTNING_ARGS, **LIGHTNING_LAYOUTS[layout]}
+    out = _run_example(tmp_path, args)
     assert "loss: first" in out
     with open(tmp_path / "run.json") as f:
         run = json.load(f)
-    reference = _example_reference(_load_example())
+    reference = _example_reference(_load_example(), args)
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=1e-4, atol=2e-5)
-    merged = _merged_weights(tmp_path, LIGHTNING_ARGS["devices"])
+    merged = _merged_weights(tmp_path, args["devices"])
     assert set(merged) == set(reference["params"])
     for name, value in merged.items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=2e-5, msg=name)
@@ -229,7 +232,8 @@ def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_abou
     import tests._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
 
-    out = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"})
+    env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"}
+    out = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], env)
     assert "gradients cross the WAN flat" in out
     with open(tmp_path / "run.json") as f:
         run = json.load(f)

@@ -18,7 +18,10 @@ INVALID = [
     # (kwargs, words the message must contain)
     (dict(num_sites=3, world_size=8), ["dp_shard cannot be inferred", "num_sites in [1, 2, 4, 8]"]),
     (dict(num_sites=2, dp_shard=3, tensor_parallel_size=2, world_size=8), ["= 12 ranks", "has 8", "dp_shard=2"]),
-    (dict(dp_shard=2, pipeline_parallel_size=2, tensor_parallel_size=4, world_size=8), ["= 16 ranks", "tensor_parallel_size=2"]),
+    (
+        dict(dp_shard=2, pipeline_parallel_size=2, tensor_parallel_size=4, world_size=8),
+        ["= 16 ranks", "tensor_parallel_size=2"],
+    ),
     (dict(dp_shard=-1, tensor_parallel_size="auto"), ["only one size can be inferred", "tensor_parallel_size"]),
     (dict(num_sites=-1, pipeline_parallel_size=-1), ["only one size can be inferred"]),
     (dict(tensor_parallel_size=0), ["tensor_parallel_size=0", "positive int"]),
