@@ -117,7 +117,11 @@ def _explicit_layout(sites: list[int | str | None], num_sites: int | None) -> Si
     site_ranks = tuple(tuple(r for r, s in enumerate(index) if s == site) for site in range(len(names)))
     empty = [names[s] for s, ranks in enumerate(site_ranks) if not ranks]
     if empty:
-        raise ValueError(f"site(s) {empty} have no ranks; every site needs at least one rank.")
+        given = f", num_sites={num_sites} from num_sites / {_env.NUM_SITES}" if num_sites is not None else ""
+        raise ValueError(
+            f"site(s) {empty} have no ranks (of {len(names)} sites{given}); every site needs at least one rank: fix "
+            f"num_sites or the sites given per rank (site= / {_env.SITE})."
+        )
     return SiteLayout(site_ranks=site_ranks, site_names=tuple(names))
 
 
