@@ -27,6 +27,8 @@ __all__: list[str] = [
     "CheckpointSaveError",
     "Checkpointer",
     "ModelState",
+    "MultiDCAccelerator",
+    "MultiDCPlugin",
     "ObjectStore",
     "ObjectStoreAuthError",
     "ObjectStoreCheckpointIO",
@@ -48,4 +50,8 @@ def __getattr__(name: str):
         from multidc.plugins.lightning_checkpoint_io import ObjectStoreCheckpointIO
 
         return ObjectStoreCheckpointIO
+    if name in ("MultiDCAccelerator", "MultiDCPlugin"):  # imports Accelerate (an optional extra): only when asked for
+        from multidc.plugins import accelerate
+
+        return getattr(accelerate, name)
     raise AttributeError(f"module 'multidc.plugins' has no attribute {name!r}")

@@ -12,6 +12,7 @@ An ordinary Accelerate loop trains across sites by swapping ``Accelerator`` for 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -98,8 +99,11 @@ class MultiDCAccelerator(Accelerator):
         plugin = multidc_plugin if multidc_plugin is not None else MultiDCPlugin()
         if not isinstance(plugin, MultiDCPlugin):
             raise ValueError(f"multidc_plugin must be a MultiDCPlugin, not {type(plugin).__name__}.")
+        if "cpu" not in accelerator_kwargs and _launched_without_device():
+            accelerator_kwargs["cpu"] = True
         super().__init__(*args, **accelerator_kwargs)
         self.multidc_plugin = plugin
+        _check_launch(self)
         if self.ddp_handler is not None and self.ddp_handler.comm_hook != DDPCommunicationHookType.NO:
             raise ValueError(
                 f"DistributedDataParallelKwargs(comm_hook={self.ddp_handler.comm_hook}) cannot be combined with "
@@ -159,3 +163,34 @@ class MultiDCAccelerator(Accelerator):
         if self.topology is not None:
             self.topology.close()  # before Accelerate destroys the process group
         super().end_training()
+
+
+def _launched_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _launched_without_device() -> bool:
+    """True when torchrun (``accelerate launch --multi_gpu`` / a ``MULTI_GPU`` config) started several processes on
+    a machine with no accelerator device.
+
+    Accelerate 1.15's torchrun launcher does not pass ``use_cpu`` / ``--cpu`` on to the processes (and ``--cpu``
+    selects the one-process launcher, which needs ``mpirun`` for more); each process would then train alone. On
+    such a machine gloo on the CPU is the only way the processes can train together, so it is chosen.
+    """
+    if "LOCAL_RANK" not in os.environ or _launched_world_size() < 2:
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    return not (accelerator.is_available() if accelerator is not None else torch.cuda.is_available())
+
+
+def _check_launch(accelerator: Accelerator) -> None:
+    world = _launched_world_size()
+    if world > 1 and accelerator.num_processes == 1:
+        raise ValueError(
+            f"the launcher started {world} processes (WORLD_SIZE={world}) but Accelerate runs this one alone "
+            f"(distributed_type={accelerator.distributed_type}), so they would not train together. On CPUs set "
+            f"ACCELERATE_USE_CPU=1 or leave `cpu` unset (MultiDCAccelerator then picks gloo on the CPU)."
+        )
