@@ -8,12 +8,18 @@ An ordinary Accelerate loop trains across sites by swapping ``Accelerator`` for 
     ...                                                # accumulate / backward / gather / save_state unchanged
     if accelerator.sync_gradients:
         accelerator.log(accelerator.wan_metrics(), step=step)
+
+With parallel sizes (``dp_shard``, ``pipeline_parallel_size``, ``tensor_parallel_size``; env ``MULTIDC_DP_SHARD``,
+``MULTIDC_PP_SIZE``, ``MULTIDC_TP_SIZE``) ``prepare`` places the model into a ``multidc.strategies.ParallelLayout``
+(site x pipeline x FSDP2 x tensor) instead of DDP; see ``MultiDCAccelerator``.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,13 +39,25 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Accelerate integration needs Accelerate: pip install 'multidc[accelerate]' (accelerate>=1.10)."
     ) from exc
 
+from multidc.plugins import _accelerate_parallel as _par
+
+if TYPE_CHECKING:  # multidc.strategies imports Lightning when installed: only the layout code path pays for it
+    from multidc.strategies import ParallelLayout, ParallelModel, PipelineConfig
+
+_SIZE_ENV = {"dp_replicate": _env.DP_REPLICATE, "dp_shard": _env.DP_SHARD,
+             "pipeline_parallel_size": _env.PP_SIZE, "tensor_parallel_size": _env.TP_SIZE}
+
 
 @dataclass(kw_only=True)
 class MultiDCPlugin:
-    """Where this process's site is and how gradients cross the WAN, for ``MultiDCAccelerator``.
+    """Where this process's site is, how gradients cross the WAN and (optionally) the parallel layout, for
+    ``MultiDCAccelerator``.
 
     Every field left at ``None`` falls back to its ``MULTIDC_*`` environment variable, so ``accelerate launch``
-    plus env works without code changes. Validated at construction.
+    plus env works without code changes. Validated at construction. With none of the four parallel sizes given
+    (argument or env) the layout is plain data parallelism: DDP with the hierarchical gradient hook, sites of any
+    sizes. Otherwise ``layout`` is a ``ParallelLayout`` with its defaults (``dp_shard`` inferred), as Lightning's
+    ``Parallel3DStrategy``.
     """
 
     num_sites: int | None = field(
@@ -51,12 +69,36 @@ class MultiDCPlugin:
     site: int | str | None = field(
         default=None, metadata={"help": "This process's site index or name, e.g. 'us-east'. Env MULTIDC_SITE."}
     )
-    """This process's site index or name (e.g. ``"us-east"``). Env ``MULTIDC_SITE``, read at topology build."""
+    """This process's site index or name (e.g. ``"us-east"``). Env ``MULTIDC_SITE``, read at topology build.
+    With a parallel layout sites are contiguous blocks: name them with ``MULTIDC_SITE`` or count them."""
 
     wan: WanConfig | None = field(
         default=None, metadata={"help": "WAN settings; default WanConfig() (env MULTIDC_WAN_*)."}
     )
     """WAN settings for the inter-site hop; default ``WanConfig()``, which reads ``MULTIDC_WAN_*``."""
+
+    dp_replicate: int | str | None = field(default=None, metadata={"help": "Replicas/site. Env MULTIDC_DP_REPLICATE."})
+    """Data-parallel replicas inside each site. Env ``MULTIDC_DP_REPLICATE``."""
+    dp_shard: int | str | None = field(default=None, metadata={"help": "FSDP2 shard degree. Env MULTIDC_DP_SHARD."})
+    """FSDP2 shard degree inside a site (``-1``/``"auto"``: inferred). Env ``MULTIDC_DP_SHARD``."""
+    pipeline_parallel_size: int | str | None = field(default=None, metadata={"help": "Stages. Env MULTIDC_PP_SIZE."})
+    """Pipeline stages. Env ``MULTIDC_PP_SIZE``."""
+    tensor_parallel_size: int | str | None = field(default=None, metadata={"help": "TP degree. Env MULTIDC_TP_SIZE."})
+    """Tensor-parallel degree. Env ``MULTIDC_TP_SIZE``."""
+    pipeline_schedule: str | None = field(default=None, metadata={"help": "gpipe|1f1b|interleaved_1f1b."})
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``. Env ``MULTIDC_PP_SCHEDULE``; default ``"1f1b"``."""
+    microbatches: int | None = field(default=None, metadata={"help": "Microbatches. Env MULTIDC_PP_MICROBATCHES."})
+    """Microbatches per pipeline step. Env ``MULTIDC_PP_MICROBATCHES``; default ``2 * pipeline_parallel_size``."""
+    split_points: Sequence[int] | None = field(default=None, metadata={"help": "Block indices where stages start."})
+    """Block indices where stages ``1..n-1`` start; default balanced by block count."""
+    tensor_parallel: str | Callable | None = field(default=None, metadata={"help": "None | 'transformer' | fn."})
+    """``None`` (tp = 1 or applied by you before ``prepare``), ``"transformer"`` (the common block plan on the
+    blocks, see ``multidc.strategies.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
+
+    layout: ParallelLayout | None = field(default=None, init=False)
+    """The validated (not yet resolved) layout, or ``None`` for plain data parallelism."""
+    pipeline: PipelineConfig | None = field(default=None, init=False)
+    """The validated pipeline settings (used when ``pipeline_parallel_size > 1``)."""
 
     def __post_init__(self) -> None:
         source = "MultiDCPlugin.num_sites"
@@ -71,23 +113,63 @@ class MultiDCPlugin:
             self.wan = WanConfig()
         elif not isinstance(self.wan, WanConfig):
             raise ValueError(f"MultiDCPlugin.wan must be a multidc.hierarchical.WanConfig, not {type(self.wan)}.")
+        tp = self.tensor_parallel
+        if tp is not None and tp != "transformer" and not callable(tp):
+            raise ValueError(f"MultiDCPlugin.tensor_parallel={tp!r}: use None, 'transformer' or fn(model, tp_mesh).")
+        sizes = {name: getattr(self, name) for name in _SIZE_ENV}
+        pipeline_args = (self.pipeline_schedule, self.microbatches, self.split_points)
+        if all(v is None and _env.read(_SIZE_ENV[name]) is None for name, v in sizes.items()):
+            if any(v is not None for v in pipeline_args):
+                raise ValueError(
+                    "MultiDCPlugin pipeline_schedule / microbatches / split_points need pipeline_parallel_size "
+                    f"(or {_env.PP_SIZE}) > 1."
+                )
+            return  # plain data parallelism: DDP + hierarchical hook, any site sizes
+        from multidc.strategies import ParallelLayout, PipelineConfig
+
+        self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
+                                       split_points=self.split_points)
+        if self.site is not None:
+            raise ValueError(
+                f"MultiDCPlugin.site={self.site!r} with a parallel layout: the layout's sites are contiguous blocks "
+                f"of ranks; give num_sites, or name each machine's site with {_env.SITE}."
+            )
+        self.layout = ParallelLayout(num_sites=self.num_sites, **sizes)
 
 
 class MultiDCAccelerator(Accelerator):
-    """An ``Accelerator`` whose prepared DDP models average gradients site-first, then across sites.
+    """An ``Accelerator`` that trains across sites: DDP with a hierarchical gradient hook, or a parallel layout.
 
-    ``prepare`` / ``prepare_model`` attach ``multidc.hierarchical.register_ddp_hook`` to every model Accelerate
-    wraps in ``DistributedDataParallel``; everything else is Accelerate's own (``accumulate`` and ``no_sync`` skip
-    the WAN on accumulation steps, ``backward``, ``gather``, ``save_state``, trackers).
+    **Data parallel (default).** ``prepare`` / ``prepare_model`` attach ``multidc.hierarchical.register_ddp_hook``
+    to every model Accelerate wraps in ``DistributedDataParallel``; the rest is Accelerate's own (``accumulate`` and
+    ``no_sync`` skip the WAN on accumulation steps, ``backward``, ``gather``, trackers).
+
+    **Parallel layout** (plugin sizes with pipeline, tensor or FSDP shard degree > 1). The constructor builds the
+    mesh (``device_mesh``; axes ``site, pp, dp_replicate, dp_shard, tp`` and aliases ``data_parallel``,
+    ``tensor_parallel``, ``pipeline_parallel``, ``replicate``). ``prepare(model, optimizer, loader, scheduler,
+    blocks=[...])`` puts the one model into the layout (``multidc.strategies.prepare_parallel``: TP, pipeline split,
+    FSDP2 with the hierarchical cross-site reduction) and rebinds its optimizers; ``blocks`` are the model's ordered
+    blocks (required with pipeline parallelism; default ``model.pipeline_blocks()`` when defined). Data loaders are
+    sharded by data-parallel replica, so TP/PP peers see the same batches; LR schedulers step once per replica.
+    What changes in the loop:
+
+    * ``loss = accelerator.pipeline_step(model, x, y, loss_fn)`` replaces forward + ``backward`` (it is both, for
+      every layout; under PP ``model(x)`` is not available on any one rank). Returns the detached batch loss,
+      identical on the ranks of a pipeline.
+    * ``accelerator.clip_grad_norm_`` clips by the global norm over every TP/FSDP shard and pipeline stage.
+    * Gradient accumulation (``accumulate`` / ``no_sync``) works without PP; with PP raise ``microbatches``.
 
     Args:
         *args: passed to ``Accelerator``.
-        multidc_plugin: site and WAN settings; default ``MultiDCPlugin()`` (``MULTIDC_*`` env).
-        **accelerator_kwargs: passed to ``Accelerator``. A DDP comm hook in ``kwargs_handlers``
-            (``DistributedDataParallelKwargs(comm_hook=...)``) is rejected: DDP takes one hook per model.
+        multidc_plugin: site, WAN and layout settings; default ``MultiDCPlugin()`` (``MULTIDC_*`` env).
+        **accelerator_kwargs: passed to ``Accelerator``. A DDP comm hook in ``kwargs_handlers`` is rejected (DDP
+            takes one hook per model). Without ``cpu``, a torchrun launch on a machine with no GPU uses the CPU.
 
     Attributes:
-        topology: the ``Topology`` over all processes (``None`` in a single-process run).
+        topology: the ``Topology`` over the gradient replicas (``None`` in a single-process run; with a layout,
+            set by ``prepare``); WAN counters in ``topology.wan_stats``.
+        device_mesh: the layout's ``DeviceMesh`` (``None`` for plain data parallelism).
+        parallel: the ``ParallelModel`` from ``prepare`` (layout only).
         hook_states: one ``HierarchicalHookState`` per prepared DDP model.
 
     Raises:
@@ -99,35 +181,96 @@ class MultiDCAccelerator(Accelerator):
         plugin = multidc_plugin if multidc_plugin is not None else MultiDCPlugin()
         if not isinstance(plugin, MultiDCPlugin):
             raise ValueError(f"multidc_plugin must be a MultiDCPlugin, not {type(plugin).__name__}.")
-        if "cpu" not in accelerator_kwargs and _launched_without_device():
+        if "cpu" not in accelerator_kwargs and _par.launched_without_device():
             accelerator_kwargs["cpu"] = True
         super().__init__(*args, **accelerator_kwargs)
+        _par.check_launch(self.num_processes, self.distributed_type)
         self.multidc_plugin = plugin
-        _check_launch(self)
         if self.ddp_handler is not None and self.ddp_handler.comm_hook != DDPCommunicationHookType.NO:
             raise ValueError(
                 f"DistributedDataParallelKwargs(comm_hook={self.ddp_handler.comm_hook}) cannot be combined with "
                 f"MultiDCAccelerator, which installs its own DDP comm hook. For WAN compression use "
                 f"MultiDCPlugin(wan=WanConfig(compression='bf16'|'int8')) or MULTIDC_WAN_COMPRESSION."
             )
-        self.topology: Topology | None = self._build_topology()
+        self.device_mesh = None
+        self.layout: ParallelLayout | None = None
+        self.parallel: ParallelModel | None = None
         self.hook_states: list[HierarchicalHookState] = []
         self._wan_meter: WanStepMeter | None = None
+        self.topology: Topology | None = None
+        self._build_layout() if plugin.layout is not None else self._build_topology()
 
-    def _build_topology(self) -> Topology | None:
+    def _build_topology(self) -> None:
         plugin = self.multidc_plugin
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return Topology.build(num_sites=plugin.num_sites, site=plugin.site, wan=plugin.wan)  # every rank
+            self.topology = Topology.build(num_sites=plugin.num_sites, site=plugin.site, wan=plugin.wan)
+            return
         if plugin.num_sites not in (None, 1):
             raise ValueError(
                 f"MultiDCAccelerator was asked for num_sites={plugin.num_sites} (num_sites / {_env.NUM_SITES}) but "
                 f"runs as a single process ({self.distributed_type}); start it with `accelerate launch "
                 f"--num_processes N ...` (N a multiple of {plugin.num_sites}) or unset {_env.NUM_SITES}."
             )
+
+    def _build_layout(self) -> None:
+        """Resolve the layout for this job; build the mesh when it is more than plain data parallelism."""
+        plugin = self.multidc_plugin
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"MultiDCPlugin sets a parallel layout ({plugin.layout}) but this is a single process "
+                f"({self.distributed_type}); start it with `accelerate launch --num_processes N ...`."
+            )
+        layout = _par.layout_with_named_sites(plugin.layout, plugin.num_sites is not None)
+        resolved = layout.resolve(dist.get_world_size())  # ValueError on every rank, naming what would fit
+        if (resolved.pipeline_parallel_size, resolved.tensor_parallel_size, resolved.dp_shard) == (1, 1, 1):
+            plugin.num_sites = resolved.num_sites  # plain data parallelism after all: DDP + hierarchical hook
+            return self._build_topology()
+        if resolved.pipeline_parallel_size > 1 and self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} with pipeline_parallel_size="
+                f"{resolved.pipeline_parallel_size}: the schedule already accumulates over microbatches; raise "
+                f"MultiDCPlugin.microbatches ({_env.PP_MICROBATCHES}) instead."
+            )
+        self.device_mesh = layout.build_mesh(self.device.type)
+        self.layout = resolved
         return None
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args, device_placement=None, blocks: Sequence[torch.nn.Module] | None = None):
+        """Accelerate's ``prepare``; with a parallel layout the model first goes into the layout (see the class
+        docstring), ``blocks`` being its ordered blocks."""
+        if self.device_mesh is None:
+            if blocks is not None:
+                raise ValueError("prepare(blocks=...) needs a parallel layout (MultiDCPlugin sizes); this run is DDP.")
+            return super().prepare(*args, device_placement=device_placement)
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        if len(models) > 1 or (models and self.parallel is not None):
+            raise ValueError("with a parallel layout MultiDCAccelerator prepares exactly one model.")
+        if models:
+            self._parallelize(models[0], [a for a in args if isinstance(a, torch.optim.Optimizer)], blocks)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
+        from multidc.strategies import prepare_parallel
+
+        plugin = self.multidc_plugin
+        if blocks is None and callable(getattr(model, "pipeline_blocks", None)):
+            blocks = model.pipeline_blocks()
+        if self.device_placement:
+            model.to(self.device)
+        self.parallel = prepare_parallel(
+            model, optimizers, self.device_mesh, blocks=blocks, tensor_parallel=plugin.tensor_parallel,
+            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device,
+        )
+        model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
+        self.topology = self.parallel.topology
+        if self.topology is not None:
+            self._wan_meter = WanStepMeter(self.topology.wan_stats, [])
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.device_mesh is not None:
+            return prepared
         ddp_model = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps the DDP module
         if isinstance(ddp_model, DistributedDataParallel):
             assert self.topology is not None, "a DDP model implies a multi-process run, which built a topology"
@@ -144,17 +287,93 @@ class MultiDCAccelerator(Accelerator):
                 )
         return prepared
 
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if self.device_mesh is None or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        from multidc.strategies import data_parallel_coordinate
+
+        index, size = data_parallel_coordinate(self.device_mesh)
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = _par.shard_data_loader(self, data_loader, index, size, placement, slice_fn_for_dispatch)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler):
+        prepared = super().prepare_scheduler(scheduler)
+        if self.device_mesh is None or isinstance(prepared, _par.ReplicaScheduler):
+            return prepared
+        replica = _par.ReplicaScheduler(
+            prepared.scheduler, prepared.optimizers, replicas=self.layout.dp_size,
+            step_with_optimizer=prepared.step_with_optimizer, split_batches=self.split_batches,
+        )
+        self._schedulers[self._schedulers.index(prepared)] = replica
+        return replica
+
+    # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         super().backward(loss, **kwargs)
         if self._wan_meter is not None:
             self._wan_meter.backward_done()
 
+    def pipeline_step(self, model, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of one batch, for every layout. Every rank must call it.
+
+        With pipeline parallelism the schedule runs every microbatch (``inputs`` / ``targets`` rows must divide by
+        ``microbatches``); otherwise ``accelerator.backward(loss_fn(model(inputs), targets))``.
+
+        Returns:
+            The batch's mean loss, detached (unscaled by gradient accumulation); under PP broadcast from the last
+            stage to every rank of the pipeline.
+        """
+        if self.parallel is None or self.parallel.pipeline is None:
+            loss = loss_fn(model(inputs), targets)
+            self.backward(loss)
+            return loss.detach()
+        loss = self.parallel.pipeline.step(inputs, targets, loss_fn)
+        if self._wan_meter is not None:
+            self._wan_meter.backward_done()
+        return loss
+
+    def pipeline_eval_step(self, model, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable):
+        """``pipeline_step`` without backward (evaluation), under ``torch.no_grad`` without PP."""
+        if self.parallel is None or self.parallel.pipeline is None:
+            with torch.no_grad():
+                return loss_fn(model(inputs), targets).detach()
+        return self.parallel.pipeline.eval_step(inputs, targets, loss_fn)
+
+    @contextmanager
+    def no_sync(self, model):
+        if self.parallel is None:
+            with super().no_sync(model):
+                yield
+            return
+        self.parallel.set_requires_gradient_sync(False)  # nothing crosses sites, nothing is reduce-scattered
+        try:
+            yield
+        finally:
+            self.parallel.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's ``clip_grad_norm_``; with a layout, by the global norm over every TP/FSDP shard and pipeline
+        stage (``multidc.strategies.clip_grad_norm_``), identical on every rank. Every rank must call it."""
+        if self.device_mesh is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        from multidc.strategies import clip_grad_norm_
+
+        self.unscale_gradients()
+        return clip_grad_norm_(list(parameters), max_norm, self.device_mesh, norm_type=norm_type)
+
     def wan_metrics(self) -> dict[str, float]:
         """This rank's WAN figures since the previous call; call once per optimizer step (when
         ``sync_gradients``) and pass to ``accelerator.log``. Keys: ``wan/bytes_sent`` (bytes), ``wan/comm_s``,
-        ``wan/MBps``, ``wan/wait_s`` (see ``multidc.hierarchical.stats.WanStepMeter``); ``{}`` before a DDP model
-        is prepared."""
-        return self._wan_meter.take() if self._wan_meter is not None else {}
+        ``wan/MBps``, ``wan/wait_s`` (see ``multidc.hierarchical.stats.WanStepMeter``; with a layout the FSDP
+        reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared."""
+        if self._wan_meter is None:
+            return {}
+        metrics = self._wan_meter.take()
+        if self.parallel is not None:
+            metrics["wan/wait_s"] = metrics["wan/comm_s"]
+        return metrics
 
     def end_training(self) -> None:
         if self._wan_meter is not None:
@@ -163,34 +382,3 @@ class MultiDCAccelerator(Accelerator):
         if self.topology is not None:
             self.topology.close()  # before Accelerate destroys the process group
         super().end_training()
-
-
-def _launched_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-def _launched_without_device() -> bool:
-    """True when torchrun (``accelerate launch --multi_gpu`` / a ``MULTI_GPU`` config) started several processes on
-    a machine with no accelerator device.
-
-    Accelerate 1.15's torchrun launcher does not pass ``use_cpu`` / ``--cpu`` on to the processes (and ``--cpu``
-    selects the one-process launcher, which needs ``mpirun`` for more); each process would then train alone. On
-    such a machine gloo on the CPU is the only way the processes can train together, so it is chosen.
-    """
-    if "LOCAL_RANK" not in os.environ or _launched_world_size() < 2:
-        return False
-    accelerator = getattr(torch, "accelerator", None)
-    return not (accelerator.is_available() if accelerator is not None else torch.cuda.is_available())
-
-
-def _check_launch(accelerator: Accelerator) -> None:
-    world = _launched_world_size()
-    if world > 1 and accelerator.num_processes == 1:
-        raise ValueError(
-            f"the launcher started {world} processes (WORLD_SIZE={world}) but Accelerate runs this one alone "
-            f"(distributed_type={accelerator.distributed_type}), so they would not train together. On CPUs set "
-            f"ACCELERATE_USE_CPU=1 or leave `cpu` unset (MultiDCAccelerator then picks gloo on the CPU)."
-        )

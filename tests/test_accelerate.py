@@ -73,17 +73,25 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Plain Accelerator; MultiDCAccelerator with MULTIDC_NUM_SITES=2; MultiDCAccelerator launched as two
-    machines of 2 processes, each naming its site with MULTIDC_SITE. Started together, 4 + 4 + 2x2 ranks."""
+def launches(tmp_path_factory):
+    """Every launch of this file, started together (they mostly wait on process start-up), then awaited:
+
+    plain Accelerator; MultiDCAccelerator with MULTIDC_NUM_SITES=2; MultiDCAccelerator as two machines of 2
+    processes, each naming its site with MULTIDC_SITE; the example; MULTIDC_NUM_SITES=3 (must fail).
+    Returns ``{name: (exit code, output, out dir)}``.
+    """
     tmp = tmp_path_factory.mktemp("accelerate")
-    dirs = {name: tmp / name for name in ("plain", "sites_env", "site_per_machine")}
+    dirs = {name: tmp / name for name in ("plain", "sites_env", "site_per_machine", "example", "bad_sites")}
     for d in dirs.values():
         d.mkdir()
     wan = {"MULTIDC_WAN_CHUNK_MB": "0.0005", "MULTIDC_WAN_STREAMS": "3"}
     procs = {
         "plain": launch([SCRIPT, "--out", str(dirs["plain"]), "--plain"], {"ACCELERATE_USE_CPU": "1"}, tmp),
         "sites_env": launch([SCRIPT, "--out", str(dirs["sites_env"])], {"MULTIDC_NUM_SITES": "2", **wan}, tmp),
+        "example": launch([EXAMPLE, "--steps", "15"], {}, tmp),
+        # monitor interval 2 s: torchrun lets every failing rank report before it stops the rest
+        "bad_sites": launch(["--monitor_interval", "2", SCRIPT, "--out", str(dirs["bad_sites"])],
+                            {"MULTIDC_NUM_SITES": "3"}, tmp),
     }
     port = _free_port()
     for machine, site in enumerate(("us-east", "eu-west")):
@@ -92,9 +100,19 @@ def runs(tmp_path_factory):
         procs[f"machine{machine}"] = launch([*machine_args, SCRIPT, "--out", str(dirs["site_per_machine"])],
                                             {"MULTIDC_SITE": site, **wan}, tmp)
     outputs = {name: finish(proc) for name, proc in procs.items()}
-    for name, (code, out) in outputs.items():
+    outputs["site_per_machine"] = outputs.pop("machine0")
+    code, out = outputs.pop("machine1")
+    assert code == 0, f"machine 1 failed:\n{out[-6000:]}"
+    return {name: (code, out, dirs[name]) for name, (code, out) in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    """The training runs compared below: ``{name: {"ranks": [per-rank report], "weights": rank 0's weights}}``."""
+    for name in ("plain", "sites_env", "site_per_machine"):
+        code, out, _ = launches[name]
         assert code == 0, f"{name} failed:\n{out[-6000:]}"
-    return {name: read_run(d) for name, d in dirs.items()}
+    return {name: read_run(launches[name][2]) for name in ("plain", "sites_env", "site_per_machine")}
 
 
 def test_accelerate_launch_config_starts_four_gloo_processes_for_both_accelerators(runs):
@@ -153,8 +171,8 @@ def test_wan_metrics_report_each_optimizer_steps_bytes(runs):
         assert all(m["wan/comm_s"] > 0 and m["wan/MBps"] > 0 for m in rank["metrics"])
 
 
-def test_example_prints_falling_loss_and_wan_metrics(tmp_path):
-    code, out = finish(launch([EXAMPLE, "--steps", "15"], {}, tmp_path))
+def test_example_prints_falling_loss_and_wan_metrics(launches):
+    code, out, _ = launches["example"]
     assert code == 0, out[-6000:]
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     losses = [float(line.split("loss")[1].split()[0]) for line in lines]
@@ -163,15 +181,14 @@ def test_example_prints_falling_loss_and_wan_metrics(tmp_path):
     assert "site_sizes=[2, 2]" in out
 
 
-def test_bad_num_sites_fails_every_rank_of_the_launch_before_training(tmp_path):
+def test_bad_num_sites_fails_every_rank_of_the_launch_before_training(launches):
     """MULTIDC_NUM_SITES=3 with 4 processes: every rank raises the same ValueError while constructing the
-    accelerator (monitor interval 2 s: torchrun lets every rank report before it stops the rest)."""
-    args = ["--monitor_interval", "2", SCRIPT, "--out", str(tmp_path)]
-    code, out = finish(launch(args, {"MULTIDC_NUM_SITES": "3"}, tmp_path))
+    accelerator, before training."""
+    code, out, out_dir = launches["bad_sites"]
     assert code != 0
     message = r"^\[rank(\d)\]: ValueError: 4 ranks cannot be split into num_sites=3 equal contiguous sites"
     assert {int(m) for m in re.findall(message, out, flags=re.MULTILINE)} == {0, 1, 2, 3}, out[-6000:]
-    assert not list(tmp_path.glob("rank*.json")), "no rank may start training"
+    assert not list(out_dir.glob("rank*.json")), "no rank may start training"
 
 
 @pytest.mark.parametrize("kwargs,message", [

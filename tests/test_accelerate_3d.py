@@ -1,0 +1,207 @@
+"""MultiDCAccelerator with a parallel layout (pipeline / FSDP2 shards / tensor parallel, across 2 sites) against
+one-process training with the same seed and data.
+
+4 gloo ranks (spawned, torchrun-style environment) run every case in one spawn: an ordinary Accelerate loop where
+``accelerator.pipeline_step`` replaces forward + backward. Tolerance (fp32, 3 steps): rtol 1e-4, atol 2e-5 on
+losses (mean over data-parallel replicas), global gradient norms and every weight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from tests._dist import run_ranks  # noqa: E402
+from tests._tiny_models import EVAL_ROWS, TinyGPT, _optimizer, assert_parity, batch, loss_fn  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
+WAN_ENV = {"MULTIDC_WAN_CHUNK_MB": "0.001", "MULTIDC_WAN_STREAMS": "2"}
+CASES = {
+    # sizes as plugin arguments; dp_shard inferred (2)
+    "pp2xdp_shard2": dict(plugin=dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2), dp=2),
+    # sizes from the environment, as under `accelerate launch`
+    "sites2xdp_shard2": dict(env={"MULTIDC_NUM_SITES": "2", "MULTIDC_DP_SHARD": "2", **WAN_ENV}, dp=4),
+    "sites2xtp2": dict(env={"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2", **WAN_ENV},
+                       plugin=dict(tensor_parallel="transformer"), dp=2),
+}
+ERROR_CASES = {
+    "pp3_on_4_ranks": dict(env={"MULTIDC_PP_SIZE": "3"}),
+    "pp2_without_blocks": dict(plugin=dict(pipeline_parallel_size=2), no_blocks=True, dp=2),
+}
+
+
+def reference(dp: int) -> dict:
+    """One process, plain PyTorch, global batches; the LR scheduler steps once per data-parallel replica per
+    optimizer step, as Accelerate's prepared scheduler does without split_batches."""
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    opt, sched = _optimizer(model.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, GLOBAL_BATCH)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        for _ in range(dp):
+            sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    x, y = batch(99, GLOBAL_BATCH)
+    with torch.no_grad():
+        eval_loss = loss_fn(model(x[:EVAL_ROWS]), y[:EVAL_ROWS]).item()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "eval_loss": eval_loss, "lr": sched.get_last_lr()}
+
+
+def _train(accelerator, case: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from multidc.strategies import data_parallel_coordinate
+
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    opt, sched = _optimizer(model.parameters())
+    x, y = zip(*(batch(step, GLOBAL_BATCH) for step in range(STEPS)))
+    loader = DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), batch_size=GLOBAL_BATCH // case["dp"])
+    blocks = None if case.get("no_blocks") else model.blocks()
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched, blocks=blocks)
+    out = {"losses": [], "norms": [], "wan_per_step": [], "first_rows": None}
+    for x, y in loader:
+        out["first_rows"] = x if out["first_rows"] is None else out["first_rows"]
+        out["losses"].append(accelerator.pipeline_step(model, x, y, loss_fn).item())
+        out["norms"].append(accelerator.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out["wan_per_step"].append(accelerator.wan_metrics().get("wan/bytes_sent"))
+    x, y = batch(99, GLOBAL_BATCH)
+    out["eval_loss"] = accelerator.pipeline_eval_step(model, x[:EVAL_ROWS], y[:EVAL_ROWS], loss_fn).item()
+    out["params"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                     for n, p in model.named_parameters()}
+    out["dp_rank"] = data_parallel_coordinate(accelerator.device_mesh)[0]
+    out["mesh"] = (accelerator.device_mesh.mesh_dim_names, tuple(accelerator.device_mesh.shape))
+    out["lr"] = sched.get_last_lr()
+    if accelerator.topology is not None:  # after the compared state: a no_sync micro-step must not touch the WAN
+        before = accelerator.topology.wan_stats.snapshot()["bytes_sent"]
+        with accelerator.no_sync(model):
+            accelerator.pipeline_step(model, x, y, loss_fn)
+        out["no_sync_bytes"] = accelerator.topology.wan_stats.snapshot()["bytes_sent"] - before
+    return out
+
+
+def _run_case(case: dict) -> dict:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from multidc.plugins import MultiDCAccelerator, MultiDCPlugin
+
+    env = case.get("env", {})
+    os.environ.update(env)
+    accelerator = None
+    try:
+        accelerator = MultiDCAccelerator(multidc_plugin=MultiDCPlugin(**case.get("plugin", {})))
+        return _train(accelerator, case)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    finally:
+        for key in env:
+            del os.environ[key]
+        if accelerator is not None and accelerator.topology is not None:
+            accelerator.topology.close()
+        AcceleratorState._reset_state(reset_partial_state=True)  # next case: a fresh Accelerator, same group
+        GradientState._reset_state()
+
+
+def _all_cases(rank, world):
+    return {name: _run_case(case) for name, case in {**CASES, **ERROR_CASES}.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"} for r in range(4)]
+    per_rank = run_ranks(_all_cases, 4, env=env, timeout=200)
+    return {name: [ranks[name] for ranks in per_rank] for name in {**CASES, **ERROR_CASES}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_trains_like_one_process(results, name):
+    ranks = results[name]
+    assert all("error" not in r for r in ranks), ranks[0].get("error")
+    ref = reference(CASES[name]["dp"])
+    assert_parity(ranks, ref)
+    for r in ranks:
+        assert r["lr"] == pytest.approx(ref["lr"], rel=1e-6), "the scheduler must step once per replica"
+
+
+def test_mesh_is_exposed_with_the_layout_sizes(results):
+    axes = ("site", "pp", "dp_replicate", "dp_shard", "tp")
+    assert results["pp2xdp_shard2"][0]["mesh"] == (axes, (1, 2, 1, 2, 1))
+    assert results["sites2xdp_shard2"][0]["mesh"] == (axes, (2, 1, 1, 2, 1))
+    assert results["sites2xtp2"][0]["mesh"] == (axes, (2, 1, 1, 1, 2))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_batches_follow_the_data_parallel_coordinate_not_the_rank(results, name):
+    by_replica: dict[int, torch.Tensor] = {}
+    for r in results[name]:
+        first = by_replica.setdefault(r["dp_rank"], r["first_rows"])
+        assert torch.equal(first, r["first_rows"]), "TP/PP peers of one replica must get the same batch"
+    assert len(by_replica) == CASES[name]["dp"]
+    rows = GLOBAL_BATCH // CASES[name]["dp"]
+    x, _ = batch(0, GLOBAL_BATCH)
+    for index, first in by_replica.items():
+        assert torch.equal(first, x[index * rows : (index + 1) * rows])
+
+
+@pytest.mark.parametrize("name", ["sites2xdp_shard2", "sites2xtp2"])
+def test_replicas_cross_sites_through_the_wan_path_and_no_sync_sends_nothing(results, name):
+    for r in results[name]:
+        assert all(b and b > 0 for b in r["wan_per_step"]), r["wan_per_step"]
+        assert r["no_sync_bytes"] == 0
+
+
+@pytest.mark.parametrize("name,words", [
+    ("pp3_on_4_ranks", ["pipeline_parallel_size=3", "does not divide 4"]),
+    ("pp2_without_blocks", ["pipeline_parallel_size=2 needs the model's ordered blocks"]),
+])
+def test_bad_layouts_fail_on_every_rank_with_a_clear_error(results, name, words):
+    for r in results[name]:
+        assert "error" in r, f"{name} must fail"
+        for word in words:
+            assert word in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("kwargs,env,message", [
+    (dict(tensor_parallel="megatron"), {}, "tensor_parallel='megatron'"),
+    (dict(pipeline_schedule="1f1b"), {}, "need pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="zigzag"), {}, "schedule='zigzag' is not supported"),
+    (dict(pipeline_parallel_size=2, microbatches=0), {}, "microbatches=0 must be a positive int"),
+    (dict(dp_shard=2, site="us-east"), {}, "site='us-east' with a parallel layout"),
+    (dict(), {"MULTIDC_PP_SIZE": "two"}, "pipeline_parallel_size='two' (from MULTIDC_PP_SIZE)"),
+    (dict(tensor_parallel_size=0), {}, "tensor_parallel_size=0"),
+])
+def test_plugin_rejects_bad_layout_settings(monkeypatch, kwargs, env, message):
+    from multidc.plugins import MultiDCPlugin
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as info:
+        MultiDCPlugin(**kwargs)
+    assert message in str(info.value)
+
+
+def test_plugin_layout_is_plain_data_parallel_unless_a_size_is_given(monkeypatch):
+    from multidc.plugins import MultiDCPlugin
+
+    assert MultiDCPlugin(num_sites=2).layout is None
+    monkeypatch.setenv("MULTIDC_PP_SIZE", "2")
+    monkeypatch.setenv("MULTIDC_PP_MICROBATCHES", "4")
+    plugin = MultiDCPlugin(num_sites=2)
+    assert plugin.layout.resolve(8).sizes["dp_shard"] == 2 and plugin.layout.num_sites == 2
+    assert plugin.pipeline.microbatches == 4 and plugin.pipeline.schedule == "1f1b"
