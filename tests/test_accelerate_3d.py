@@ -289,3 +289,19 @@ def test_local_directories_keep_accelerates_format_unless_opted_in(checkpoints):
     assert "model.safetensors" in local["plain_files"] and not any(f.startswith("step_") for f in local["plain_files"])
     assert local["sharded"] == [0] and local["where"].endswith("/step_0000000000")
     assert local["found"] == 0, "load_state of a local multidc checkpoint root goes through multidc"
+
+
+def test_single_process_save_state_to_a_file_url_round_trips(tmp_path):
+    """``python train.py`` (no launcher, no process group): save_state / load_state through multidc still work."""
+    from tests._accelerate_ckpt import fresh_accelerator, prepared, train
+
+    url = f"file://{tmp_path}/run"
+    with fresh_accelerator(step_scheduler_with_optimizer=False) as acc:
+        unbroken = train(acc, *prepared(acc, range(3)), save_at={1: (url, True)})
+    with fresh_accelerator(step_scheduler_with_optimizer=False) as acc:
+        model, opt, loader, sched = prepared(acc, range(1, 3))
+        assert acc.load_state(url).step == 1
+        resumed = train(acc, model, opt, loader, sched, first_step=1)
+    assert unbroken["committed"] == [1]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(unbroken["losses"][1:]), rtol=0, atol=0)
+    _assert_close_params([resumed], unbroken["params"])
