@@ -8,6 +8,10 @@ and chunk ``i-1`` is gathered; up to ``WanConfig.streams`` WAN transfers are in 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
+import socket
+import struct
 import time
 
 import torch
@@ -24,7 +28,13 @@ OPS = ("sum", "avg")
 
 
 class WanError(RuntimeError):
-    """A transfer between sites failed or timed out; the message names the sites and the rail."""
+    """A hierarchical collective failed or timed out because of the WAN between sites.
+
+    The message names the sites, the rail link (the ranks at both ends, this end's interface and address) and
+    whether it timed out (after ``WanConfig.timeout_s``) or the connection broke. After it, the topology is
+    unusable: every later collective on it fails at once with the same error (the process groups may hold
+    unmatched operations). Restart the job; it resumes from the last committed checkpoint.
+    """
 
 
 def all_reduce(
@@ -52,7 +62,8 @@ def all_reduce(
         ``None``, or the future when ``async_op``.
     """
     wan = _check(tensor, topology, wan, op)
-    future = submit(tensor, topology, wan, op=op)
+    # The executor's own future: ``wait()`` raises the WanError itself (``submit`` wraps it for C++ callers).
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, None))
     if async_op:
         return future
     future.wait()
@@ -67,8 +78,18 @@ def submit(
     op: str,
     residual: torch.Tensor | None = None,
 ) -> torch.futures.Future:
-    """Queue a checked all-reduce on the topology's worker thread. ``residual``: see ``residual_numel``."""
-    return topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual))
+    """Queue a checked all-reduce on the topology's worker thread. ``residual``: see ``residual_numel``.
+
+    For framework hooks (DDP, FSDP): the returned future fails at the C++ level when the all-reduce fails, so
+    DDP's reducer raises ``RuntimeError("... WanError: <message>")`` from ``backward`` instead of failing to
+    read the error object as a tensor.
+    """
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual))
+    return future.then(_value)
+
+
+def _value(future: torch.futures.Future):
+    return future.value()  # re-raises the job's exception inside ``then``: the chained future gets an error
 
 
 def residual_numel(numel: int, element_size: int, topology: Topology, wan: WanConfig) -> int:
@@ -118,7 +139,11 @@ class _Pipeline:
         self.topo = topology
         self.codec = get_codec(wan.compression)
         self.streams = wan.streams
+        self.timeout_s = wan.timeout_s
         self.timeout = datetime.timedelta(seconds=wan.timeout_s)
+        # A wait inside the site may include a peer's full WAN wait; the grace lets that peer report the WAN
+        # timeout first (the more precise message) while still bounding every wait of the collective.
+        self.site_timeout = datetime.timedelta(seconds=wan.timeout_s + _site_grace_s(wan.timeout_s))
         self.chunks = plan_chunks(flat.numel(), flat.element_size(), wan.chunk_mb, topology.num_rails)
         self.residual = residual if self.codec is not None else None
         offsets = [0]
@@ -148,7 +173,7 @@ class _Pipeline:
             self._finish_wan(finished)
             finished += 1
         state = self.state[i]
-        _wait(state.pop("works"))
+        self._wait_in_site(state.pop("works"), i, "reduce")
         if self.topo.rail is None:
             return finished
         shard = state["shard"]
@@ -223,7 +248,7 @@ class _Pipeline:
 
     def _finish_in_site(self, i: int, chunk: Chunk) -> None:
         state = self.state[i]
-        _wait(state.pop("works"))
+        self._wait_in_site(state.pop("works"), i, "share")
         if chunk.padded:
             self.flat[chunk.start : chunk.end].copy_(state["buffer"][: chunk.numel])
 
@@ -234,15 +259,77 @@ class _Pipeline:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            names = ", ".join(self.topo.layout.site_names)
-            raise WanError(
-                f"WAN transfer of chunk {i} between sites [{names}] on rail {self.topo.rail} "
-                f"(rank {self.topo.rank}, site {self.topo.site_name!r}) failed or exceeded "
-                f"timeout_s={self.timeout.total_seconds():g}: {exc}. Check the inter-site link and that every "
-                f"site runs the same step."
-            ) from exc
+            raise WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc)) from exc
+
+    def _wait_in_site(self, works: list, i: int, what: str) -> None:
+        for work in works:
+            try:
+                work.wait(self.site_timeout)
+            except RuntimeError as exc:
+                seconds = self.site_timeout.total_seconds()
+                raise WanError(_site_message(self.topo, seconds, i, len(self.chunks), what, exc)) from exc
 
 
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
+def _site_grace_s(timeout_s: float) -> float:
+    return min(30.0, max(2.0, 0.2 * timeout_s))
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _sites(topo: Topology) -> str:
+    names = [repr(name) for name in topo.layout.site_names]
+    if len(names) == 2:
+        return f"site {names[0]} and site {names[1]}"
+    return f"sites {', '.join(names[:-1])} and {names[-1]}"
+
+
+def _rail_link(topo: Topology) -> str:
+    """``the rail-0 link (rank 0 of site '0' <-> rank 2 of site '1'; this end: interface wan0 10.213.0.10)``."""
+    ends = " <-> ".join(f"rank {r} of site {topo.layout.site_names[topo.layout.site_of(r)]!r}"
+                        for r in topo.layout.rail_ranks(topo.rail))
+    return f"the rail-{topo.rail} link ({ends}; this end: {_local_interface()})"
+
+
+def _local_interface() -> str:
+    """The interface gloo uses (``GLOO_SOCKET_IFNAME``) and its IPv4 address, as far as they can be told."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if not name:
+        return f"host {socket.gethostname()} (GLOO_SOCKET_IFNAME unset)"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        return f"interface {name} {socket.inet_ntoa(packed[20:24])}"
+    except OSError:
+        return f"interface {name}"
+
+
+_ADVICE = ("Check the network between the sites (`multidc doctor` measures it), then restart the job with the "
+           "same command: it resumes from the last committed checkpoint. If the link is only slow or a site "
+           "regularly lags (checkpointing, data loading), raise WanConfig.timeout_s / MULTIDC_WAN_TIMEOUT_S.")
+
+
+def _wan_message(topo: Topology, timeout_s: float, i: int, chunks: int, exc: BaseException) -> str:
+    me, link = f"rank {topo.rank} (site {topo.site_name!r})", _rail_link(topo)
+    if _timed_out(exc):
+        what = (f"timed out after {timeout_s:g} s: {me} got no data for chunk {i + 1}/{chunks} over {link}. "
+                "The link between the sites is down or congested, or a rank of another site stopped.")
+    else:
+        what = (f"failed: {me} lost the connection during chunk {i + 1}/{chunks} over {link}. A rank of "
+                "another site died or the link was reset.")
+    return f"WAN collective between {_sites(topo)} {what} {_ADVICE} [gloo: {exc}]"
+
+
+def _site_message(topo: Topology, seconds: float, i: int, chunks: int, what: str, exc: BaseException) -> str:
+    peers = [r for r in topo.layout.site_ranks[topo.site] if r != topo.rank]
+    role = f"on rail {topo.rail}" if topo.rail is not None else "not on a WAN rail"
+    task = f"{'reduce' if what == 'reduce' else 'hand over the WAN result of'} chunk {i + 1}/{chunks}"
+    if _timed_out(exc):
+        head = f"waited {seconds:g} s for ranks {peers} of its own site to {task}"
+    else:
+        head = f"lost the connection to ranks {peers} of its own site while waiting for them to {task}"
+    return (f"WAN collective between {_sites(topo)} stalled inside site {topo.site_name!r}: rank {topo.rank} "
+            f"({role}) {head}. Those ranks wait on (or failed) the WAN transfer between the sites, or one of them "
+            f"died. {_ADVICE} [gloo: {exc}]")
