@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
+from multidc.strategies._checkpointing import CheckpointingMixin
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 # DDPStrategy arguments that would install a second comm hook; DDP accepts only one per model.
@@ -85,10 +86,14 @@ class _HierarchicalSync:
             self.topology.close()  # the worker thread; groups stay valid and the next fit reuses them
 
 
-class HierarchicalDDPStrategy(_HierarchicalSync, DDPStrategy):
+class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy):
     """Lightning ``DDPStrategy`` whose gradient all-reduce is hierarchical: site first, then the WAN.
 
-    Everything else is Lightning's DDP (launchers, ``no_sync`` during gradient accumulation, checkpointing). The
+    Checkpoints go through multidc's ``Checkpointer`` to any fsspec URL (``default_root_dir`` /
+    ``ModelCheckpoint(dirpath=...)`` / ``ckpt_path`` may be ``s3://...``): every rank uploads a stripe of the
+    replicated state, one copy is stored, a commit marker makes it loadable, and it loads into another world size
+    or site layout; ``ckpt_path="last"`` is the newest committed one (see ``multidc.strategies._checkpointing``).
+    Everything else is Lightning's DDP (launchers, ``no_sync`` during gradient accumulation). The
     WAN figures of every optimizer step are logged with ``LightningModule.log``: ``wan/bytes_sent``,
     ``wan/comm_s``, and ``wan/MBps`` / ``wan/wait_s`` also in the progress bar (see ``WanStepMeter``), as this
     rank sees them (rank 0's in the logger).
@@ -98,9 +103,14 @@ class HierarchicalDDPStrategy(_HierarchicalSync, DDPStrategy):
             unless ``MULTIDC_SITE`` is set per node (see ``multidc.hierarchical.Topology.build``).
         site: this process's site index or name; default env ``MULTIDC_SITE``.
         wan: WAN settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+        checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
+            save and the end of ``fit`` wait for it and raise its error.
+        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
+            default the standard AWS environment / config. Never logged.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, ``find_unused_parameters``, ...). Comm-hook arguments are rejected:
-            this strategy installs its own.
+            this strategy installs its own. A ``checkpoint_io`` (here or in ``Trainer(plugins=...)``) brings back
+            Lightning's single-file checkpoints written by rank 0.
 
     Raises:
         ValueError: bad settings, at construction; a layout that cannot split the ranks, at ``Trainer(...)``
@@ -115,11 +125,17 @@ class HierarchicalDDPStrategy(_HierarchicalSync, DDPStrategy):
         num_sites: int | None = None,
         site: int | str | None = None,
         wan: WanConfig | None = None,
+        checkpoint_async: bool = False,
+        checkpoint_storage_options: dict | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         _reject_hook_args(ddp_kwargs)
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan)
+        self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
+
+    def _sharded_checkpoints(self) -> bool:
+        return self._checkpoint_io is None  # a user's CheckpointIO: Lightning's rank-0 single-file checkpoints
 
     def _configure_launcher(self) -> None:
         self._check_site_split(self.num_nodes * self.num_processes)

@@ -52,10 +52,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
+from multidc.strategies._checkpointing import CheckpointingMixin
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 
-class Parallel3DStrategy(ModelParallelStrategy):
+class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -65,7 +66,14 @@ class Parallel3DStrategy(ModelParallelStrategy):
         pipeline_schedule, microbatches, stages_per_rank, split_points: see ``PipelineConfig`` (env
             ``MULTIDC_PP_SCHEDULE`` / ``MULTIDC_PP_MICROBATCHES``).
         wan: cross-site reduction settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
-        save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
+        checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
+            save and the end of ``fit`` wait for it and raise its error.
+        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
+            default the standard AWS environment / config. Never logged.
+        save_distributed_checkpoint: ``True``: sharded checkpoints through multidc's ``Checkpointer`` to any
+            fsspec URL (``s3://...``), loadable into another layout, ``ckpt_path="last"`` = newest committed (see
+            ``multidc.strategies._checkpointing``). ``False``: ``ModelParallelStrategy``'s full single file.
+        process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     Raises:
         ValueError: bad sizes at construction; sizes that do not multiply to ``devices x num_nodes`` when the
@@ -87,6 +95,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         stages_per_rank: int | None = None,
         split_points: Sequence[int] | None = None,
         wan: WanConfig | None = None,
+        checkpoint_async: bool = False,
+        checkpoint_storage_options: dict | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -110,6 +120,10 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.parallel: ParallelModel | None = None
         self.wan_meter: WanStepMeter | None = None
         self._parked_grads: list | None = None
+        self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
+
+    def _sharded_checkpoints(self) -> bool:
+        return self._save_distributed_checkpoint
 
     @property
     def topology(self):

@@ -1,0 +1,373 @@
+"""Lightning checkpoints through multidc's :class:`~multidc.plugins.Checkpointer`, for both multidc strategies.
+
+A Lightning checkpoint path ``P`` (``ModelCheckpoint``'s ``<dirpath>/<name>.ckpt``, or ``trainer.save_checkpoint(P)``;
+``s3://...``, ``file://...``, a local path, any fsspec URL) is a *directory* checkpoint, as Lightning's
+``ModelParallelStrategy`` writes for sharded state. ``P`` is a Checkpointer root that keeps one committed
+checkpoint, named by the global step::
+
+    <dirpath>/last.ckpt/step_0000000008/data/rank00000.distcp ...   every rank's share (replicas striped)
+    <dirpath>/last.ckpt/step_0000000008/COMMIT.json                  written last: makes it loadable
+
+Saving ``P`` again (``last.ckpt`` every few steps) writes a new step folder and deletes the previous one only
+after the new one committed, so a crash mid-save leaves the previous checkpoint loadable. What is stored:
+the model and optimizer states as this rank holds them (DTensor shards under FSDP2/TP, the local stages under
+pipeline parallelism; FQN keys, so any later layout reshards them), every rank's RNG streams, and rank 0's
+remaining Lightning dict (loops, callbacks, LR schedulers, hyper-parameters) as one blob read back with torch's
+safe unpickler.
+
+``trainer.fit(ckpt_path="last")`` with a multidc strategy resolves to the newest committed checkpoint under each
+``ModelCheckpoint`` directory (half-written ones have no ``COMMIT.json`` and are never candidates): importing
+this module wraps ``ModelCheckpoint._find_last_checkpoints``, for multidc strategies only.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
+from multidc.plugins.object_store import ObjectStore
+
+try:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
+    ) from exc
+
+COMMIT = "COMMIT.json"
+_MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
+_OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: pipeline stages never collide
+
+
+def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The model state as this rank holds it (DTensor shards stay shards), keyed by fully qualified names."""
+    return get_model_state_dict(module)
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer) -> dict[str, Any]:
+    """The optimizer state as this rank holds it, flattened to per-parameter keys (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``), so stages and shards of different ranks never write the same key."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+
+
+def locate(path) -> tuple[str, str]:
+    """``(Checkpointer root, which)`` for a Lightning checkpoint path, one of its step folders, or its commit file."""
+    text = str(path).rstrip("/")
+    if text.endswith(f"/{COMMIT}"):
+        text = text[: -len(COMMIT) - 1]
+    root, _, leaf = text.rpartition("/")
+    if root and leaf.startswith("step_") and leaf[5:].isdigit():
+        return root, leaf
+    return text, "latest"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class LightningCheckpoints:
+    """Save, load, remove and find Lightning checkpoints as multidc checkpoints. Framework-thin: the strategy
+    passes in what it holds. ``save``/``load``/``remove``/``wait``/``close`` are collective (every rank calls them
+    with the same path, as Lightning does); ``find_last`` is not.
+
+    Args:
+        async_save: upload in the background; training blocks only for the host-memory snapshot. The next save,
+            load, removal or ``close`` (strategy teardown) waits for it and raises its error.
+        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); default the standard
+            AWS environment / config. Never logged.
+    """
+
+    def __init__(self, *, async_save: bool = False, storage_options: dict | None = None) -> None:
+        if not isinstance(async_save, bool):
+            raise ValueError(f"checkpoint_async={async_save!r} must be True or False.")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ValueError(
+                f"checkpoint_storage_options must be a dict of fsspec options, not {type(storage_options).__name__}."
+            )
+        self.async_save, self.storage_options = async_save, storage_options
+        self._open: OrderedDict[str, Checkpointer] = OrderedDict()
+        self._pending: SaveHandle | None = None
+        self._deferred: list[str] = []  # removals waiting for the pending save to commit
+
+    def __getstate__(self) -> dict:  # spawn launchers pickle the strategy: nothing is open before launch
+        return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": []}
+
+    # ------------------------------------------------------------------ save
+    def save(self, checkpoint: dict[str, Any], path) -> None:
+        """Save a Lightning checkpoint dict whose ``state_dict`` / ``optimizer_states`` came from
+        :func:`model_state_dict` / :func:`optimizer_state_dict`, as checkpoint ``global_step`` under ``path``."""
+        self.wait()
+        root = str(path).rstrip("/")
+        step = int(checkpoint.get("global_step") or 0)
+        ckpt = self._checkpointer(root)
+        ckpt.comm.raise_if_any(self._make_room, ckpt, step)
+        optimizers = checkpoint.get(_OPTIMIZERS) or []
+        state = {_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)},
+                 _RNG: RNGState()}
+        if ckpt.comm.rank == 0:  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters
+            rest = {k: v for k, v in checkpoint.items() if k not in (_MODEL, _OPTIMIZERS)}
+            buffer = io.BytesIO()
+            torch.save({"checkpoint": rest, "optimizers": len(optimizers)}, buffer)
+            state[_LIGHTNING] = buffer.getvalue()
+        handle = ckpt.save(state, step=step, async_save=self.async_save)  # sync: committed (or raised) here
+        self._pending = handle if self.async_save else None
+
+    def _make_room(self, ckpt: Checkpointer, step: int) -> None:
+        """Rank 0: a single-file checkpoint of the same path goes, so do committed steps >= ``step`` (the same
+        step saved again, or a run rewound to an earlier checkpoint): ``latest`` must be this save."""
+        if ckpt.comm.rank != 0:
+            return
+        store = ckpt.store
+        if store.fs.isfile(store.path("")):
+            store.delete("")
+        for info in ckpt.list():
+            if info.step >= step:
+                store.delete(f"{info.name}/{COMMIT}")
+                store.delete_tree(info.name)
+
+    # ------------------------------------------------------------------ load
+    def load(self, path, *, module: torch.nn.Module, optimizers: list, fitting: bool, strict: bool = True,
+             trusted: bool = False) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``module`` and (when ``fitting``) ``optimizers`` and this rank's
+        RNG streams, resharding to this layout; return the rest of the Lightning dict.
+
+        ``path``: a Lightning checkpoint path (its newest committed step), a step folder, or its ``COMMIT.json``.
+        """
+        self.wait()
+        root, which = locate(path)
+        ckpt = self._checkpointer(root)
+        header = {_LIGHTNING: b""}
+        info = ckpt.load(header, which, trusted=trusted)
+        saved = _safe_load(header[_LIGHTNING], trusted, ckpt.store.where(info.name))
+        state = {_MODEL: model_state_dict(module)}
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers] if fitting else []
+        if optimizers and saved["optimizers"] and saved["optimizers"] != len(optimizers):
+            raise ValueError(
+                f"checkpoint {info.url} holds {saved['optimizers']} optimizer states but configure_optimizers "
+                f"returned {len(optimizers)} optimizers; resume with the optimizers it was saved with."
+            )
+        optimizers = optimizers if saved["optimizers"] else []  # a weights-only checkpoint: Lightning says so
+        state[_OPTIMIZERS] = {str(i): optimizer_state_dict(module, o) for i, o in enumerate(optimizers)}
+        if fitting:
+            state[_RNG] = RNGState()
+        ckpt.load(state, info, trusted=trusted, allow_partial=not strict)
+        set_model_state_dict(module, state[_MODEL], options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, state[_OPTIMIZERS][str(i)], options=_FLAT)
+        return saved["checkpoint"]
+
+    # ------------------------------------------------------------------ remove / find
+    def remove(self, path) -> None:
+        """Delete the checkpoint at ``path`` (rank 0). While a save is uploading, the removal waits for its commit,
+        so ``save_top_k`` never deletes the previous checkpoint before the new one is loadable."""
+        root = str(path).rstrip("/")
+        if self._pending is not None:
+            self._deferred.append(root)
+            return
+        self._remove_now([root])
+
+    def _remove_now(self, roots: list[str]) -> None:
+        for root in roots:
+            ckpt = self._open.pop(root, None)
+            if ckpt is not None:
+                ckpt.close()
+        self._on_rank0(lambda: [_delete_checkpoint(root, self.storage_options) for root in roots])
+
+    def find_last(self, dirpath) -> set[str]:
+        """The ``COMMIT.json`` path of the newest committed checkpoint under ``dirpath`` (newest commit time, then
+        highest step), as a one-element set, or an empty set. Not collective."""
+        directory = ObjectStore(dirpath, storage_options=self.storage_options)
+        best = None
+        for sub in ["", *(f"{name}/" for name in directory.list_dirs())]:
+            for info in list_checkpoints(f"{directory.url}/{sub}", storage_options=self.storage_options):
+                commit = f"{sub}{info.name}/{COMMIT}"
+                key = (directory.fs.modified(directory.path(commit)), info.step)
+                if best is None or key > best[0]:
+                    best = (key, f"{directory.url}/{commit}")
+        return {best[1]} if best else set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Wait for the pending save (raising its error), then run the removals that waited for it."""
+        pending, self._pending = self._pending, None
+        deferred, self._deferred = self._deferred, []
+        if pending is not None:
+            pending.wait()  # on failure the deferred removals are dropped: the old checkpoints stay
+        if deferred:
+            self._remove_now(deferred)
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error) and release every Checkpointer's process group."""
+        try:
+            self.wait()
+        finally:
+            while self._open:
+                self._open.popitem(last=False)[1].close()
+
+    def _checkpointer(self, root: str) -> Checkpointer:
+        ckpt = self._open.pop(root, None)
+        if ckpt is None:  # collective: every rank opens the same roots in the same order
+            ckpt = Checkpointer(root, storage_options=self.storage_options, keep_last_k=1,
+                                async_save=self.async_save)
+        self._open[root] = ckpt
+        while len(self._open) > _OPEN_ROOTS:
+            self._open.popitem(last=False)[1].close()
+        return ckpt
+
+    def _on_rank0(self, fn) -> None:
+        """Run ``fn`` on rank 0; raise its error on every rank."""
+        error = None
+        if _rank() == 0:
+            try:
+                fn()
+            except Exception as exc:  # shared below, then raised here unchanged
+                error = exc
+        described = [None if error is None else f"{type(error).__name__}: {error}"]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(described, src=0)
+        described = described[0]
+        if error is not None:
+            raise error
+        if described is not None:
+            raise RuntimeError(f"rank 0 failed to remove a checkpoint: {described}")
+
+
+def _safe_load(blob: bytes, trusted: bool, where: str) -> dict:
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=not trusted, map_location="cpu")
+    except Exception as exc:
+        raise ValueError(
+            f"the Lightning state of checkpoint {where} holds objects torch's safe loading refuses ({exc}). If you "
+            "trust this store, allow their classes with torch.serialization.add_safe_globals([...])."
+        ) from exc
+
+
+def _delete_checkpoint(root: str, storage_options: dict | None) -> None:
+    """Delete a Lightning checkpoint path: commit markers first, so a half-deleted one never looks committed."""
+    store = ObjectStore(root, storage_options=storage_options)
+    for info in list_checkpoints(root, storage_options=storage_options):
+        store.delete(f"{info.name}/{COMMIT}")
+    store.delete_tree("")
+
+
+def _checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:
+    """The directory ``ModelCheckpoint`` saves into (its ``dirpath``, else derived from loggers / root dir)."""
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own rule when present
+    if resolve is not None:
+        return str(resolve(trainer))
+    return str(callback.dirpath or f"{trainer.default_root_dir}/checkpoints")
+
+
+def install_last_resolution() -> None:
+    """Make ``ckpt_path="last"`` find multidc checkpoints when the Trainer's strategy writes them. Idempotent;
+    other strategies keep Lightning's behaviour."""
+    current = ModelCheckpoint._find_last_checkpoints
+    original = getattr(current, "__multidc_original__", current)
+
+    def _find_last_checkpoints(self: ModelCheckpoint, trainer) -> set[str]:
+        checkpoints = getattr(trainer.strategy, "multidc_checkpoints", None)
+        if checkpoints is None:
+            return original(self, trainer)
+        return checkpoints.find_last(_checkpoint_dir(self, trainer))
+
+    _find_last_checkpoints.__multidc_original__ = original
+    _find_last_checkpoints.__doc__ = original.__doc__
+    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+
+
+class CheckpointingMixin:
+    """The Lightning ``Strategy`` side: put it before the Lightning base class. Call ``_init_checkpointing`` in
+    ``__init__``. ``_sharded_checkpoints()`` ``False`` falls back to the base class's checkpointing."""
+
+    def _init_checkpointing(self, checkpoint_async: bool, checkpoint_storage_options: dict | None) -> None:
+        self._multidc_checkpoints = LightningCheckpoints(
+            async_save=checkpoint_async, storage_options=checkpoint_storage_options
+        )
+
+    def _sharded_checkpoints(self) -> bool:
+        return True
+
+    @property
+    def multidc_checkpoints(self) -> LightningCheckpoints | None:
+        """The checkpoint writer, or ``None`` when the strategy writes Lightning's own format."""
+        return self._multidc_checkpoints if self._sharded_checkpoints() else None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Loading reshards into the layout, so the model must be in it (and the optimizers exist) first.
+        return True if self._sharded_checkpoints() else super().restore_checkpoint_after_setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False if self._sharded_checkpoints() else super().lightning_restore_optimizer
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._sharded_checkpoints():
+            return super().lightning_module_state_dict()
+        return model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if not self._sharded_checkpoints():
+            return super().optimizer_state(optimizer)
+        return optimizer_state_dict(self.lightning_module, optimizer)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if not self._sharded_checkpoints():
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # else: load_checkpoint loaded the weights in place already
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if not self._sharded_checkpoints():
+            super().load_optimizer_state_dict(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if not self._sharded_checkpoints():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} takes storage options once, as checkpoint_storage_options=..., not per save."
+            )
+        self._multidc_checkpoints.save(checkpoint, self.broadcast(str(filepath)))
+        return None
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if not self._sharded_checkpoints():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer
+        return self._multidc_checkpoints.load(
+            self.broadcast(str(checkpoint_path)), module=self.lightning_module, optimizers=list(self.optimizers),
+            fitting=trainer.state.fn == TrainerFn.FITTING, strict=self.lightning_module.strict_loading,
+            trusted=weights_only is False,
+        )
+
+    def remove_checkpoint(self, filepath) -> None:
+        if not self._sharded_checkpoints():
+            return super().remove_checkpoint(filepath)
+        self._multidc_checkpoints.remove(filepath)
+        return None
+
+    def teardown(self) -> None:
+        try:
+            self._multidc_checkpoints.close()  # the last async upload: its error surfaces here
+        finally:
+            super().teardown()
+
+
+install_last_resolution()
