@@ -5,7 +5,10 @@ For users of Lightning strategies that save from global rank 0 only (``ddp``, ``
 checkpoint path (``.../epoch=0-step=100.ckpt``) becomes a folder in the multidc checkpoint format (see
 :mod:`multidc.plugins.checkpoint`): tensors as raw bytes with CRC-32, parallel multipart upload, an atomic
 ``COMMIT.json`` written last, optional async upload (training blocks only for the host copy), and safe loading.
-Lightning's ``ModelCheckpoint`` keeps deciding names and ``save_top_k``.
+Lightning's ``ModelCheckpoint`` keeps deciding names and ``save_top_k``; ``trainer.fit(ckpt_path="last")`` resolves
+to the newest committed checkpoint under its directory (importing this module wraps
+``ModelCheckpoint._find_last_checkpoints`` for Trainers whose strategy writes multidc checkpoints, see
+:func:`install_last_resolution`; Lightning's own rule cannot list ``s3://`` directories).
 
 The checkpoint dict's structure (everything but tensors: loop state, callback state, hyper-parameters) is stored
 as one ``torch.save`` blob and read back with ``weights_only=True`` unless Lightning asks for
@@ -28,6 +31,7 @@ from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
 except ImportError:  # pragma: no cover - exercised only without the extra
     raise ImportError("ObjectStoreCheckpointIO needs Lightning: pip install 'multidc[lightning]'") from None
 
@@ -53,7 +57,7 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
 
     def _split(self, path) -> tuple[ObjectStore, str]:
-        text = str(path).rstrip("/")
+        text = str(path).rstrip("/").removesuffix(f"/{COMMIT}")  # "last" resolves to the commit record
         root, _, name = text.rpartition("/")
         if not name:
             raise ValueError(f"checkpoint path {text!r} has no file name.")
@@ -125,6 +129,14 @@ class ObjectStoreCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         self.wait()
 
+    def find_last(self, dirpath) -> set[str]:
+        """The ``COMMIT.json`` of the newest committed checkpoint under ``dirpath`` (commit time, then step), as a
+        one-element set, or an empty set. Half-written checkpoints have no ``COMMIT.json``."""
+        directory = ObjectStore(dirpath, storage_options=self.storage_options, retry=self.retry)
+        keys = [f"{name}/{COMMIT}" for name in directory.list_dirs() if directory.exists(f"{name}/{COMMIT}")]
+        newest = newest_commit(directory, keys, lambda key: decode_commit(directory.get(key), key).step)
+        return {f"{directory.url}/{newest}"} if newest else set()
+
 
 def _split_tensors(obj) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(torch.save'd structure with tensors replaced by markers, as a uint8 tensor; {"<n>": tensor})."""
@@ -161,5 +173,53 @@ def _join_tensors(skeleton, tensors: dict[str, torch.Tensor], device):
 
     return walk(skeleton)
 
+
+def newest_commit(store: ObjectStore, keys: list[str], step_of) -> str | None:
+    """Of commit record keys under ``store``, the newest commit; ties (S3 stamps have 1 s resolution) go to the
+    highest ``step_of(key)``. ``None`` without keys."""
+    if not keys:
+        return None
+    stamps = {key: store.fs.modified(store.path(key)) for key in keys}
+    newest = max(stamps.values())
+    return max((key for key in keys if stamps[key] == newest), key=step_of)
+
+
+def _checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:
+    """The directory ``ModelCheckpoint`` saves into (its ``dirpath``, else derived from loggers / root dir)."""
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own rule when present
+    if resolve is not None:
+        return str(resolve(trainer))
+    return str(callback.dirpath or f"{trainer.default_root_dir}/checkpoints")
+
+
+def _last_finder(strategy):
+    """What answers ``find_last(dirpath)`` for this strategy: a multidc strategy's checkpoint writer, an
+    ``ObjectStoreCheckpointIO``, or ``None`` (Lightning's rule)."""
+    finder = getattr(strategy, "multidc_checkpoints", None)
+    if finder is None:
+        io = getattr(strategy, "_checkpoint_io", None)  # not the property: it would install a default CheckpointIO
+        finder = io if isinstance(io, ObjectStoreCheckpointIO) else None
+    return finder
+
+
+def install_last_resolution() -> None:
+    """Make ``ckpt_path="last"`` find committed multidc checkpoints when the Trainer writes them (a multidc
+    strategy, or ``ObjectStoreCheckpointIO``): the newest commit under each ``ModelCheckpoint`` directory, any
+    name, never a half-written one. Other Trainers keep Lightning's rule. Idempotent."""
+    current = ModelCheckpoint._find_last_checkpoints
+    original = getattr(current, "__multidc_original__", current)
+
+    def _find_last_checkpoints(self: ModelCheckpoint, trainer) -> set[str]:
+        finder = _last_finder(trainer.strategy)
+        if finder is None:
+            return original(self, trainer)
+        return finder.find_last(_checkpoint_dir(self, trainer))
+
+    _find_last_checkpoints.__multidc_original__ = original
+    _find_last_checkpoints.__doc__ = original.__doc__
+    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+
+
+install_last_resolution()
 
 __all__ = ["ObjectStoreCheckpointIO"]

@@ -16,8 +16,8 @@ remaining Lightning dict (loops, callbacks, LR schedulers, hyper-parameters) as 
 safe unpickler.
 
 ``trainer.fit(ckpt_path="last")`` with a multidc strategy resolves to the newest committed checkpoint under each
-``ModelCheckpoint`` directory (half-written ones have no ``COMMIT.json`` and are never candidates): importing
-this module wraps ``ModelCheckpoint._find_last_checkpoints``, for multidc strategies only.
+``ModelCheckpoint`` directory (half-written ones have no ``COMMIT.json`` and are never candidates; see
+``multidc.plugins.lightning_checkpoint_io.install_last_resolution``).
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
 from multidc.plugins.object_store import ObjectStore
 
 try:
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
+
+from multidc.plugins._checkpoint_format import parse_step
+from multidc.plugins.lightning_checkpoint_io import newest_commit
 
 COMMIT = "COMMIT.json"
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
@@ -194,14 +196,10 @@ class LightningCheckpoints:
         """The ``COMMIT.json`` path of the newest committed checkpoint under ``dirpath`` (newest commit time, then
         highest step), as a one-element set, or an empty set. Not collective."""
         directory = ObjectStore(dirpath, storage_options=self.storage_options)
-        best = None
-        for sub in ["", *(f"{name}/" for name in directory.list_dirs())]:
-            for info in list_checkpoints(f"{directory.url}/{sub}", storage_options=self.storage_options):
-                commit = f"{sub}{info.name}/{COMMIT}"
-                key = (directory.fs.modified(directory.path(commit)), info.step)
-                if best is None or key > best[0]:
-                    best = (key, f"{directory.url}/{commit}")
-        return {best[1]} if best else set()
+        keys = [f"{sub}{info.name}/{COMMIT}" for sub in ["", *(f"{name}/" for name in directory.list_dirs())]
+                for info in list_checkpoints(f"{directory.url}/{sub}", storage_options=self.storage_options)]
+        newest = newest_commit(directory, keys, lambda key: parse_step(key.split("/")[-2]))
+        return {f"{directory.url}/{newest}"} if newest else set()
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -265,31 +263,6 @@ def _delete_checkpoint(root: str, storage_options: dict | None) -> None:
     for info in list_checkpoints(root, storage_options=storage_options):
         store.delete(f"{info.name}/{COMMIT}")
     store.delete_tree("")
-
-
-def _checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:
-    """The directory ``ModelCheckpoint`` saves into (its ``dirpath``, else derived from loggers / root dir)."""
-    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own rule when present
-    if resolve is not None:
-        return str(resolve(trainer))
-    return str(callback.dirpath or f"{trainer.default_root_dir}/checkpoints")
-
-
-def install_last_resolution() -> None:
-    """Make ``ckpt_path="last"`` find multidc checkpoints when the Trainer's strategy writes them. Idempotent;
-    other strategies keep Lightning's behaviour."""
-    current = ModelCheckpoint._find_last_checkpoints
-    original = getattr(current, "__multidc_original__", current)
-
-    def _find_last_checkpoints(self: ModelCheckpoint, trainer) -> set[str]:
-        checkpoints = getattr(trainer.strategy, "multidc_checkpoints", None)
-        if checkpoints is None:
-            return original(self, trainer)
-        return checkpoints.find_last(_checkpoint_dir(self, trainer))
-
-    _find_last_checkpoints.__multidc_original__ = original
-    _find_last_checkpoints.__doc__ = original.__doc__
-    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
 
 
 class CheckpointingMixin:
@@ -369,5 +342,3 @@ class CheckpointingMixin:
         finally:
             super().teardown()
 
-
-install_last_resolution()

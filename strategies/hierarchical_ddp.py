@@ -133,9 +133,19 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan)
         self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
+        self._user_checkpoint_io = self._checkpoint_io is not None
 
     def _sharded_checkpoints(self) -> bool:
-        return self._checkpoint_io is None  # a user's CheckpointIO: Lightning's rank-0 single-file checkpoints
+        return not self._user_checkpoint_io  # a user's CheckpointIO: Lightning's rank-0 single-file checkpoints
+
+    @property
+    def checkpoint_io(self):
+        return DDPStrategy.checkpoint_io.fget(self)  # the getter installs a default CheckpointIO: not the user's
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:  # Trainer(plugins=[SomeCheckpointIO()]) arrives here
+        self._checkpoint_io = io
+        self._user_checkpoint_io = io is not None
 
     def _configure_launcher(self) -> None:
         self._check_site_split(self.num_nodes * self.num_processes)

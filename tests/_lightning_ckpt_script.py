@@ -9,8 +9,9 @@
 <root>/ckpts, every_n_train_steps=--every, save_last=True)``; ``parallel_3d`` trains a tiny GPT (pipeline when
 ``--pp 2``, FSDP2 over 2 data-parallel shards) with ``default_root_dir=<root>`` and a ``ModelCheckpoint`` without
 dirpath (so ``<root>/checkpoints``). Saves happen at the last batch of an epoch (``--every`` = steps per epoch):
-Lightning itself resumes a checkpoint written at ``on_train_epoch_end`` one batch short of the epoch. The global batch is 16 rows (regressor) or 8 (GPT) per step whatever the number of
-ranks, so runs on different layouts follow the same trajectory. Every rank writes DIR/rank{r}.json (global loss
+Lightning itself resumes a checkpoint written at ``on_train_epoch_end`` one batch short of the next epoch. The
+global batch is 16 rows (regressor) or 8 (GPT) per step whatever the number of ranks, so runs on different layouts
+follow the same trajectory. Every rank writes DIR/rank{r}.json (global loss
 per step, RNG fingerprints at each save and after the load, the resolved checkpoint path, the LR) and
 DIR/weights_rank{r}.pt (full values of the parameters it holds).
 """

@@ -280,3 +280,23 @@ def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
         Parallel3DStrategy(checkpoint_storage_options=["endpoint"])
     with pytest.raises(TypeError, match="checkpoint_storage_options=..., not per save"):
         HierarchicalDDPStrategy().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"anon": True})
+
+
+def test_a_users_checkpoint_io_brings_back_lightnings_files_and_last_finds_its_commits(tmp_path):
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    strategy = HierarchicalDDPStrategy()
+    strategy.checkpoint_io  # noqa: B018 - Lightning's getter (also run at teardown) installs a default CheckpointIO
+    assert strategy.multidc_checkpoints is not None
+    io = ObjectStoreCheckpointIO()
+    for name, step in (("epoch=0-step=4.ckpt", 4), ("last.ckpt", 8)):
+        io.save_checkpoint(_lightning_dict(step, float(step)), tmp_path / name)
+    _plant_half_written(ObjectStore(tmp_path), "epoch=9-step=99.ckpt")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalDDPStrategy(), plugins=[io],
+                         logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    assert trainer.strategy.multidc_checkpoints is None
+    for commit, stamp in (("epoch=0-step=4.ckpt", 2000), ("last.ckpt", 1000)):
+        os.utime(tmp_path / commit / "COMMIT.json", (stamp, stamp))
+    found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    assert found == f"{tmp_path}/epoch=0-step=4.ckpt/COMMIT.json"
+    assert io.load_checkpoint(found)["global_step"] == 4
