@@ -15,6 +15,7 @@ for everything else after the retry budget; each names the endpoint, the bucket 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 _T = TypeVar("_T")
+_log = logging.getLogger(__name__)
 _MIB = 1 << 20
 _S3_MIN_PART = 5 * _MIB
 _SECRET_OPTIONS = ("secret", "token", "key", "aws_secret_access_key", "aws_session_token", "password")
@@ -273,7 +275,16 @@ class ObjectStore:
                     Body=bytes(view[start:end])), key)
                 return out["ETag"]
 
-        return list(await asyncio.gather(*(one(i + 1, s, e) for i, (s, e) in enumerate(bounds))))
+        tasks = [asyncio.ensure_future(one(i + 1, s, e)) for i, (s, e) in enumerate(bounds)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # One part is out of retries: the upload has failed. Stop the other parts now rather than let each
+            # spend its own retry budget against a store that is down (and upload into an aborted upload).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _sync(self, coro):
         from fsspec.asyn import sync
@@ -282,34 +293,43 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- retries and error translation
     def _call(self, fn: Callable[[], _T], key: str) -> _T:
+        started = time.monotonic()
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 return fn()
             except BaseException as exc:  # noqa: BLE001 - classified below, never swallowed
-                error = self._classify(exc, key, attempt)
+                error = self._classify(exc, key, attempt, started)
                 if error is None:
-                    time.sleep(self._backoff(attempt))
+                    time.sleep(self._retry_delay(exc, key, attempt))
                     continue
                 raise error from None
         raise AssertionError("unreachable")
 
     async def _acall(self, fn, key: str):
+        started = time.monotonic()
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 return await fn()
             except BaseException as exc:  # noqa: BLE001
-                error = self._classify(exc, key, attempt)
+                error = self._classify(exc, key, attempt, started)
                 if error is None:
-                    await asyncio.sleep(self._backoff(attempt))
+                    await asyncio.sleep(self._retry_delay(exc, key, attempt))
                     continue
                 raise error from None
         raise AssertionError("unreachable")
+
+    def _retry_delay(self, exc: BaseException, key: str, attempt: int) -> float:
+        """The backoff before the next attempt, announced on the ``multidc.plugins.object_store`` logger."""
+        delay = self._backoff(attempt)
+        _log.warning("%s: attempt %d of %d failed (%s); retrying in %.1f s", self.where(key), attempt,
+                     self.retry.attempts, self._scrub(f"{type(exc).__name__}: {exc}"), delay)
+        return delay
 
     def _backoff(self, attempt: int) -> float:
         base = min(self.retry.max_backoff_s, self.retry.initial_backoff_s * 2 ** (attempt - 1))
         return base * random.uniform(0.75, 1.25)
 
-    def _classify(self, exc: BaseException, key: str, attempt: int) -> BaseException | None:
+    def _classify(self, exc: BaseException, key: str, attempt: int, started: float) -> BaseException | None:
         """The error to raise for ``exc``, or ``None`` when it is transient and another attempt is left."""
         if isinstance(exc, ObjectStoreError):
             return exc
@@ -331,7 +351,8 @@ class ObjectStore:
             return ObjectStoreError(f"{text} at {self.where(key)}")
         if attempt >= self.retry.attempts:
             return ObjectStoreError(
-                f"giving up on {self.where(key)} after {attempt} attempts; last error: {text}")
+                f"giving up on {self.where(key)} after {attempt} attempts over {time.monotonic() - started:.1f} s "
+                f"(RetryPolicy(attempts={self.retry.attempts})); last error: {text}")
         return None
 
     def _scrub(self, text: str) -> str:
