@@ -91,6 +91,7 @@ class SaveHandle:
         self._done = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
+        self._raised = False  # the error reached the caller through ``wait``: the Checkpointer won't raise it again
 
     def _finish(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
         self._info, self._error = info, error
@@ -104,6 +105,7 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"checkpoint upload still running after {timeout}s")
         if self._error is not None:
+            self._raised = True
             raise self._error
         return self._info
 
@@ -229,9 +231,16 @@ class Checkpointer:
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
 
     def wait(self) -> CheckpointInfo | None:
-        """Wait for a pending async save; return its info or raise its error. ``None`` if none was pending."""
+        """Wait for a pending async save; return its info or raise its error. ``None`` if none was pending.
+
+        An error already raised by the save's own ``SaveHandle.wait()`` is not raised a second time, so a caller
+        who handled a failed upload (an object-store outage) can go on loading or saving.
+        """
         pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None else None
+        if pending is None:
+            return None
+        pending._done.wait()
+        return None if pending._raised else pending.wait()
 
     def close(self) -> None:
         """Wait for the pending save (raising its error) and release the checkpoint process group."""
