@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
+from multidc.plugins._checkpoint_format import COMMIT, parse_step
 from multidc.plugins.object_store import ObjectStore
 
 try:
@@ -47,10 +48,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
-from multidc.plugins._checkpoint_format import parse_step
-from multidc.plugins.lightning_checkpoint_io import newest_commit
+from multidc.plugins.lightning_checkpoint_io import newest_commit  # noqa: E402  (needs Lightning, checked above)
 
-COMMIT = "COMMIT.json"
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: pipeline stages never collide
@@ -75,7 +74,7 @@ def locate(path) -> tuple[str, str]:
     if text.endswith(f"/{COMMIT}"):
         text = text[: -len(COMMIT) - 1]
     root, _, leaf = text.rpartition("/")
-    if root and leaf.startswith("step_") and leaf[5:].isdigit():
+    if root and parse_step(leaf) is not None:
         return root, leaf
     return text, "latest"
 
@@ -155,6 +154,7 @@ class LightningCheckpoints:
         self.wait()
         root, which = locate(path)
         ckpt = self._checkpointer(root)
+        ckpt.comm.raise_if_any(_refuse_single_file, ckpt)
         header = {_LIGHTNING: b""}
         info = ckpt.load(header, which, trusted=trusted)
         saved = _safe_load(header[_LIGHTNING], trusted, ckpt.store.where(info.name))
@@ -245,6 +245,15 @@ class LightningCheckpoints:
             raise error
         if described is not None:
             raise RuntimeError(f"rank 0 failed to remove a checkpoint: {described}")
+
+
+def _refuse_single_file(ckpt: Checkpointer) -> None:
+    if ckpt.comm.rank == 0 and ckpt.store.fs.isfile(ckpt.store.path("")):
+        raise ValueError(
+            f"{ckpt.url} is a single-file Lightning checkpoint; multidc strategies read the directory checkpoints "
+            "they write. Load it with the strategy that wrote it, or give HierarchicalDDPStrategy a CheckpointIO "
+            "(Trainer(plugins=[...])) / Parallel3DStrategy(save_distributed_checkpoint=False)."
+        )
 
 
 def _safe_load(blob: bytes, trusted: bool, where: str) -> dict:

@@ -300,3 +300,14 @@ def test_a_users_checkpoint_io_brings_back_lightnings_files_and_last_finds_its_c
     found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
     assert found == f"{tmp_path}/epoch=0-step=4.ckpt/COMMIT.json"
     assert io.load_checkpoint(found)["global_step"] == 4
+
+
+def test_loading_a_single_file_or_an_uncommitted_path_says_what_is_wrong(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "model.ckpt")
+    reader = LightningCheckpoints()
+    with pytest.raises(ValueError, match="model.ckpt is a single-file Lightning checkpoint"):
+        reader.load(tmp_path / "model.ckpt", module=torch.nn.Linear(2, 2), optimizers=[], fitting=False)
+    _plant_half_written(ObjectStore(tmp_path), "half.ckpt/step_0000000004")
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint under .*half.ckpt"):
+        reader.load(tmp_path / "half.ckpt", module=torch.nn.Linear(2, 2), optimizers=[], fitting=False)
+    reader.close()
