@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,6 +29,10 @@ _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
 _MIB = 1 << 20
 _S3_MIN_PART = 5 * _MIB
+# ``s3:/bucket`` or ``s3:bucket`` (a scheme without ``//``) would otherwise become a local folder named "s3:".
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
+# Characters S3 allows in bucket names (legacy us-east-1 buckets included); anything else cannot be a bucket.
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
 _SECRET_OPTIONS = ("secret", "token", "key", "aws_secret_access_key", "aws_session_token", "password")
 
 
@@ -97,10 +102,18 @@ class ObjectStore:
         self.max_concurrency = max_concurrency
         self._secrets = _secret_values(storage_options or {})
         options = dict(storage_options or {})
+        malformed = _SCHEME_WITHOUT_SLASHES.match(url)
+        if malformed:
+            raise ValueError(f"checkpoint URL {url!r} is malformed: write {malformed.group(1)}://bucket/prefix (two "
+                             "slashes after the colon), or a local path without a colon.")
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in ("s3", "s3a"):
-            if not url.split("://", 1)[1].strip("/"):
+            bucket = url.split("://", 1)[1].strip("/").split("/", 1)[0]
+            if not bucket:
                 raise ValueError(f"checkpoint URL {url!r} names no bucket; use s3://bucket/prefix.")
+            if not _BUCKET.fullmatch(bucket):
+                raise ValueError(f"checkpoint URL {url!r}: {bucket!r} is not a valid S3 bucket name (3-255 letters, "
+                                 "digits, '.', '-', '_'; no spaces); use s3://bucket/prefix.")
             _import_s3fs()
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
