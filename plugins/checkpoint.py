@@ -137,6 +137,8 @@ class Checkpointer:
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
         if stripe_min_mb < 0:
             raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
         self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                  max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
@@ -169,8 +171,13 @@ class Checkpointer:
             CheckpointSaveError: an upload or the commit failed (sync; async: from the next call that waits).
         """
         self.wait()
-        if not isinstance(step, int) or step < 0:
+        _check_state(state)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0.")
+        steps = self.comm.all_gather(step)
+        if len(set(steps)) > 1:  # each rank would write into another folder and the commit would miss shards
+            raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
+                             "save the same step.")
         name = checkpoint_name(step)
         self.comm.raise_if_any(self._preflight_save, name)
         state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
@@ -272,6 +279,7 @@ class Checkpointer:
             CheckpointCorruptError: a checksum or the commit record does not match (names the shard).
         """
         self.wait()
+        _check_state(state)
         self.comm.raise_if_any(self.store.check_access)
         name, raw = self.comm.from_rank0(lambda: self._read_commit(which), what=f"resolving {which!r}",
                                          error_type=None)
@@ -300,6 +308,12 @@ class Checkpointer:
 
 
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be a dict of name -> ModelState / Stateful / tensor / value, not "
+                         f"{type(state).__name__}; e.g. {{'model': ModelState(model, optimizer)}}.")
 
 
 @atexit.register
