@@ -8,7 +8,6 @@ and chunk ``i-1`` is gathered; up to ``WanConfig.streams`` WAN transfers are in 
 from __future__ import annotations
 
 import datetime
-import fcntl
 import os
 import socket
 import struct
@@ -299,10 +298,12 @@ def _local_interface() -> str:
     if not name:
         return f"host {socket.gethostname()} (GLOO_SOCKET_IFNAME unset)"
     try:
+        import fcntl  # POSIX only
+
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
         return f"interface {name} {socket.inet_ntoa(packed[20:24])}"
-    except OSError:
+    except (ImportError, OSError):
         return f"interface {name}"
 
 

@@ -1,20 +1,26 @@
 """WAN cut in the lab (network namespaces, root only): every rank of a DDP job fails within
 ``WanConfig.timeout_s`` plus a margin, with an error naming the sites and the link, and exits non-zero; the same
 command, started again once the link is back, resumes from the last committed checkpoint and its losses continue
-the unbroken run's (computed in one process)."""
+the unbroken run's (computed in one process). Without root: the executor's fail-fast rule and the error texts."""
 
 from __future__ import annotations
 
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from multidc.hierarchical import SiteLayout, WanError
+from multidc.hierarchical._executor import SerialExecutor
 from multidc.hierarchical.lab import Lab, lab_available
 from multidc.plugins import Checkpointer
 from tests.faults.lab_job import LabJob, python_argv
 from tests.faults.train_job import reference_losses
 
-pytestmark = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
+needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
+_all_reduce_module = sys.modules["multidc.hierarchical.all_reduce"]
 
 TIMEOUT_S = 10.0
 # A rank inside a site waits timeout_s + 2 s (grace, so the WAN rank reports first), then the interpreter exits;
@@ -45,6 +51,7 @@ def _losses(job: LabJob) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in job.ranks[0].events() if e["event"] == "step"}
 
 
+@needs_lab
 def test_wan_cut_fails_every_rank_in_time_and_restart_resumes_from_last_commit(tmp_path):
     ckpt = tmp_path / "ckpt"
     with Lab(2, "200mbit") as lab:
@@ -76,6 +83,7 @@ def test_wan_cut_fails_every_rank_in_time_and_restart_resumes_from_last_commit(t
     assert after[CUT_AFTER] == pytest.approx(before[CUT_AFTER], rel=1e-5)
 
 
+@needs_lab
 def test_rank_off_the_wan_rail_fails_on_its_own_deadline_when_its_leader_hangs(tmp_path):
     """Sites [2, 1]: rank 1 never crosses the WAN; its leader (rank 0) catches the WanError and stays alive, so
     rank 1 must give up on its intra-site wait by itself, in time and with a message naming the sites."""
@@ -92,3 +100,61 @@ def test_rank_off_the_wan_rail_fails_on_its_own_deadline_when_its_leader_hangs(t
     assert "timed out after 10 s" in failed[0][1] and "rail-0 link (rank 0 of site '0' <-> rank 2" in failed[0][1]
     assert "timed out after 10 s" in failed[2][1]
     assert "stalled inside site '0': rank 1 (not on a WAN rail) waited 12 s for ranks [0]" in failed[1][1]
+
+
+# ------------------------------------------------------------------------------------------ without the lab
+def test_after_a_failed_job_every_queued_and_later_job_fails_at_once():
+    executor, gate = SerialExecutor("test"), torch.futures.Future()
+
+    def failing():
+        gate.wait()
+        raise WanError("WAN collective between site 'a' and site 'b' timed out after 10 s")
+
+    first = executor.submit(failing)
+    queued = executor.submit(lambda: "must not run")
+    gate.set_result(None)
+    with pytest.raises(WanError, match="timed out after 10 s"):
+        first.wait()
+    for future in (queued, executor.submit(lambda: "must not run either")):
+        started = time.monotonic()
+        with pytest.raises(WanError, match="not run: an earlier collective .* timed out after 10 s"):
+            future.wait()
+        assert time.monotonic() - started < 1
+    assert isinstance(executor.failure, WanError)
+    executor.shutdown()
+
+
+def test_a_healthy_executor_runs_jobs_in_order():
+    executor, order = SerialExecutor("test"), []
+    futures = [executor.submit(lambda i=i: order.append(i) or i) for i in range(5)]
+    assert [f.wait() for f in futures] == list(range(5)) and order == list(range(5))
+    executor.shutdown()
+
+
+def _topo(rank, site_ranks=((0, 1), (2, 3)), names=("us-east", "eu-west")):
+    layout = SiteLayout(site_ranks=site_ranks, site_names=names)
+    site = layout.site_of(rank)
+    local = site_ranks[site].index(rank)
+    return SimpleNamespace(layout=layout, rank=rank, site=site, site_name=names[site],
+                           rail=local if local < layout.num_rails else None)
+
+
+def test_wan_timeout_message_names_sites_rail_link_and_what_to_do(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    text = _all_reduce_module._wan_message(_topo(3), 10.0, 1, 4, RuntimeError("Operation timed out!"))
+    assert text.startswith("WAN collective between site 'us-east' and site 'eu-west' timed out after 10 s: rank 3 "
+                           "(site 'eu-west') got no data for chunk 2/4 over the rail-1 link (rank 1 of site "
+                           "'us-east' <-> rank 3 of site 'eu-west'; this end: interface lo 127.0.0.1)")
+    assert "MULTIDC_WAN_TIMEOUT_S" in text and "last committed checkpoint" in text
+    broken = _all_reduce_module._wan_message(_topo(0), 10.0, 0, 1, RuntimeError("Connection closed by peer"))
+    assert "failed: rank 0 (site 'us-east') lost the connection during chunk 1/1" in broken
+
+
+def test_site_stall_message_names_the_rank_off_the_rail_and_its_peers():
+    topo = _topo(1, site_ranks=((0, 1), (2,)), names=("0", "1"))
+    text = _all_reduce_module._site_message(topo, 12.0, 0, 3, "share", RuntimeError("Operation timed out!"))
+    assert text.startswith("WAN collective between site '0' and site '1' stalled inside site '0': rank 1 (not on a "
+                           "WAN rail) waited 12 s for ranks [0] of its own site to hand over the WAN result of "
+                           "chunk 1/3.")
+    three = _topo(0, site_ranks=((0,), (1,), (2,)), names=("a", "b", "c"))
+    assert "between sites 'a', 'b' and 'c'" in _all_reduce_module._wan_message(three, 5, 0, 1, RuntimeError("x"))

@@ -6,6 +6,7 @@ the newest committed one. Every rank writes one JSON line per event to stdout::
 
     {"event": "resumed", "rank": 0, "step": 10}
     {"event": "step", "rank": 0, "step": 11, "loss": 0.123, "t": 1712.5}
+    {"event": "saving", "rank": 0, "step": 15, "t": ...}
     {"event": "committed", "rank": 0, "step": 15, "t": ...}
     {"event": "failed", "rank": 0, "error": "RuntimeError", "message": "... WanError: ...", "t": ...}  (exit 1)
 
@@ -79,6 +80,8 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
     ckpt = Checkpointer(args.ckpt, timeout_s=args.timeout_s)
     state = {"model": ModelState(ddp, optimizer), "trainer": {"step": 0}}
+    if args.ckpt_mb:  # ballast, so that a save takes long enough for a fault to land inside it
+        state["ballast"] = torch.zeros(int(args.ckpt_mb * (1 << 18)))
     if ckpt.latest() is not None:
         ckpt.load(state)
         _emit(event="resumed", rank=rank, step=state["trainer"]["step"])
@@ -91,6 +94,7 @@ def train(args: argparse.Namespace) -> None:
         _emit(event="step", rank=rank, step=step, loss=loss.item())
         if step % args.every == 0:
             state["trainer"]["step"] = step
+            _emit(event="saving", rank=rank, step=step)
             ckpt.save(state, step=step)
             _emit(event="committed", rank=rank, step=step)
         time.sleep(args.step_sleep)
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=10.0, help="WanConfig.timeout_s")
     parser.add_argument("--chunk-mb", type=float, default=0.001, help="small: several WAN chunks per bucket")
     parser.add_argument("--step-sleep", type=float, default=0.1, help="seconds of 'compute' per step")
+    parser.add_argument("--ckpt-mb", type=float, default=0.0, help="extra MiB of state in each checkpoint")
     parser.add_argument("--linger-s", type=float, default=0.0,
                         help="after a failure stay alive this long before exiting (a process that catches the error "
                              "and keeps running: its site peers must then time out on their own)")
