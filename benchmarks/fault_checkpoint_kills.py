@@ -57,7 +57,7 @@ def _run(store: str, args, tmp: str) -> dict:
                        "skip_instance_cache": True}
         print(f"[{store}] {args.kills} kills against {url}", flush=True)
         stats = ckpt_kills.run_kills(url, kills=args.kills, storage_options=options, worlds=args.worlds,
-                                     seed=args.seed, window_s=args.window_s or (0.6 if store == "local" else 1.5),
+                                     seed=args.seed, window_s=args.window_s or (0.6 if store == "local" else 3.0),
                                      log=lambda line: print(f"[{store}] {line}", flush=True))
         return {"store": store, **stats}
     finally:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,3,4", help="world sizes drawn per round (default 2,3,4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window-s", type=float, default=None,
-                        help="kill within this many s of the first save (default 0.6 local, 1.5 s3: a few saves)")
+                        help="kill within this many s of the first save (default 0.6 local, 3 s3: a few saves)")
     parser.add_argument("--s3-endpoint", default=None, help="use this anonymous S3 endpoint instead of starting one")
     parser.add_argument("--bucket", default=None, help="existing bucket on --s3-endpoint (default: create one)")
     parser.add_argument("--json", default=None, help="also write the results to this file")

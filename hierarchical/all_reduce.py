@@ -87,6 +87,12 @@ def submit(
     return future.then(_value)
 
 
+def reduce_and_wait(tensor: torch.Tensor, topology: Topology, wan: WanConfig, *, op: str,
+                    residual: torch.Tensor | None = None) -> None:
+    """``submit`` and wait, for Python callers (FSDP hooks): a failure raises the ``WanError`` itself."""
+    topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual)).wait()
+
+
 def _value(future: torch.futures.Future):
     return future.value()  # re-raises the job's exception inside ``then``: the chained future gets an error
 
