@@ -4,9 +4,11 @@
     python examples/gpt_3d.py --devices 4 --sites 2 --pp 2 --tp 1 --schedule gpipe
 
 An ordinary LightningModule; the lines marked ``# multidc`` are what parallel_3d needs. The data is generated: token
-sequences from a fixed random bigram table, so the loss falls from ln(vocab) towards the table's entropy.
-With ``--out DIR`` rank 0 writes DIR/run.json (per-step losses) and every rank DIR/weights_rank{r}.pt (the full
-values of the parameters it holds), which tests compare with a one-process run.
+sequences from a fixed random bigram table, so the loss falls from ln(vocab) towards the table's entropy. After
+``fit``, ``trainer.validate`` scores held-out sequences with the trained, still parallel model. The script exits
+non-zero when the training loss did not fall (last step not below the first).
+With ``--out DIR`` rank 0 writes DIR/run.json (per-step losses, validation loss) and every rank
+DIR/weights_rank{r}.pt (the full values of the parameters it holds), which tests compare with a one-process run.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class GPT(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        tokens, target = batch
+        loss = self.trainer.strategy.pipeline_eval_step(tokens, target, next_token_loss)  # multidc: not self(tokens)
+        self.log("val_loss", loss, sync_dist=True)
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         warmup, total = 5, self.hparams.max_steps
@@ -113,13 +120,19 @@ class GPT(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def bigram_data(vocab: int, seq: int, rows: int, seed: int = 0) -> TensorDataset:
-    """Sequences from a fixed random bigram table whose rows put most mass on 2 tokens (learnable, not trivial)."""
+VAL_BATCHES, VAL_SEED = 4, 1  # per replica; held-out sequences from the same bigram table (other draws)
+
+
+def bigram_data(vocab: int, seq: int, rows: int, seed: int = 0, sample_seed: int | None = None) -> TensorDataset:
+    """Sequences from a fixed random bigram table (from ``seed``) whose rows put most mass on 2 tokens (learnable,
+    not trivial); ``sample_seed`` draws other sequences from the same table."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(vocab, vocab, generator=g) * 0.5
     favourites = torch.randint(0, vocab, (vocab, 2), generator=g)
     logits.scatter_(1, favourites, 4.0)
     table = logits.softmax(-1)
+    if sample_seed is not None:
+        g = torch.Generator().manual_seed(sample_seed)
     tokens = torch.empty(rows, seq + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(0, vocab, (rows,), generator=g)
     for t in range(seq):
@@ -161,10 +174,13 @@ def main(argv=None) -> None:
         enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=True,
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size, shuffle=False))
-    _report(trainer, model, out, args)
+    rows = VAL_BATCHES * args.batch_size * trainer.strategy.layout.dp_size  # full batches on every replica
+    val_data = bigram_data(model.hparams.vocab, model.hparams.seq, rows=rows, sample_seed=VAL_SEED)
+    (val,) = trainer.validate(model, DataLoader(val_data, batch_size=args.batch_size), verbose=False)
+    _report(trainer, model, out, args, val["val_loss"])
 
 
-def _report(trainer, model, out: str, args) -> None:
+def _report(trainer, model, out: str, args, val_loss: float) -> None:
     from torch.distributed.tensor import DTensor
 
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
@@ -181,11 +197,13 @@ def _report(trainer, model, out: str, args) -> None:
     wan = trainer.strategy.topology.wan_stats.snapshot() if trainer.strategy.topology is not None else {}
     print(f"layout: {layout}")
     print(f"loss: first {losses[0]:.3f} -> last {losses[-1]:.3f} over {len(losses)} steps (ln vocab = "
-          f"{math.log(model.hparams.vocab):.3f})")
+          f"{math.log(model.hparams.vocab):.3f}); validation loss {val_loss:.3f}")
     if wan:
         print(f"WAN (rank 0): {wan['bytes_sent'] / 1e6:.2f} MB sent in {wan['calls']} hierarchical all-reduces")
     with open(os.path.join(out, "run.json"), "w") as f:
-        json.dump({"losses": losses, "layout": layout, "wan": wan, "args": vars(args)}, f)
+        json.dump({"losses": losses, "val_loss": val_loss, "layout": layout, "wan": wan, "args": vars(args)}, f)
+    if not losses[-1] < losses[0]:
+        raise SystemExit(f"the training loss did not fall: first {losses[0]:.4f}, last {losses[-1]:.4f}")
 
 
 if __name__ == "__main__":

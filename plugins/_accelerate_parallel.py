@@ -1,24 +1,16 @@
-"""What ``MultiDCAccelerator`` needs beyond Accelerate for a parallel layout: how the processes were launched, the
-layout's site count, data loaders sharded by data-parallel replica, and schedulers stepped once per replica.
+"""What ``MultiDCAccelerator`` needs beyond Accelerate for a parallel layout: how the processes were launched, data
+loaders sharded by data-parallel replica, and schedulers stepped once per replica.
 
 Private: ``multidc.plugins.accelerate`` is the public face.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-
-from multidc.hierarchical import _env
-
-if TYPE_CHECKING:
-    from multidc.strategies import ParallelLayout
 
 
 def launched_world_size() -> int:
@@ -52,19 +44,6 @@ def check_launch(num_processes: int, distributed_type) -> None:
             f"(distributed_type={distributed_type}), so they would not train together. On CPUs set "
             f"ACCELERATE_USE_CPU=1 or leave `cpu` unset (MultiDCAccelerator then picks gloo on the CPU)."
         )
-
-
-def layout_with_named_sites(layout: ParallelLayout, num_sites_given: bool) -> ParallelLayout:
-    """``layout`` with ``num_sites`` = the number of distinct ``MULTIDC_SITE`` names when the count was not given.
-
-    Collective (every rank gathers every rank's name). ``ParallelLayout.build_mesh`` then checks that each site is
-    a contiguous block of ranks.
-    """
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, _env.read(_env.SITE))
-    if num_sites_given or any(n is None for n in names):
-        return layout
-    return dataclasses.replace(layout, num_sites=len(set(names)))
 
 
 def shard_data_loader(accelerator, data_loader, index: int, size: int, device_placement, slice_fn):

@@ -166,9 +166,11 @@ class MultiDCAccelerator(StateMixin, Accelerator):
     mesh (``device_mesh``; axes ``site, pp, dp_replicate, dp_shard, tp`` and aliases ``data_parallel``,
     ``tensor_parallel``, ``pipeline_parallel``, ``replicate``). ``prepare(model, optimizer, loader, scheduler,
     blocks=[...])`` puts the one model into the layout (``multidc.strategies.prepare_parallel``: TP, pipeline split,
-    FSDP2 with the hierarchical cross-site reduction) and rebinds its optimizers; ``blocks`` are the model's ordered
-    blocks (required with pipeline parallelism; default ``model.pipeline_blocks()`` when defined). Data loaders are
-    sharded by data-parallel replica, so TP/PP peers see the same batches; LR schedulers step once per replica.
+    FSDP2 with the hierarchical cross-site reduction) and rebinds its optimizers to the parallelized parameters,
+    also those prepared in an earlier or a later ``prepare`` call (they must not have stepped); ``blocks`` are the
+    model's ordered blocks (required with pipeline parallelism; default ``model.pipeline_blocks()`` when defined).
+    Data loaders are sharded by data-parallel replica, so TP/PP peers see the same batches; LR schedulers step once
+    per replica.
     What changes in the loop:
 
     * ``loss = accelerator.pipeline_step(model, x, y, loss_fn)`` replaces forward + ``backward`` (it is both, for
@@ -244,8 +246,8 @@ class MultiDCAccelerator(StateMixin, Accelerator):
                 f"MultiDCPlugin sets a parallel layout ({plugin.layout}) but this is a single process "
                 f"({self.distributed_type}); start it with `accelerate launch --num_processes N ...`."
             )
-        layout = _par.layout_with_named_sites(plugin.layout, plugin.num_sites is not None)
-        resolved = layout.resolve(dist.get_world_size())  # ValueError on every rank, naming what would fit
+        # Collective: sites counted from MULTIDC_SITE when not given; ValueError on every rank, naming what would fit
+        resolved = plugin.layout.resolve_job()
         if (resolved.pipeline_parallel_size, resolved.tensor_parallel_size, resolved.dp_shard) == (1, 1, 1):
             plugin.num_sites = resolved.num_sites  # plain data parallelism after all: DDP + hierarchical hook
             return self._build_topology()
@@ -255,7 +257,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
                 f"{resolved.pipeline_parallel_size}: the schedule already accumulates over microbatches; raise "
                 f"MultiDCPlugin.microbatches ({_env.PP_MICROBATCHES}) instead."
             )
-        self.device_mesh = layout.build_mesh(self.device.type)
+        self.device_mesh = resolved.build_mesh(self.device.type)
         self.layout = resolved
         return None
 
@@ -270,8 +272,12 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self.parallel is not None):
             raise ValueError("with a parallel layout MultiDCAccelerator prepares exactly one model.")
-        if models:
-            self._parallelize(models[0], [a for a in args if isinstance(a, torch.optim.Optimizer)], blocks)
+        optimizers = [getattr(a, "optimizer", a) for a in args if isinstance(a, torch.optim.Optimizer)]
+        if models:  # optimizers prepared in an earlier call were built over the model as it was then, too
+            self._parallelize(models[0], optimizers + [o.optimizer for o in self._optimizers], blocks)
+        elif self.parallel is not None:  # prepare(model) came first: point these at the parallelized parameters
+            for optimizer in optimizers:
+                self.parallel.rebind_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:

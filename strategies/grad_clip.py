@@ -45,14 +45,15 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     coords = dict(zip(MESH_AXES, mesh.get_coordinate()))
-    total = torch.zeros((), dtype=torch.float32)
+    # On the mesh's device: no host sync per gradient, and a rank without gradients still all-reduces a tensor
+    # its backend takes (NCCL refuses CPU tensors).
+    total = torch.zeros((), dtype=torch.float32, device=torch.device(mesh.device_type))
     for grad in grads:
         local, sharded = _local_and_sharded_axes(grad)
         if any(coords[a] for a in MESH_AXES if a != "pp" and a not in sharded):
             continue  # another rank holds the same piece and counts it
-        piece = torch.linalg.vector_norm(local.detach().float(), norm_type).cpu()
+        piece = torch.linalg.vector_norm(local.detach().float(), norm_type).to(total.device)
         total = torch.maximum(total, piece) if math.isinf(norm_type) else total + piece**norm_type
-    total = total.to(grads[0].device if grads else "cpu")
     dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from multidc.hierarchical import _env
 
@@ -55,30 +55,42 @@ class ParallelLayout:
 
     A size left at ``None`` takes its environment variable (``MULTIDC_NUM_SITES``, ``MULTIDC_DP_REPLICATE``,
     ``MULTIDC_DP_SHARD``, ``MULTIDC_PP_SIZE``, ``MULTIDC_TP_SIZE``), else its default. At most one size may be
-    ``-1`` or ``"auto"``: it becomes whatever makes the product equal the world size. With ``world_size`` given
-    (or after ``resolve(world_size)``) every size is a concrete int and the product is checked.
+    ``-1`` or ``"auto"``: it becomes whatever makes the product equal the world size. ``dp_shard`` is the one
+    inferred by default; when another size is ``-1``/``"auto"``, an unset ``dp_shard`` is 1 instead. With
+    ``world_size`` given (or after ``resolve(world_size)``) every size is a concrete int and the product is checked.
     """
 
     num_sites: int | str | None = None
-    """Sites (datacenters); ranks of site ``s`` are the ``s``-th contiguous block. Default 1."""
+    """Sites (datacenters); ranks of site ``s`` are the ``s``-th contiguous block. Default 1; but when every rank
+    sets ``MULTIDC_SITE`` (and no ``world_size`` is given here), ``resolve_job`` / ``build_mesh`` count the
+    distinct names."""
     dp_replicate: int | str | None = None
     """Data-parallel replicas inside each site (HSDP replicate degree per site). Default 1."""
     dp_shard: int | str | None = None
-    """FSDP2 shard degree inside a site; 1 = plain replicated data parallelism. Default ``-1`` (infer)."""
+    """FSDP2 shard degree inside a site; 1 = plain replicated data parallelism. Default ``-1`` (inferred), or 1
+    when another size is ``-1``/``"auto"``."""
     pipeline_parallel_size: int | str | None = None
     """Pipeline stages (rank groups); each holds a contiguous run of the model's blocks. Default 1."""
     tensor_parallel_size: int | str | None = None
     """Tensor-parallel degree (innermost axis). Default 1."""
     world_size: int | None = None
     """Ranks in all; when given, sizes are resolved and checked at construction."""
+    _count_sites: bool = field(default=False, init=False, repr=False, compare=False)
+    """See ``counts_site_names``."""
 
     def __post_init__(self) -> None:
+        defaulted = set()
         for name, default in _DEFAULTS.items():
             value = getattr(self, name)
             if value is None:
                 env_value = _env.read(_ENV_OF_FIELD[name])
+                if env_value is None:
+                    defaulted.add(name)
                 value = default if env_value is None else _parse(name, env_value, _ENV_OF_FIELD[name])
             object.__setattr__(self, name, _parse(name, value))
+        if "dp_shard" in defaulted and any(getattr(self, n) == AUTO for n in _DEFAULTS if n != "dp_shard"):
+            object.__setattr__(self, "dp_shard", 1)  # the default auto yields to the size the user asked to infer
+        object.__setattr__(self, "_count_sites", "num_sites" in defaulted and self.world_size is None)
         auto = [name for name in _DEFAULTS if getattr(self, name) == AUTO]
         if len(auto) > 1:
             raise ValueError(
@@ -98,6 +110,38 @@ class ParallelLayout:
                 f"ParallelLayout was resolved for world_size={self.world_size} but the job has {world_size} ranks."
             )
         return replace(self, world_size=world_size)
+
+    def resolve_job(self) -> ParallelLayout:
+        """This layout resolved for the running job. Every rank must call it, after ``init_process_group``.
+
+        The world size comes from ``torch.distributed``; ``num_sites``, when neither given nor in
+        ``MULTIDC_NUM_SITES``, is the number of distinct ``MULTIDC_SITE`` names when every rank sets one (else 1).
+        Every rank's sizes and site name are gathered first, so a disagreement, a layout that does not fit or a
+        site that is not a contiguous block of ranks raises the same ValueError on every rank.
+        """
+        return self._resolve_job()[0]
+
+    def _resolve_job(self) -> tuple[ParallelLayout, list]:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelLayout.resolve_job needs torch.distributed: call init_process_group first.")
+        claims: list = [None] * dist.get_world_size()
+        dist.all_gather_object(claims, (self._sizes(), self._count_sites, _env.read(_env.SITE)))
+        _check_sizes_agree(claims)
+        names = [c[2] for c in claims]
+        layout = self
+        if self._count_sites and all(n is not None for n in names):
+            layout = replace(self, num_sites=len(set(names)))
+        resolved = layout.resolve(len(claims))
+        _check_sites(resolved, names, counted=layout is not self)
+        return resolved, names
+
+    @property
+    def counts_site_names(self) -> bool:
+        """``num_sites`` was neither given nor in ``MULTIDC_NUM_SITES`` (and no ``world_size``): ``resolve_job``
+        takes it from the ``MULTIDC_SITE`` names of the ranks."""
+        return self._count_sites
 
     @property
     def resolved(self) -> bool:
@@ -166,22 +210,16 @@ class ParallelLayout:
     def build_mesh(self, device_type: str = "cpu"):
         """Build the ``DeviceMesh`` (with aliases). Every rank must call it, after ``init_process_group``.
 
-        The layout is resolved against the job's world size and checked for agreement across ranks (sizes and
-        ``MULTIDC_SITE``) before any mesh group is created; a mismatch raises ValueError on every rank.
+        The layout is resolved by ``resolve_job`` (world size, ``num_sites`` counted from ``MULTIDC_SITE`` when not
+        given, agreement across ranks) before any mesh group is created; a mismatch raises ValueError on every rank.
 
         Returns:
             The root ``DeviceMesh`` with axes ``MESH_AXES``; ``mesh["data_parallel"]``, ``mesh["tensor_parallel"]``,
             ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views.
         """
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        if not dist.is_initialized():
-            raise RuntimeError("ParallelLayout.build_mesh needs torch.distributed: call init_process_group first.")
-        layout = self.resolve(dist.get_world_size())
-        claims: list = [None] * layout.world_size
-        dist.all_gather_object(claims, (self._sizes(), _env.read(_env.SITE)))
-        _check_agreement(layout, claims)
+        layout = self.resolve_job()
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
         for alias, axes in ALIASES.items():
             submesh(mesh, axes)._flatten(alias)
@@ -195,7 +233,7 @@ class ParallelLayout:
             raise ValueError("ParallelLayout is not resolved yet: pass world_size= or call resolve(world_size).")
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
         return f"ParallelLayout({inner})"
 
 
@@ -260,8 +298,8 @@ def _what_fits(sizes: dict[str, int], world: int) -> str:
     return f"{hint} At most one size may be -1 (inferred); the product of the sizes must be {world}."
 
 
-def _check_agreement(layout: ParallelLayout, claims: list) -> None:
-    """Every rank gathered the same claims; raise the same ValueError on every rank if they disagree."""
+def _check_sizes_agree(claims: list) -> None:
+    """Every rank gathered the same claims; raise the same ValueError on every rank if their sizes disagree."""
     sizes = [c[0] for c in claims]
     differing = [rank for rank, s in enumerate(sizes) if s != sizes[0]]
     if differing:
@@ -269,7 +307,16 @@ def _check_agreement(layout: ParallelLayout, claims: list) -> None:
             f"ranks disagree on the parallel layout: rank 0 has {sizes[0]}, ranks {differing} have "
             f"{[sizes[r] for r in differing]}; pass the same sizes / MULTIDC_* variables on every rank."
         )
-    sites = [c[1] for c in claims]
+    given = [rank for rank, c in enumerate(claims) if not c[1]]
+    if 0 < len(given) < len(claims):
+        raise ValueError(
+            f"ranks {given} give num_sites (argument or {_env.NUM_SITES}) and the others do not (they count "
+            f"{_env.SITE} names); pass the same num_sites / {_env.NUM_SITES} on every rank, or on none."
+        )
+
+
+def _check_sites(layout: ParallelLayout, sites: list, *, counted: bool) -> None:
+    """``MULTIDC_SITE`` per rank (``sites``) names ``layout.num_sites`` contiguous blocks, or is unset everywhere."""
     if all(s is None for s in sites):
         return
     if any(s is None for s in sites):
@@ -278,9 +325,10 @@ def _check_agreement(layout: ParallelLayout, claims: list) -> None:
     blocks = [sites[s * layout.site_size : (s + 1) * layout.site_size] for s in range(layout.num_sites)]
     names = [block[0] for block in blocks]
     if any(len(set(block)) != 1 for block in blocks) or len(set(names)) != layout.num_sites:
+        counted_from = f", the number of distinct {_env.SITE} names" if counted else ""
         raise ValueError(
-            f"{_env.SITE} per rank is {sites}, but ParallelLayout(num_sites={layout.num_sites}) needs each site "
-            f"to be a contiguous block of {layout.site_size} ranks (site s = ranks s*{layout.site_size}.."
+            f"{_env.SITE} per rank is {sites}, but ParallelLayout(num_sites={layout.num_sites}{counted_from}) needs "
+            f"each site to be a contiguous block of {layout.site_size} ranks (site s = ranks s*{layout.site_size}.."
             f"(s+1)*{layout.site_size}-1). Give the ranks of each site consecutive global ranks (torchrun: one "
             f"node rank range per site) and the same num_sites."
         )

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from multidc.hierarchical import WanConfig
+from multidc.hierarchical import WanConfig, _env
 from multidc.hierarchical.stats import WanStepMeter
 from multidc.strategies.data_parallel import fsdp_mesh_crosses_sites
 from multidc.strategies.layout import ParallelLayout, submesh
-from multidc.strategies.parallelize import ParallelModel, parallelize
+from multidc.strategies.parallelize import ParallelModel, layout_of, parallelize
 from multidc.strategies.pipeline import PipelineConfig
 
 try:
@@ -62,7 +62,8 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     Args:
         num_sites, dp_replicate, dp_shard, pipeline_parallel_size, tensor_parallel_size: see ``ParallelLayout``
             (``None`` = ``MULTIDC_*`` env, then default; one may be ``-1``/``"auto"``; ``dp_shard`` defaults to
-            auto).
+            auto, or to 1 when another size is auto; ``num_sites`` defaults to the number of ``MULTIDC_SITE``
+            names when every rank sets one, else 1).
         pipeline_schedule, microbatches, stages_per_rank, split_points: see ``PipelineConfig`` (env
             ``MULTIDC_PP_SCHEDULE`` / ``MULTIDC_PP_MICROBATCHES``).
         wan: cross-site reduction settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
@@ -131,13 +132,17 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         return self.parallel.topology if self.parallel is not None else None
 
     def _configure_launcher(self) -> None:
-        self.layout.resolve(self.num_nodes * self.num_processes)  # fails here, before any rank starts
+        # Fails here, before any rank starts; unless num_sites is to be counted from MULTIDC_SITE, which only the
+        # ranks together know (build_mesh checks it then, on every rank).
+        if not (self.layout.counts_site_names and _env.read(_env.SITE) is not None):
+            self.layout.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
         self._setup_distributed()
-        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        if self._device_mesh is None:  # validate / test after fit keep the mesh the module was placed on
+            self._device_mesh = self.layout.build_mesh(self.root_device.type)
+            self.layout = layout_of(self._device_mesh)
         self.lightning_module._device_mesh = self._device_mesh
 
     @contextmanager
@@ -154,13 +159,14 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         pp = self.layout.pipeline_parallel_size
-        blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
         if pp > 1 and trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} with pipeline_parallel_size={pp}: the "
                 f"schedule already accumulates over microbatches; raise microbatches instead."
             )
-        if any(isinstance(m, FSDPModule) for m in module.modules()):
+        if self.parallel is not None and self.parallel.model is module:
+            pass  # validate / test / fit again after fit: already placed (its pipeline and topology are kept)
+        elif any(isinstance(m, FSDPModule) for m in module.modules()):
             if pp > 1:
                 raise ValueError(
                     "configure_model applied fully_shard, but with pipeline_parallel_size > 1 the strategy shards "
@@ -173,6 +179,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
                 )
             self.parallel = ParallelModel(module, self.device_mesh, self.layout, roots=[module])
         else:
+            blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
             self.parallel = parallelize(
                 module, self.device_mesh, blocks=blocks, pipeline=self.pipeline_config, wan=self.wan,
                 wrap_root=False, device=self.root_device,

@@ -8,6 +8,7 @@ and per stage with the hierarchical cross-site reduction, then the schedule.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ class ParallelModel:
         layout: the resolved layout.
         pipeline: the pipeline, or ``None`` when ``pipeline_parallel_size == 1``.
         topology: this rank's replica topology (WAN statistics in ``topology.wan_stats``), or ``None``.
+        originals: ``{id: (weakref, qualified name)}`` of the parameters before ``parallelize`` (which TP and FSDP
+            replace with new objects), for ``rebind_optimizer``.
     """
 
     model: nn.Module
@@ -55,6 +58,7 @@ class ParallelModel:
     pipeline: Pipeline | None = None
     topology: Topology | None = None
     roots: list[nn.Module] = field(default_factory=list)
+    originals: dict[int, tuple[weakref.ref, str]] = field(default_factory=dict, repr=False)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (its pipeline stages only)."""
@@ -80,6 +84,45 @@ class ParallelModel:
         """Off: backward accumulates locally, nothing crosses sites (gradient accumulation)."""
         for root in self.roots:
             set_requires_gradient_sync(root, requires_sync)
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` at the parameters ``parallelize`` left in ``model``; works on any rank alone.
+
+        A parameter from before ``parallelize`` becomes the parallelized parameter of the same name, or is dropped
+        when another pipeline stage holds it; one that already is parallelized stays (a no-op for an optimizer
+        built after ``parallelize``). Parameter groups keep their settings.
+
+        Raises:
+            ValueError: the optimizer holds parameters from before ``parallelize`` and has stepped (its state
+                belongs to the replaced tensors), or parameters that are not the model's, before or after.
+        """
+        current = {id(p) for p in self.model.parameters()}
+        after = dict(self.model.named_parameters())
+        groups, stale, unknown = [], [], 0
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                entry = self.originals.get(id(p))
+                if id(p) in current:
+                    params.append(p)
+                elif entry is not None and entry[0]() is p:
+                    stale.append(p)
+                    params += [after[entry[1]]] if entry[1] in after else []
+                else:
+                    unknown += 1
+            groups.append(params)
+        if unknown:
+            raise ValueError(
+                f"the optimizer holds {unknown} parameters that are not the model's (before or after parallelize); "
+                f"build it over model.parameters()."
+            )
+        if any(p in optimizer.state for p in stale):
+            raise ValueError(
+                "the optimizer was built over the model before it was parallelized and has already stepped: its "
+                "state belongs to the replaced tensors. Prepare (parallelize) the model before training."
+            )
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
 
 
 def layout_of(mesh) -> ParallelLayout:
@@ -123,10 +166,12 @@ def parallelize(
 
     Raises:
         ValueError: before any change, when pp > 1 without blocks, blocks are not submodules of ``model``, the
-            blocks cannot be split into the stages, or (``wrap_root=False``) a module holds parameters directly.
+            blocks cannot be split into the stages, blocks of different stages share a parameter (tied weights),
+            or (``wrap_root=False``) a module holds parameters directly.
     """
     layout = layout_of(mesh)
     names = _block_names(model, blocks or ())
+    originals = {id(p): (weakref.ref(p), n) for n, p in model.named_parameters()}
     if layout.pipeline_parallel_size == 1:
         roots = [model] if wrap_root else _fsdp_roots(model)
     if layout.pipeline_parallel_size > 1:
@@ -136,7 +181,8 @@ def parallelize(
                 f"blocks=[...] (a LightningModule defines pipeline_blocks())."
             )
         pipeline = pipeline if pipeline is not None else PipelineConfig()
-        split_blocks(len(blocks), layout.pipeline_parallel_size * pipeline.stages_per_rank, pipeline.split_points)
+        num_stages = layout.pipeline_parallel_size * pipeline.stages_per_rank
+        _check_ties_within_stages(blocks, names, split_blocks(len(blocks), num_stages, pipeline.split_points))
         pipeline.resolved_microbatches(layout.pipeline_parallel_size)
     if tensor_parallel == "transformer":
         apply_tensor_parallel(blocks or [model], submesh(mesh, "tensor_parallel"))
@@ -149,7 +195,7 @@ def parallelize(
         for root in roots:
             units = [b for b in (blocks or ()) if b is not root and _is_within(b, root)]
             apply_data_parallel(root, mesh, units=units, topology=topology, wan=wan)
-        return ParallelModel(model, mesh, layout, None, topology, roots)
+        return ParallelModel(model, mesh, layout, None, topology, roots, originals)
     stages = stage_modules(list(blocks), mesh, pipeline)
     local_blocks = {id(b) for stage in stages.values() for b in stage}
     _drop_remote_blocks(model, blocks, names, local_blocks, layout, pipeline)
@@ -158,7 +204,7 @@ def parallelize(
             stage, mesh, units=list(stage), topology=topology, wan=wan, reshard_after_forward=False
         )
     built = build_pipeline(stages, mesh, pipeline, device)
-    return ParallelModel(model, mesh, layout, built, topology, list(stages.values()))
+    return ParallelModel(model, mesh, layout, built, topology, list(stages.values()), originals)
 
 
 def _block_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
@@ -167,6 +213,25 @@ def _block_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
     if missing:
         raise ValueError(f"blocks {missing} are not submodules of {type(model).__name__}; declare its own modules.")
     return [where[id(b)] for b in blocks]
+
+
+def _check_ties_within_stages(blocks: Sequence[nn.Module], names: list[str], ranges: list[range]) -> None:
+    """ValueError when one ``Parameter`` (tied weights) is held by blocks of two pipeline stages: each stage would
+    update its own copy and the two would silently come apart."""
+    owner: dict[int, tuple[int, int, str]] = {}
+    for stage, indices in enumerate(ranges):
+        for index in indices:
+            for param_name, param in blocks[index].named_parameters():
+                name = f"{names[index]}.{param_name}"
+                first_stage, first_index, first_name = owner.setdefault(id(param), (stage, index, name))
+                if first_stage != stage:
+                    raise ValueError(
+                        f"parameter {first_name!r} (block {first_index}, pipeline stage {first_stage}) is the same "
+                        f"Parameter as {name!r} (block {index}, stage {stage}): tied weights across stages would be "
+                        f"updated separately on each stage and come apart. Untie them (give each block its own "
+                        f"nn.Parameter), or keep blocks {first_index}..{index} on one stage with split_points (stages "
+                        f"now start at blocks {[r.start for r in ranges]})."
+                    )
 
 
 def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
@@ -227,7 +292,7 @@ def prepare_parallel(
         _check_fresh(optimizer, names)
     prepared = parallelize(model, mesh, **parallelize_kwargs)
     for optimizer in optimizers:
-        rebind_optimizer(optimizer, names, model)
+        prepared.rebind_optimizer(optimizer)
     return prepared
 
 

@@ -27,6 +27,7 @@ COLWISE = frozenset(
 ROWWISE = frozenset("o_proj out_proj wo down_proj w2 fc2 fc_out c_proj proj".split())
 FUSED = frozenset("qkv c_attn Wqkv wqkv qkv_proj in_proj".split())
 HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "n_kv_heads", "num_key_value_heads")
+_APPLIED = "_multidc_tensor_parallel_size"  # set on a block once split: a second call must not split it again
 
 
 def transformer_block_plan(block: nn.Module, tp: int) -> dict:
@@ -66,10 +67,12 @@ def apply_tensor_parallel(blocks: Iterable[nn.Module], tp_mesh) -> None:
     Every rank of the tensor-parallel group must call it with the same blocks (parameters are distributed from
     the group's first rank). Blocks without recognised projections (embeddings, heads) are left replicated; a
     one-rank ``tp_mesh`` leaves everything unchanged. Divides ``n_heads``-style attributes (``HEAD_ATTRS``) of
-    the split blocks' submodules by the tensor-parallel size.
+    the split blocks' submodules by the tensor-parallel size. Idempotent: blocks it already split are skipped, so
+    a Lightning ``configure_model`` that calls it runs again for ``validate`` / ``test`` after ``fit`` unharmed.
 
     Raises:
-        ValueError: before changing any block, when no block has a recognised projection or sizes do not divide.
+        ValueError: before changing any block, when no block has a recognised projection, sizes do not divide,
+            or a block was already split for another tensor-parallel size.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -77,8 +80,16 @@ def apply_tensor_parallel(blocks: Iterable[nn.Module], tp_mesh) -> None:
     if tp == 1:
         return
     blocks = list(blocks)
+    done = [block for block in blocks if getattr(block, _APPLIED, None) is not None]
+    for block in done:
+        if getattr(block, _APPLIED) != tp:
+            raise ValueError(
+                f"{type(block).__name__} was already split for tensor_parallel_size={getattr(block, _APPLIED)}, "
+                f"not {tp}; build the model again to change the size."
+            )
+    blocks = [block for block in blocks if getattr(block, _APPLIED, None) is None]
     plans = [transformer_block_plan(block, tp) for block in blocks]  # validate everything before changing any
-    if not any(plans):
+    if not any(plans) and not done:
         raise ValueError(
             f"tensor_parallel_size={tp} but none of the {len(blocks)} blocks has a recognised projection "
             f"(column-wise {sorted(COLWISE)}, row-wise {sorted(ROWWISE)}); rename them or pass your own plan."
@@ -92,6 +103,7 @@ def apply_tensor_parallel(blocks: Iterable[nn.Module], tp_mesh) -> None:
             for attr in HEAD_ATTRS:
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
+        setattr(block, _APPLIED, tp)
 
 
 def _check_heads(block: nn.Module, tp: int) -> None:

@@ -27,8 +27,12 @@ WAN_ENV = {"MULTIDC_WAN_CHUNK_MB": "0.001", "MULTIDC_WAN_STREAMS": "2"}
 CASES = {
     # sizes as plugin arguments; dp_shard inferred (2)
     "pp2xdp_shard2": dict(plugin=dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2), dp=2),
-    # sizes from the environment, as under `accelerate launch`
-    "sites2xdp_shard2": dict(env={"MULTIDC_NUM_SITES": "2", "MULTIDC_DP_SHARD": "2", **WAN_ENV}, dp=4),
+    # model and optimizer prepared in separate calls: the optimizer must train the parallelized parameters
+    "pp2xdp_shard2_model_then_optimizer": dict(
+        plugin=dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2), dp=2, separate=True,
+    ),
+    # sizes from the environment, as under `accelerate launch`; the site count from one MULTIDC_SITE name per node
+    "sites2xdp_shard2": dict(env={"MULTIDC_DP_SHARD": "2", **WAN_ENV}, sites=["east", "east", "west", "west"], dp=4),
     "sites2xtp2": dict(env={"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2", **WAN_ENV},
                        plugin=dict(tensor_parallel="transformer"), dp=2),
 }
@@ -74,7 +78,11 @@ def _train(accelerator, case: dict) -> dict:
     x, y = zip(*(batch(step, GLOBAL_BATCH) for step in range(STEPS)))
     loader = DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), batch_size=GLOBAL_BATCH // case["dp"])
     blocks = None if case.get("no_blocks") else model.blocks()
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched, blocks=blocks)
+    if case.get("separate"):
+        model = accelerator.prepare(model, blocks=blocks)
+        opt, loader, sched = accelerator.prepare(opt, loader, sched)
+    else:
+        model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched, blocks=blocks)
     out = {"losses": [], "norms": [], "wan_per_step": [], "first_rows": None}
     for x, y in loader:
         out["first_rows"] = x if out["first_rows"] is None else out["first_rows"]
@@ -99,12 +107,12 @@ def _train(accelerator, case: dict) -> dict:
     return out
 
 
-def _run_case(case: dict) -> dict:
+def _run_case(case: dict, rank: int) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 
     from multidc.plugins import MultiDCAccelerator, MultiDCPlugin
 
-    env = case.get("env", {})
+    env = {**case.get("env", {}), **({"MULTIDC_SITE": case["sites"][rank]} if "sites" in case else {})}
     os.environ.update(env)
     accelerator = None
     try:
@@ -123,7 +131,7 @@ def _run_case(case: dict) -> dict:
 
 def _four_ranks(rank, world, checkpoint_args):
     """Every 4-rank part of this file in one spawn (starting ranks is the slow part)."""
-    out = {name: _run_case(case) for name, case in {**CASES, **ERROR_CASES}.items()}
+    out = {name: _run_case(case, rank) for name, case in {**CASES, **ERROR_CASES}.items()}
     out["saved"] = save_runs(rank, world, *checkpoint_args) if checkpoint_args else None
     return out
 

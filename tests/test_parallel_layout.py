@@ -43,6 +43,35 @@ def test_invalid_layout_raises_value_error_naming_sizes_and_fix(kwargs, words):
         assert word in str(info.value), str(info.value)
 
 
+AUTO_SIZES = [
+    # (kwargs, env, mesh shape (site, pp, dp_replicate, dp_shard, tp)): the size asked to be inferred is inferred;
+    # an unset dp_shard is the inferred one only when no other size is -1/"auto", else 1
+    (dict(num_sites=2, pipeline_parallel_size=2, tensor_parallel_size="auto"), {}, (2, 2, 1, 1, 2)),
+    (dict(num_sites="auto", tensor_parallel_size=2), {}, (4, 1, 1, 1, 2)),
+    (dict(pipeline_parallel_size=-1), {}, (1, 8, 1, 1, 1)),
+    (dict(num_sites=2, dp_replicate="auto"), {}, (2, 1, 4, 1, 1)),
+    (dict(num_sites=2, pipeline_parallel_size=2), {}, (2, 2, 1, 2, 1)),
+    (dict(dp_shard=2, tensor_parallel_size="auto"), {}, (1, 1, 1, 2, 4)),
+    (dict(num_sites=2), {"MULTIDC_TP_SIZE": "auto"}, (2, 1, 1, 1, 4)),
+    (dict(tensor_parallel_size=2), {"MULTIDC_PP_SIZE": "-1"}, (1, 4, 1, 1, 2)),
+    (dict(tensor_parallel_size=2), {"MULTIDC_DP_SHARD": "2", "MULTIDC_NUM_SITES": "auto"}, (2, 1, 1, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("kwargs,env,shape", AUTO_SIZES, ids=[f"{k}{e}" for k, e, _ in AUTO_SIZES])
+def test_any_one_size_can_be_auto_and_dp_shard_then_defaults_to_one(monkeypatch, kwargs, env, shape):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ParallelLayout(**kwargs, world_size=8).shape == shape
+    assert ParallelLayout(**kwargs).resolve(8).shape == shape
+
+
+def test_dp_shard_given_as_auto_still_conflicts_with_another_auto_size(monkeypatch):
+    monkeypatch.setenv("MULTIDC_DP_SHARD", "auto")
+    with pytest.raises(ValueError, match=r"only one size can be inferred, but \['dp_shard', 'tensor_parallel_size'\]"):
+        ParallelLayout(tensor_parallel_size="auto")
+
+
 def test_env_fills_sizes_left_unset_and_names_the_variable_on_bad_values(monkeypatch):
     monkeypatch.setenv("MULTIDC_NUM_SITES", "2")
     monkeypatch.setenv("MULTIDC_PP_SIZE", "2")
@@ -111,7 +140,8 @@ def test_mismatched_world_always_raises_and_suggestions_fit(sizes, world):
 
 
 def _mesh_groups_and_errors(rank, world, kwargs):
-    """One spawn, three checks (spawning ranks is the slow part): groups, bad sites, disagreeing sizes."""
+    """One spawn, four checks (spawning ranks is the slow part): groups, sites counted from MULTIDC_SITE, bad
+    sites, disagreeing sizes."""
     import os
 
     layout = ParallelLayout(**kwargs)
@@ -123,6 +153,12 @@ def _mesh_groups_and_errors(rank, world, kwargs):
         expected = next(g for g in resolved.groups(axis) if rank in g)
         mine[axis] = (sorted(ranks), expected)
     coordinate = dict(zip(MESH_AXES, mesh.get_coordinate()))
+    os.environ["MULTIDC_SITE"] = "east" if rank < world // 2 else "west"  # one name per node, no site count
+    try:
+        counted = ParallelLayout(pipeline_parallel_size=2)
+        named = (counted.resolve_job().shape, tuple(counted.build_mesh().shape))
+    finally:
+        del os.environ["MULTIDC_SITE"]
     errors = []
     for env in ({"MULTIDC_SITE": "ab"[rank % 2]}, {"MULTIDC_PP_SIZE": "2" if rank else "1"}):
         os.environ.update(env)
@@ -133,15 +169,16 @@ def _mesh_groups_and_errors(rank, world, kwargs):
             errors.append(str(exc))
         for name in env:
             del os.environ[name]
-    return mine, coordinate, resolved.coordinates(rank), errors
+    return mine, coordinate, resolved.coordinates(rank), named, errors
 
 
 def test_mesh_groups_match_layout_arithmetic_and_bad_layouts_raise_on_every_rank():
     kwargs = dict(num_sites=2, pipeline_parallel_size=2, tensor_parallel_size=1)
-    for mine, coordinate, expected, errors in run_ranks(_mesh_groups_and_errors, 4, kwargs, timeout=180):
+    for mine, coordinate, expected, named, errors in run_ranks(_mesh_groups_and_errors, 4, kwargs, timeout=180):
         assert coordinate == expected
         for axis, (got, want) in mine.items():
             assert got == want, axis
+        assert named == ((2, 2, 1, 1, 1), (2, 2, 1, 1, 1)), "2 MULTIDC_SITE names, no num_sites: 2 sites"
         interleaved_sites, disagreeing_sizes = errors
         assert interleaved_sites is not None and "contiguous block of 2 ranks" in interleaved_sites
         assert disagreeing_sizes is not None and "disagree" in disagreeing_sizes
