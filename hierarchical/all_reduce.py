@@ -52,7 +52,8 @@ def all_reduce(
     Args:
         tensor: the local values; overwritten with the result.
         topology: from ``Topology.build``.
-        wan: WAN settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``). ``wan.streams`` may not exceed the
+        wan: WAN settings; default ``topology.wan`` (agreed by every rank in ``Topology.build``). Every rank
+            must pass the same settings. ``wan.streams`` may not exceed the
             streams the topology was built with.
         op: ``"sum"`` or ``"avg"`` (the sum divided by the number of ranks).
         async_op: return a ``torch.futures.Future`` at once; ``wait()`` returns ``tensor`` or raises.
@@ -104,14 +105,16 @@ def residual_numel(numel: int, element_size: int, topology: Topology, wan: WanCo
 
 
 def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: str) -> WanConfig:
-    wan = wan if wan is not None else WanConfig()
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a Topology from Topology.build, not {type(topology).__name__}.")
+    wan = wan if wan is not None else topology.wan
+    if not isinstance(wan, WanConfig):
+        raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in SUPPORTED_DTYPES:
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"all_reduce supports float32, bfloat16 and float16 tensors, not {got}.")
     if op not in OPS:
         raise ValueError(f"op={op!r} is not supported; use 'sum' or 'avg'.")
-    if not isinstance(topology, Topology):
-        raise ValueError(f"topology must be a Topology from Topology.build, not {type(topology).__name__}.")
     if wan.streams > topology.streams:
         raise ValueError(
             f"wan.streams={wan.streams} but the topology prepared {topology.streams}; pass the same WanConfig "
@@ -158,6 +161,9 @@ class _Pipeline:
         intra = topology.intra_group
         self.leaders = [dist.get_global_rank(intra, r) for r in range(topology.num_rails)]
         self.state: list[dict] = [{} for _ in self.chunks]
+        # Rows of a rail all-gather follow the rail group's rank order, which torch sorts by global rank: not
+        # the site order when a higher site index holds lower ranks (MULTIDC_SITE=1 on the first machine).
+        self.own_row = dist.get_group_rank(topology.rail_groups[0], dist.get_rank()) if topology.rail_groups else None
 
     def run(self) -> None:
         started = finished = 0
@@ -208,7 +214,7 @@ class _Pipeline:
         if "gathered" in state:
             gathered, values = state.pop("gathered"), state.pop("values")
             if self.residual is not None:
-                own = self.codec.decode(gathered[self.topo.site], chunk.shard_numel)
+                own = self.codec.decode(gathered[self.own_row], chunk.shard_numel)
                 residual = torch.sub(values, own, out=self._residual_slice(i))
                 # An overflowed step (skipped by a GradScaler) must not poison every later step's residual.
                 residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

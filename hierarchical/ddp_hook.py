@@ -62,14 +62,13 @@ def register_ddp_hook(
     Args:
         ddp_model: a ``DistributedDataParallel`` model over the same ranks as ``topology``.
         topology: from ``Topology.build``.
-        wan: WAN settings; default ``WanConfig()``.
+        wan: WAN settings; default ``topology.wan`` (agreed by every rank in ``Topology.build``).
         error_feedback: keep per-bucket compression residuals; default on for ``int8``, off otherwise.
 
     Returns:
         The hook state (its ``residuals`` are inspectable).
     """
-    wan = wan if wan is not None else WanConfig()
-    _check(torch.empty(0), topology, wan, "avg")
+    wan = _check(torch.empty(0), topology, wan, "avg")
     ddp_ranks = sorted(dist.get_process_group_ranks(ddp_model.process_group))
     topology_ranks = sorted(
         dist.get_process_group_ranks(topology.group) if topology.group is not None else range(dist.get_world_size())

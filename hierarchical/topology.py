@@ -24,6 +24,8 @@ class _Claim:
     site: int | str | None
     num_sites: int | None
     error: str | None = None
+    wan: tuple | None = None
+    """``WanConfig.key()``: ranks must agree on it, or their collectives would not match."""
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,13 @@ def _explicit_layout(sites: list[int | str | None], num_sites: int | None) -> Si
     return SiteLayout(site_ranks=site_ranks, site_names=tuple(names))
 
 
-def _local_claim(site: int | str | None, num_sites: int | None) -> _Claim:
-    """This rank's claim from arguments, else environment. Errors are carried, not raised: see ``build``."""
+def _local_claim(site: int | str | None, num_sites: int | None, wan: WanConfig | None) -> tuple[_Claim, WanConfig]:
+    """This rank's claim and WAN settings from arguments, else environment.
+
+    Errors are carried in the claim, not raised, so that every rank raises them together: see ``build``.
+    """
     try:
+        wan = wan if wan is not None else WanConfig()
         if site is None:
             site = _env.read(_env.SITE)
         if isinstance(site, str) and site.lstrip("-").isdigit():
@@ -138,9 +144,26 @@ def _local_claim(site: int | str | None, num_sites: int | None) -> _Claim:
             num_sites = _env.read_int(_env.NUM_SITES)
         if num_sites is not None and (isinstance(num_sites, bool) or not isinstance(num_sites, int)):
             raise ValueError(f"num_sites={num_sites!r} must be an int.")
-        return _Claim(site=site, num_sites=num_sites)
+        return _Claim(site=site, num_sites=num_sites, wan=wan.key()), wan
     except ValueError as exc:
-        return _Claim(site=None, num_sites=None, error=str(exc))
+        return _Claim(site=None, num_sites=None, error=str(exc)), wan
+
+
+def _check_same_wan(claims: list[_Claim]) -> None:
+    """Raise the same ValueError on every rank when ranks were given different WAN settings.
+
+    Different ``streams`` would create different numbers of groups, different ``chunk_mb`` or ``compression``
+    mismatched collectives: both hang until the WAN timeout and then blame the network.
+    """
+    ranks_by_setting: dict[tuple, list[int]] = {}
+    for rank, claim in enumerate(claims):
+        ranks_by_setting.setdefault(claim.wan, []).append(rank)
+    if len(ranks_by_setting) > 1:
+        seen = "; ".join(f"ranks {ranks}: {WanConfig.describe_key(key)}" for key, ranks in ranks_by_setting.items())
+        raise ValueError(
+            f"ranks disagree on the WAN settings ({seen}); pass the same WanConfig / MULTIDC_WAN_* values "
+            "(compression, chunk_mb, streams, timeout_s) to every rank of every site."
+        )
 
 
 class Topology:
@@ -159,6 +182,7 @@ class Topology:
         group: the process group the topology spans (``None`` = the default group).
         intra_group: this site's group.
         rail_groups: one group per WAN stream for this rank's rail; empty for off-rail ranks.
+        wan: the ``WanConfig`` every rank agreed on at build time; the default of ``all_reduce`` and the hooks.
         streams: how many WAN streams were prepared (``WanConfig.streams`` at build time).
         wan_stats: bytes and seconds of this rank's WAN traffic, see ``WanStats``.
     """
@@ -174,6 +198,7 @@ class Topology:
         self.layout = layout
         self.group = group
         self.rank = dist.get_rank(group)
+        self.wan = wan
         self.streams = wan.streams
         self.wan_stats = WanStats()
         self._lock = threading.Lock()
@@ -223,21 +248,30 @@ class Topology:
             site: this process's site index or name.
             group: the ranks to span (default: all). Ranks outside it still call ``build`` (torch creates
                 groups collectively over the default group) and get ``None``.
-            wan: ``wan.streams`` rail groups are made per rail, with ``wan.timeout_s``; default ``WanConfig()``.
-                Later collectives may use fewer streams than this, not more.
+            wan: the WAN settings every rank must share; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+                ``wan.streams`` rail groups are made per rail, with ``wan.timeout_s``; it becomes
+                ``topology.wan``, the default of every hierarchical collective on this topology. Later
+                collectives may use fewer streams than this, not more.
 
         Raises:
-            ValueError: on every rank alike, before any group is created, when the layout cannot work.
+            ValueError: on every rank alike, before any group is created, when the layout cannot work, a
+                ``MULTIDC_*`` value is bad on any rank, or ranks were given different WAN settings.
         """
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs torch.distributed: call init_process_group first.")
-        wan = wan if wan is not None else WanConfig()
         member = group is None or dist.get_rank(group) >= 0
+        # A bad MULTIDC_WAN_* value on one site travels in its claim, so the other sites raise too instead of
+        # waiting in the gather; the settings themselves are compared before any group exists.
+        claim, wan = _local_claim(site, num_sites, wan) if member else (None, wan)
         claims: list[_Claim | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(claims, _local_claim(site, num_sites) if member else None)
+        dist.all_gather_object(claims, claim)
         # Members sent a claim, others None: every rank learns the members, also those outside ``group``.
         members = [r for r, claim in enumerate(claims) if claim is not None]
-        topology = cls(resolve_sites([claims[r] for r in members]), group, wan, members=members)
+        layout = resolve_sites([claims[r] for r in members])
+        _check_same_wan([claims[r] for r in members])
+        if not member:  # it only helps create the members' groups, so it takes their (agreed) settings
+            wan = WanConfig.from_key(claims[members[0]].wan)
+        topology = cls(layout, group, wan, members=members)
         return topology if member else None
 
     @property

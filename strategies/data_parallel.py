@@ -41,6 +41,7 @@ class _MeshTopology(Topology):
             site_names=tuple(str(s) for s in range(num_sites)),
         )
         self.group = submesh(mesh, "replicate").get_group()
+        self.wan = wan
         self.streams = wan.streams
         self.wan_stats = WanStats()
         self._lock = threading.Lock()
@@ -99,7 +100,7 @@ def apply_data_parallel(
         mesh: the root mesh from ``ParallelLayout.build_mesh``.
         units: submodules to shard separately, in forward order.
         topology: from ``replicate_topology(mesh, wan)``; ``None`` when this rank has no replicas.
-        wan: WAN settings for the cross-site hop; default ``WanConfig()``.
+        wan: WAN settings for the cross-site hop; default ``topology.wan``.
         reshard_after_forward: free gathered parameters after forward (False under pipeline parallelism avoids
             one all-gather per microbatch).
         error_feedback: keep per-unit compression residuals; default on for ``int8``.
@@ -120,7 +121,7 @@ def apply_data_parallel(
         fully_shard(unit, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
     if topology is not None:
-        wan = wan if wan is not None else WanConfig()
+        wan = wan if wan is not None else topology.wan
         if error_feedback is None:
             error_feedback = wan.compression == "int8"
         state = _ReplicaReduction(topology, wan, error_feedback)

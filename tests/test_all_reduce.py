@@ -158,3 +158,24 @@ def test_named_interleaved_sites_are_ordered_by_lowest_rank():
         (0, "us-east", 2, 2, 1, 1),
         (1, "eu-west", 2, 2, 1, 1),
     ]
+
+
+def _int8_residual(rank, world, sites):
+    from multidc.hierarchical.all_reduce import residual_numel, submit
+
+    topo = Topology.build(site=sites[rank])
+    wan = WanConfig(compression="int8", chunk_mb=0.25)
+    scale = 100.0 if topo.site == 1 else 1.0  # the sites differ in scale: another site's row is far off
+    x = _inputs(rank, 70_001, torch.float32) * scale
+    site_sum = sum(_inputs(r, 70_001, torch.float32) * scale for r in range(world) if sites[r] == sites[rank])
+    residual = torch.zeros(residual_numel(x.numel(), 4, topo, wan))
+    submit(x, topo, wan, op="sum", residual=residual).wait()
+    # int8 rounding of this site's partial: |error| <= max|shard| / 254 per chunk, <= max|site sum| / 254.
+    return residual.abs().max().item(), site_sum.abs().max().item() / 254, torch.count_nonzero(residual).item()
+
+
+@pytest.mark.parametrize("sites", [[1, 1, 0, 0], ["a", "b", "b", "a"]], ids=["site1-first", "named-crossed"])
+def test_int8_residual_is_this_ranks_own_rounding_when_rails_list_sites_out_of_rank_order(sites):
+    # The rail group orders its ranks by rank, not by site: the residual must use this rank's own row.
+    for rank, (worst, bound, nonzero) in enumerate(run_ranks(_int8_residual, 4, sites)):
+        assert nonzero > 0 and worst <= bound * 1.01, (rank, worst, bound)

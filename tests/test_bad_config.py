@@ -297,11 +297,36 @@ def _bad_wan_env_on_one_site(rank, world):
     return "no error", ""
 
 
-@pytest.mark.xfail(strict=True, reason="Topology.build reads WanConfig() from the environment before gathering the "
-                   "ranks' claims, so only the site with the bad value raises; the others wait in the gather")
 def test_bad_wan_env_on_one_site_raises_on_every_rank():
     results = run_ranks(_bad_wan_env_on_one_site, 2, env={1: {"MULTIDC_WAN_COMPRESSION": "zstd"}}, timeout=60)
-    assert all(name == "ValueError" and "MULTIDC_WAN_COMPRESSION='zstd'" in msg for name, msg in results), results
+    assert all(name == "ValueError" and "rank 1: MULTIDC_WAN_COMPRESSION='zstd'" in msg for name, msg in results), \
+        results
+
+
+_DIFFERING_WAN = [("MULTIDC_WAN_STREAMS", "3"), ("MULTIDC_WAN_COMPRESSION", "int8"), ("MULTIDC_WAN_CHUNK_MB", "8")]
+
+
+def _differing_wan_settings(rank, world):
+    import os
+
+    results = []
+    for variable, value in _DIFFERING_WAN:  # a failed build creates no group, so the next one starts clean
+        if rank >= 2:
+            os.environ[variable] = value
+        results.append(_bad_wan_env_on_one_site(rank, world))
+        os.environ.pop(variable, None)
+    return results
+
+
+def test_wan_settings_that_differ_between_sites_raise_on_every_rank_before_any_group():
+    # Valid on each site, but different: the collectives would not match (streams: different group counts).
+    per_rank = run_ranks(_differing_wan_settings, 4, timeout=60)
+    for case, (variable, value) in enumerate(_DIFFERING_WAN):
+        results = [rank_results[case] for rank_results in per_rank]
+        for name, message in results:
+            assert name == "ValueError" and "ranks disagree on the WAN settings" in message, (variable, message)
+            assert "ranks [0, 1]:" in message and "ranks [2, 3]:" in message, message
+        assert len({message for _, message in results}) == 1
 
 
 # ------------------------------------------------------------------------------------------ properties

@@ -100,7 +100,9 @@ def test_local_claim_reads_arguments_then_environment(monkeypatch, site, num_sit
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert _local_claim(site, num_sites) == expected
+    claim, wan = _local_claim(site, num_sites, None)
+    assert (claim.site, claim.num_sites, claim.error) == (expected.site, expected.num_sites, expected.error)
+    assert claim.wan == wan.key()  # the WAN settings travel with the claim, to be compared across ranks
 
 
 @pytest.mark.parametrize(
@@ -111,6 +113,7 @@ def test_local_claim_reads_arguments_then_environment(monkeypatch, site, num_sit
         (True, None, {}, "site=True must be an int index or a name"),
         (None, "2", {}, "num_sites='2' must be an int"),
         (None, 2.0, {}, "num_sites=2.0 must be an int"),
+        (None, None, {"MULTIDC_WAN_STREAMS": "0"}, "MULTIDC_WAN_STREAMS=0 (WanConfig.streams) must be an integer"),
     ],
 )
 def test_local_claim_carries_errors_instead_of_raising(monkeypatch, site, num_sites, env, message):
@@ -118,7 +121,7 @@ def test_local_claim_carries_errors_instead_of_raising(monkeypatch, site, num_si
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    claim = _local_claim(site, num_sites)
+    claim, _ = _local_claim(site, num_sites, None)
     assert claim.error is not None and message in claim.error, claim
     with pytest.raises(ValueError, match=re.escape(f"rank 0: {message}")):
         resolve_sites([claim])
