@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test bench bench-allreduce bench-checkpoint bench-pipeline clean
+.PHONY: demo test bench bench-allreduce bench-checkpoint bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/gpt_3d.py --max-steps 30
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # Benchmarks (figures in README.md): all of them, or one at a time.
 bench: bench-allreduce bench-checkpoint bench-pipeline
@@ -38,6 +38,14 @@ bench-checkpoint: $(STAMP)
 
 bench-pipeline: $(STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py
+
+# The long fault scripts (figures in README.md): >= 50 random-rank kills mid-save on a local dir and on SeaweedFS S3,
+# then WAN cuts in the lab (needs root: network namespaces). Each exits non-zero on a lost or corrupt checkpoint,
+# a late or silent failure, or a resume that lost a committed step.
+faults: $(STAMP)
+	mkdir -p bench-results
+	$(BIN)/python benchmarks/fault_checkpoint_kills.py --kills 50 --store both --json bench-results/fault_kills.json
+	$(BIN)/python benchmarks/fault_wan_cut.py --repeats 3 --json bench-results/fault_wan_cut.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info bench-results demo-logs
