@@ -105,16 +105,16 @@ def residual_numel(numel: int, element_size: int, topology: Topology, wan: WanCo
 
 
 def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: str) -> WanConfig:
-    if not isinstance(topology, Topology):
-        raise ValueError(f"topology must be a Topology from Topology.build, not {type(topology).__name__}.")
-    wan = wan if wan is not None else topology.wan
-    if not isinstance(wan, WanConfig):
-        raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in SUPPORTED_DTYPES:
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"all_reduce supports float32, bfloat16 and float16 tensors, not {got}.")
     if op not in OPS:
         raise ValueError(f"op={op!r} is not supported; use 'sum' or 'avg'.")
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a Topology from Topology.build, not {type(topology).__name__}.")
+    wan = wan if wan is not None else topology.wan
+    if not isinstance(wan, WanConfig):
+        raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
     if wan.streams > topology.streams:
         raise ValueError(
             f"wan.streams={wan.streams} but the topology prepared {topology.streams}; pass the same WanConfig "
