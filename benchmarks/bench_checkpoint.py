@@ -11,9 +11,17 @@ Compares, in the same run and against the same server:
 Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file).
 Prints median and spread (min-max) of ``--repeats`` runs per figure, the physical bound (bytes / measured
 single-stream PUT throughput is NOT claimed; the machine has 2 shared cores, so figures are CPU-bound), and
-one JSON line. Usage::
+one JSON line.
+
+Then PASS / FAIL against the targets of the checkpoint issue, on the medians: multidc's sync save at least 3x
+faster than Lightning's single-file save to the same s3:// URL, and async saves blocking training for at most
+10% of the sync save time. The exit status is 1 when a target fails. The targets are about a model of at least
+200 MB (10^6 bytes) of state: a smaller ``--size-mb`` is refused unless ``--allow-small`` (a smoke run; its
+verdicts are printed but do not measure the targets). Lightning must be installed (``pip install
+'multidc[lightning]'``): without it the main comparison cannot run, and the script stops with an error. Usage::
 
     python benchmarks/bench_checkpoint.py [--size-mb 256] [--repeats 3] [--json out.json]
+    python benchmarks/bench_checkpoint.py --size-mb 8 --repeats 1 --allow-small     # smoke run
 """
 
 from __future__ import annotations
@@ -30,6 +38,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 KEYS = ("BENCHKEY", "bench-secret-not-printed")
+MIN_STATE_BYTES = 200 * 10**6  # the issue: "a model of at least 200 MB of state"
+TARGET_SPEEDUP_VS_LIGHTNING = 3.0  # multidc sync save >= 3x faster than Lightning's single-file save
+TARGET_ASYNC_BLOCKED_SHARE = 0.10  # async blocking <= 10% of the multidc sync save time
+
+
+WIDTH = 2048
+
+
+def _shape(size_mb: float) -> tuple[int, int]:
+    """(embedding rows, square layers) for about ``size_mb`` MiB of fp32 state."""
+    emb_rows = int(size_mb * (1 << 20) / 2 / (WIDTH * 4))
+    layers = max(1, int(size_mb * (1 << 20) / 2 / (WIDTH * WIDTH * 4)))
+    return emb_rows, layers
+
+
+def state_bytes_for(size_mb: float) -> int:
+    """Bytes of model state ``_model(size_mb)`` holds (fp32 embedding + weights and biases of the layers)."""
+    emb_rows, layers = _shape(size_mb)
+    return 4 * (emb_rows * WIDTH + layers * (WIDTH * WIDTH + WIDTH))
 
 
 def _model(size_mb: float):
@@ -37,10 +64,8 @@ def _model(size_mb: float):
     import torch
 
     torch.manual_seed(0)
-    width = 2048
-    emb_rows = int(size_mb * (1 << 20) / 2 / (width * 4))
-    layers = max(1, int(size_mb * (1 << 20) / 2 / (width * width * 4)))
-    modules = [torch.nn.Embedding(emb_rows, width)] + [torch.nn.Linear(width, width) for _ in range(layers)]
+    emb_rows, layers = _shape(size_mb)
+    modules = [torch.nn.Embedding(emb_rows, WIDTH)] + [torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)]
     return torch.nn.ModuleList(modules)
 
 
@@ -92,13 +117,9 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
                 store.delete_tree(sub)
         dist.barrier(group=group)
 
-    lightning_io = None
-    try:
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # main() checked that it is installed
 
-        lightning_io = TorchCheckpointIO()
-    except ImportError:
-        pass
+    lightning_io = TorchCheckpointIO()
 
     for rep in range(-1, repeats):  # rep -1 warms up connections, buckets and code paths; not recorded
         clean()
@@ -121,16 +142,14 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         record("multidc async: blocked", blocked)
         record("multidc async: to commit", time.perf_counter() - start)
 
-        if lightning_io is not None:
-            path = f"{url}/lightning/step={rep}.ckpt"
-            checkpoint = {"state_dict": model.state_dict(), "global_step": rep}
-            seconds, _ = _timed(lambda: lightning_io.save_checkpoint(checkpoint, path) if rank == 0 else None,
-                                group)
-            record("lightning single-file save", seconds)
-            seconds, loaded = _timed(lambda: lightning_io.load_checkpoint(path, weights_only=True), group)
-            record("lightning single-file load", seconds)
-            assert torch.equal(loaded["state_dict"]["0.weight"], model.state_dict()["0.weight"])
-            del loaded
+        path = f"{url}/lightning/step={rep}.ckpt"
+        checkpoint = {"state_dict": model.state_dict(), "global_step": rep}
+        seconds, _ = _timed(lambda: lightning_io.save_checkpoint(checkpoint, path) if rank == 0 else None, group)
+        record("lightning single-file save", seconds)
+        seconds, loaded = _timed(lambda: lightning_io.load_checkpoint(path, weights_only=True), group)
+        record("lightning single-file load", seconds)
+        assert torch.equal(loaded["state_dict"]["0.weight"], model.state_dict()["0.weight"])
+        del loaded
 
         dcp_url = f"{url}/dcp/step_{rep}"
         seconds, _ = _timed(lambda: dcp.save({"model": model.state_dict()},
@@ -150,6 +169,31 @@ def _summary(values: list[float]) -> dict:
     return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "n": len(values)}
 
 
+def _verdicts(ratios: dict) -> dict:
+    """Each target of the issue: its figure, the bound and whether the figure meets it."""
+    speedup, blocked = ratios["speedup_vs_lightning_save"], ratios["async_blocked_share_of_sync_save"]
+    return {
+        "multidc sync save >= 3x faster than Lightning single-file save": {
+            "value": speedup, "target": TARGET_SPEEDUP_VS_LIGHTNING, "pass": speedup >= TARGET_SPEEDUP_VS_LIGHTNING},
+        "async save blocks training <= 10% of the multidc sync save time": {
+            "value": blocked, "target": TARGET_ASYNC_BLOCKED_SHARE, "pass": blocked <= TARGET_ASYNC_BLOCKED_SHARE},
+    }
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse what would not measure the targets: too small a state, no Lightning to compare with."""
+    import importlib.util
+
+    if importlib.util.find_spec("lightning") is None:
+        parser.error("Lightning is not installed, so the main comparison (multidc vs Lightning's single-file save "
+                     "to the same s3:// URL) cannot run. Install it: pip install 'multidc[lightning]'.")
+    state = state_bytes_for(args.size_mb)
+    if state < MIN_STATE_BYTES and not args.allow_small:
+        parser.error(f"--size-mb {args.size_mb:g} gives {state / 1e6:.0f} MB of model state; the issue's targets are "
+                     f"for at least {MIN_STATE_BYTES / 1e6:.0f} MB. Use --size-mb 200 or more, or pass --allow-small "
+                     "for a smoke run whose PASS/FAIL verdicts do not measure the targets.")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=256, help="model state per replica, MiB (>= 200)")
@@ -157,8 +201,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--part-size-mb", type=float, default=16, help="multidc multipart part size, MiB")
     parser.add_argument("--concurrency", type=int, default=8, help="multidc parallel requests per rank")
+    parser.add_argument("--allow-small", action="store_true",
+                        help="allow a state under 200 MB (a smoke run: the verdicts do not measure the targets)")
     parser.add_argument("--json", default=None, help="also write the JSON result to this file")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
 
     from tests._dist import run_ranks
     from tests._s3 import SeaweedS3
@@ -186,22 +233,27 @@ def main(argv=None) -> int:
     for name, row in rows.items():
         print(f"{name:32s} {row['median_s']:9.2f} {row['min_s']:8.2f} {row['max_s']:8.2f} "
               f"{size_mib / row['median_s']:8.0f}")
-    ratios, sync = {}, rows["multidc save"]["median_s"]
-    if "lightning single-file save" in rows:
-        ratios["speedup_vs_lightning_save"] = rows["lightning single-file save"]["median_s"] / sync
-    ratios["speedup_vs_dcp_fsspec_save"] = rows["dcp-fsspec save"]["median_s"] / sync
-    ratios["async_blocked_share_of_sync_save"] = rows["multidc async: blocked"]["median_s"] / sync
+    sync = rows["multidc save"]["median_s"]
+    ratios = {"speedup_vs_lightning_save": rows["lightning single-file save"]["median_s"] / sync,
+              "speedup_vs_dcp_fsspec_save": rows["dcp-fsspec save"]["median_s"] / sync,
+              "async_blocked_share_of_sync_save": rows["multidc async: blocked"]["median_s"] / sync}
     for name, value in ratios.items():
         print(f"{name:40s} {value:6.2f}")
+    verdicts = _verdicts(ratios)
+    valid = out["state_bytes"] >= MIN_STATE_BYTES
+    print(f"\ntargets (medians){'' if valid else ' -- SMOKE RUN, state under 200 MB: verdicts do not measure them'}")
+    for name, v in verdicts.items():
+        print(f"  {'PASS' if v['pass'] else 'FAIL'}  {name}: {v['value']:.2f} (target {v['target']:g})")
     record = {"bench": "checkpoint", "state_mib": size_mib, "ranks": args.ranks, "repeats": args.repeats,
               "part_size_mb": args.part_size_mb, "concurrency": args.concurrency,
-              "cpu_count": os.cpu_count(), "rows": rows, **ratios}
+              "cpu_count": os.cpu_count(), "rows": rows, **ratios, "targets": verdicts, "valid_size": valid,
+              "pass": all(v["pass"] for v in verdicts.values())}
     line = json.dumps(record)
     print(line)
     if args.json:
         with open(args.json, "w") as f:
             f.write(line + "\n")
-    return 0
+    return 0 if record["pass"] else 1
 
 
 if __name__ == "__main__":
