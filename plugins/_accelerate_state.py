@@ -29,28 +29,35 @@ class StateMixin:
     ``Accelerator``)."""
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, *, step: int | None = None,
-                   async_save: bool | None = None, **save_model_func_kwargs) -> str:
+                   async_save: bool | None = None, replace: bool = False, **save_model_func_kwargs) -> str:
         """Save the training state; every rank must call it. See ``MultiDCAccelerator`` for where it goes.
 
         Args:
             output_dir: ``s3://bucket/prefix``, ``file:///dir``, any fsspec URL, or a local directory.
             safe_serialization: Accelerate's own format only.
             step: names the checkpoint (``<root>/step_<step>``) and orders ``latest``; default Accelerate's save
-                iteration (``save_iteration``: 0, 1, 2, ... per ``save_state`` call).
+                iteration (``save_iteration``: 0, 1, 2, ... per ``save_state`` call). Through multidc it must be
+                higher than every committed checkpoint's under the root (``ValueError`` before any upload), unless
+                ``replace``.
             async_save: return right after the snapshot to host memory and upload in the background (default
                 ``MultiDCPlugin.async_save``); the next save / load, ``wait_for_checkpoint`` or ``end_training``
                 waits for it and raises its error.
+            replace: supersede committed checkpoints of this and later steps (a run resumed from an older one):
+                they are deleted after this one committed (``multidc.plugins.Checkpointer.save``).
             **save_model_func_kwargs: Accelerate's own format only.
 
         Returns:
             Where the checkpoint is (committed when this returns, unless async).
         """
         if not self._through_multidc(output_dir, loading=False):
+            if replace:
+                raise ValueError("save_state(replace=True) applies to multidc checkpoints only; this directory "
+                                 "keeps Accelerate's own format (see MultiDCAccelerator).")
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
         _no_accelerate_kwargs(save_model_func_kwargs, "save_state")
         ckpt = self._checkpointer(output_dir)
         step = self.save_iteration if step is None else step
-        ckpt.save(self._multidc_state(step), step=step, async_save=async_save)
+        ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
         self.project_configuration.iteration = step + 1
         return f"{ckpt.url}/{checkpoint_name(step)}"
 

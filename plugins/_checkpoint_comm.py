@@ -64,14 +64,16 @@ class Comm:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def raise_if_any(self, fn, *args) -> None:
-        """Run ``fn(*args)`` here; if it failed on any rank, raise on every rank (same exception kind)."""
-        error = None
+    def raise_if_any(self, fn, *args):
+        """Run ``fn(*args)`` here and return its value; if it failed on any rank, raise on every rank (the failing
+        rank its own exception, the others one of the same kind naming that rank)."""
+        value, error = None, None
         try:
-            fn(*args)
+            value = fn(*args)
         except Exception as exc:
             error = exc
         self._raise_gathered(self.all_gather(_describe(error)), error)
+        return value
 
     def _raise_gathered(self, described: list, own: BaseException | None, error_type=None, what=None) -> None:
         failed = [(rank, d) for rank, d in enumerate(described) if d is not None]

@@ -43,8 +43,10 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def shard_file(writer_rank: int) -> str:
-    return f"data/rank{writer_rank:05d}.distcp"
+def shard_file(writer_rank: int, tag: str | None = None) -> str:
+    """The shard object of ``writer_rank`` in a checkpoint folder; ``tag`` marks the shards of a save that replaces
+    a committed checkpoint in place (the old shards stay, under their names, until the new commit)."""
+    return f"data/rank{writer_rank:05d}.distcp" if tag is None else f"data/rank{writer_rank:05d}-{tag}.distcp"
 
 
 @dataclass(frozen=True)

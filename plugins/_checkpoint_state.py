@@ -3,16 +3,65 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+# Per-parameter optimizer keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Unflattened, every pipeline
+# stage would write the same ``param_groups`` key, only one copy would be stored, and the other stages would load
+# hyper-parameters (lr, betas) of parameters they do not hold.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizers) -> dict:
+    """The state of ``optimizers`` (one or a list, over ``model``'s parameters) as this rank holds it, flattened to
+    per-parameter keys, so stages and shards of different ranks never write the same key. The one code path for
+    ``ModelState`` (Accelerate, plain loops) and the Lightning strategies."""
+    return get_optimizer_state_dict(model, optimizers, options=_FLAT)
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizers, state_dict: dict) -> None:
+    """Restore what :func:`optimizer_state_dict` returned (possibly written by another layout) into ``optimizers``.
+
+    A parameter group with no parameters on this rank (a group of another pipeline stage's parameters) has no
+    per-parameter keys to restore from: it keeps its current hyper-parameters, which affect no parameter here.
+    """
+    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    with _without_empty_groups(optimizers):
+        set_optimizer_state_dict(model, optimizers, state_dict, options=_FLAT)
+
+
+@contextmanager
+def _without_empty_groups(optimizers: list):
+    """Hide empty parameter groups (torch's flattened loading indexes each group's first parameter)."""
+    hidden = []
+    for optimizer in optimizers:
+        empty = [(i, g) for i, g in enumerate(optimizer.param_groups) if not g["params"]]
+        if empty:
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+            hidden.append((optimizer, empty))
+    try:
+        yield
+    finally:
+        for optimizer, empty in hidden:  # loading replaced the list: put them back where they were
+            for index, group in empty:
+                optimizer.param_groups.insert(index, group)
 
 
 class ModelState:
-    """Model and optimizer state through ``torch.distributed.checkpoint.state_dict`` (DDP, FSDP2, TP, plain).
+    """Model and optimizer state through ``torch.distributed.checkpoint.state_dict`` (DDP, FSDP2, TP, PP, plain).
 
-    Keys are fully qualified parameter names without wrapper prefixes (``module.``, ``_orig_mod.``), so a
-    checkpoint written from one layout (4-rank DDP, FSDP2, TP) loads into another (2 ranks, one process).
+    Keys are fully qualified parameter names without wrapper prefixes (``module.``, ``_orig_mod.``), and the
+    optimizer state is flattened to per-parameter keys (hyper-parameters included), so a checkpoint written from
+    one layout (4-rank DDP, FSDP2, TP, pipeline stages) loads into another (2 ranks, other stages, one process).
     Put it in the state dict passed to ``save`` / ``load``: ``{"model": ModelState(model, optimizer)}``.
 
     Args:
@@ -26,16 +75,15 @@ class ModelState:
             else [optimizer]
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-        return {"model": model_sd, "optim": optim_sd} if self.optimizers else {"model": model_sd}
+        state = {"model": get_model_state_dict(self.model)}
+        if self.optimizers:
+            state["optim"] = optimizer_state_dict(self.model, self.optimizers)
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizers, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict.get("optim", {}))
+        set_model_state_dict(self.model, state_dict["model"])
+        if self.optimizers:
+            load_optimizer_state_dict(self.model, self.optimizers, state_dict["optim"])
 
 
 def _default_rank() -> int:

@@ -11,6 +11,7 @@ Writing is split in two so async saves block training only for the first part:
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import zlib
@@ -83,6 +84,20 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str) -> Staged:
     return Staged(file=file, buffer=buffer, entries=layout)
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A read-only, zero-copy memoryview of a contiguous CPU uint8 tensor's bytes (no NumPy needed).
+
+    The view keeps ``tensor`` alive.
+    """
+    if tensor.dtype != torch.uint8 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise AssertionError(f"byte_view needs a contiguous CPU uint8 tensor, got {tensor.dtype} on {tensor.device}")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    array = (ctypes.c_uint8 * tensor.numel()).from_address(tensor.data_ptr())
+    array._keep_alive = tensor  # the memory belongs to the tensor
+    return memoryview(array).cast("B").toreadonly()
+
+
 def _numel(sizes) -> int:
     n = 1
     for s in sizes:
@@ -94,7 +109,7 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str) -> list[WriteRes
     """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`."""
     if not staged.entries:
         return []
-    view = memoryview(staged.buffer.numpy())
+    view = byte_view(staged.buffer)
     results = []
     for item, offset, length, dtype, sizes in staged.entries:
         crc = zlib.crc32(view[offset:offset + length])
@@ -123,9 +138,11 @@ class ObjectStoreWriter(StorageWriter):
     only after every rank's writes succeeded. ``step`` and ``extra`` go into the commit record.
     """
 
-    def __init__(self, store: ObjectStore, checkpoint: str, *, step: int = 0, extra: dict | None = None) -> None:
+    def __init__(self, store: ObjectStore, checkpoint: str, *, step: int = 0, extra: dict | None = None,
+                 shard_tag: str | None = None) -> None:
         super().__init__()
         self.store, self.checkpoint, self.step, self.extra = store, checkpoint, step, extra
+        self.shard_tag = shard_tag  # see shard_file: set when replacing a committed checkpoint in place
         self.world_size = 1
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -140,7 +157,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.world_size = len(plans)
-        return [_with_file(plan, shard_file(rank)) for rank, plan in enumerate(plans)]
+        return [_with_file(plan, shard_file(rank, self.shard_tag)) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()

@@ -34,7 +34,17 @@ Guarantees:
 * **Atomic.** After every rank reported success (a collective on a dedicated gloo group: the barrier), rank
   0 writes ``COMMIT.json`` in one atomic PUT (rename on local filesystems). ``latest``, ``list_checkpoints``,
   ``load`` and retention only ever see committed checkpoints. A crash mid-save leaves the previous checkpoint
-  untouched; the half-written folder is ignored and deleted by the next successful save.
+  untouched; the half-written folder is ignored and deleted by the next successful save. Nothing committed is
+  deleted before the new checkpoint commits.
+* **Ordered by step.** ``latest`` is the committed checkpoint with the highest step, and ``keep_last_k`` keeps the
+  ``k`` highest steps. So a save must be newer than every committed checkpoint under the URL: saving a step <=
+  the newest committed step raises ValueError on every rank before anything is uploaded (it would not become
+  ``latest``, and retention could delete it right away). A rewound run either deletes the newer checkpoints,
+  saves under another URL, or passes ``replace=True``: the save then supersedes the committed checkpoints of
+  its step and later ones, which are deleted only after it committed.
+* **Cleanup never fails a save.** Once ``COMMIT.json`` is written the save has succeeded; if deleting older or
+  half-written checkpoints then fails, a warning on the ``multidc.plugins.checkpoint`` logger names what was
+  left behind (the next save tries again).
 * **Async.** ``async_save=True`` blocks only to copy this rank's share into host memory; a background thread
   checksums, uploads and commits. The next ``save``, ``load``, ``wait`` or ``close`` waits for it and raises
   its error.
@@ -53,8 +63,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -67,6 +77,8 @@ from multidc.plugins._checkpoint_planner import SafeLoadPlanner, StripedSavePlan
 from multidc.plugins._checkpoint_state import RNGState
 from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, stage, upload
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
+
+_log = logging.getLogger(__name__)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -106,6 +118,7 @@ class SaveHandle:
             raise TimeoutError(f"checkpoint upload still running after {timeout}s")
         if self._error is not None:
             self._raised = True
+            _UNWAITED.pop(self, None)
             raise self._error
         return self._info
 
@@ -146,16 +159,18 @@ class Checkpointer:
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
         self._pending: SaveHandle | None = None
         self._access_checked = False
-        _OPEN.add(self)
 
     @property
     def url(self) -> str:
         return self.store.url
 
     # ------------------------------------------------------------------ save
-    def save(self, state: dict, *, step: int, async_save: bool | None = None, extra: dict | None = None
-             ) -> SaveHandle:
+    def save(self, state: dict, *, step: int, async_save: bool | None = None, extra: dict | None = None,
+             replace: bool = False) -> SaveHandle:
         """Save ``state`` as checkpoint ``step``. Every rank must call this with the same ``step``.
+
+        ``step`` must be higher than every committed checkpoint's under the URL (``latest`` and ``keep_last_k``
+        go by step), unless ``replace=True``.
 
         Args:
             state: name -> Stateful (``ModelState``, scheduler, ``RNGState``), tensor, or nested dict/list of
@@ -163,12 +178,19 @@ class Checkpointer:
             step: training step (int >= 0); names the checkpoint and orders ``latest``.
             async_save: override the constructor default. Async returns right after the snapshot.
             extra: small JSON-serialisable data stored in the commit record.
+            replace: this save supersedes the committed checkpoints of step ``step`` and later ones (a rewound
+                run; a root that holds one checkpoint, like Lightning's ``last.ckpt``). They stay loadable until
+                this one committed and are deleted after; a checkpoint of the same step is replaced in place
+                (new shard objects, then a new ``COMMIT.json``), so a crash mid-save leaves the old one intact.
 
         Raises:
-            ValueError: bad ``step`` / a committed checkpoint of this step exists (before any upload).
+            ValueError: bad ``step``; ranks passed different steps; without ``replace``, a committed checkpoint
+                of this or a later step exists (on every rank, before any upload).
             ObjectStoreAuthError / ObjectStoreNotFoundError: credentials refused / bucket missing (before any
                 upload, on every rank).
             CheckpointSaveError: an upload or the commit failed (sync; async: from the next call that waits).
+            Any error of a ``state_dict()`` or of local planning on one rank: raised on every rank (the others
+                name the failing rank), before any upload.
         """
         self.wait()
         _check_state(state)
@@ -179,13 +201,13 @@ class Checkpointer:
             raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
                              "save the same step.")
         name = checkpoint_name(step)
-        self.comm.raise_if_any(self._preflight_save, name)
-        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
-        writer = ObjectStoreWriter(self.store, name, step=step, extra=extra)
-        planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
-        writer.set_up_storage_writer(self.comm.rank == 0)
-        local = writer.prepare_local_plan(planner.create_local_plan())
+        self.comm.raise_if_any(self._check_access)
+        tag = self.comm.from_rank0(lambda: _retention.claim(self.store, name, step, replace=replace),
+                                   what=f"preparing {name}", error_type=None)
+        writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
+        # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): settle
+        # that on every rank before the planning collective, where the others would wait for it until timeout_s.
+        planner, local = self.comm.raise_if_any(self._local_plan, state, writer)
         plan = self.comm.plan(local, lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
         plan = planner.finish_plan(plan)
         staged, stage_error = None, None
@@ -194,9 +216,10 @@ class Checkpointer:
         except Exception as exc:  # reported to every rank at the commit barrier, never dropped
             stage_error = exc
         handle = SaveHandle()
-        args = (handle, writer, planner, staged, stage_error, name, step)
+        args = (handle, writer, planner, staged, stage_error, name, step, replace)
         if async_save if async_save is not None else self.async_save:
             self._pending = handle
+            _UNWAITED[handle] = self.store.where(name)
             threading.Thread(target=self._upload_and_commit, args=args, name=f"multidc-ckpt-{name}",
                              daemon=True).start()
             return handle
@@ -204,17 +227,19 @@ class Checkpointer:
         handle.wait()
         return handle
 
-    def _preflight_save(self, name: str) -> None:
+    def _check_access(self) -> None:
         if not self._access_checked:  # once per Checkpointer: later credential failures surface from the upload
             self.store.check_access()
             self._access_checked = True
-        if self.comm.rank == 0:
-            if self.store.exists(f"{name}/{COMMIT}"):
-                raise ValueError(f"checkpoint {self.store.where(name)} is already committed; save under another "
-                                 "step or delete it first.")
-            self.store.delete_tree(name)  # leftovers of a crashed save of this step
 
-    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step) -> None:
+    def _local_plan(self, state: dict, writer: ObjectStoreWriter):
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
+        planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
+        writer.set_up_storage_writer(self.comm.rank == 0)
+        return planner, writer.prepare_local_plan(planner.create_local_plan())
+
+    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, replace) -> None:
         info, failure = None, None
         try:
             results = None
@@ -225,16 +250,19 @@ class Checkpointer:
                     error = exc
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
-            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step),
+            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, replace),
                                         what=f"committing {self.store.where(name)}",
                                         error_type=CheckpointSaveError)
         except BaseException as exc:  # noqa: BLE001 - handed to the SaveHandle, raised by wait()
             failure = exc
         handle._finish(info, failure)
+        if failure is None:
+            _UNWAITED.pop(handle, None)
 
-    def _commit(self, writer, planner, results, name, step) -> CheckpointInfo:
-        writer.finish(planner.metadata, results)
-        _retention.clean(self.store, keep_last_k=self.keep_last_k, just_committed=name)
+    def _commit(self, writer, planner, results, name, step, replace) -> CheckpointInfo:
+        writer.finish(planner.metadata, results)  # the save has succeeded once this returns
+        files = {result.storage_data.file for rank_results in results for result in rank_results}
+        _retention.clean_after_commit(self.store, name, files, keep_last_k=self.keep_last_k, supersede=replace)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
 
     def wait(self) -> CheckpointInfo | None:
@@ -254,7 +282,6 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            _OPEN.discard(self)
             self.comm.close()
 
     def __enter__(self) -> Checkpointer:
@@ -307,7 +334,8 @@ class Checkpointer:
         return found[-1] if found else None
 
 
-_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+# Async saves nobody has waited for yet (a successful one leaves at once): handle -> where it writes.
+_UNWAITED: dict[SaveHandle, str] = {}
 
 
 def _check_state(state) -> None:
@@ -318,11 +346,15 @@ def _check_state(state) -> None:
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """An interpreter exiting with an upload in flight finishes it (its error is printed by the handle)."""
-    for ckpt in list(_OPEN):
-        pending = ckpt._pending
-        if pending is not None:
-            pending._done.wait()
+    """An interpreter exiting with an upload in flight finishes it; a failed async save whose error nobody
+    received (no ``wait``, ``close`` or later ``save``) is logged as an error on ``multidc.plugins.checkpoint``."""
+    for handle, where in list(_UNWAITED.items()):
+        handle._done.wait()
+        if handle._error is not None and not handle._raised:
+            _log.error("async checkpoint save to %s failed, and the interpreter exited before anything waited for "
+                       "it (call Checkpointer.wait() or close() to have it raised): %s: %s", where,
+                       type(handle._error).__name__, handle._error)
+    _UNWAITED.clear()
 
 
 # ---------------------------------------------------------------------- one-call API

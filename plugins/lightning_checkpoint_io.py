@@ -13,6 +13,13 @@ to the newest committed checkpoint under its directory (importing this module wr
 The checkpoint dict's structure (everything but tensors: loop state, callback state, hyper-parameters) is stored
 as one ``torch.save`` blob and read back with ``weights_only=True`` unless Lightning asks for
 ``weights_only=False`` (trusted store).
+
+Saving a path that holds a committed checkpoint (Lightning overwrites ``last.ckpt``) replaces it in place without
+a moment where neither is loadable: the new shards go up under fresh object names, the new ``COMMIT.json``
+replaces the old one in one atomic write, and only then are the old shards deleted. A save that fails or
+crashes leaves the previous checkpoint at that path loadable (its leftovers go with the next successful save).
+A plain file at the path (a checkpoint in another format) is deleted first: a folder cannot take its place
+while it exists.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 from multidc.plugins._checkpoint_comm import Comm
 from multidc.plugins._checkpoint_format import COMMIT, decode_commit
 from multidc.plugins._checkpoint_planner import SafeRebuildLoadPlanner, StripedSavePlanner, safe_load_bytes
-from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, stage, upload
+from multidc.plugins._checkpoint_retention import claim_folder, remove_replaced
+from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, byte_view, stage, upload
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 try:
@@ -71,11 +79,13 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         self.wait()
         store, name = self._split(path)
         store.check_access()
-        store.delete_tree(name)  # an older checkpoint of the same name (Lightning overwrites "last.ckpt")
+        if store.fs.isfile(store.path(name)):
+            store.delete(name)  # a single-file checkpoint in another format: the folder cannot coexist with it
+        tag = claim_folder(store, name)  # a committed checkpoint here stays loadable until the new one commits
         skeleton, tensors = _split_tensors(checkpoint)
         state = {"skeleton": skeleton, "tensors": tensors}
         planner = StripedSavePlanner()
-        writer = ObjectStoreWriter(store, name, step=int(checkpoint.get("global_step", 0) or 0))
+        writer = ObjectStoreWriter(store, name, step=int(checkpoint.get("global_step", 0) or 0), shard_tag=tag)
         planner.set_up_planner(state, is_coordinator=True)
         writer.set_up_storage_writer(True)
         plan = Comm(None, 0, 1).plan(writer.prepare_local_plan(planner.create_local_plan()),
@@ -83,7 +93,9 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         staged = stage(planner.finish_plan(plan), planner, plan.storage_data)
 
         def finish() -> None:
-            writer.finish(planner.metadata, [upload(staged, store, name)])
+            results = upload(staged, store, name)
+            writer.finish(planner.metadata, [results])
+            remove_replaced(store, name, {r.storage_data.file for r in results})  # logs, never raises
 
         if not self.async_save:
             return finish()
@@ -115,7 +127,7 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         planner = SafeRebuildLoadPlanner(trusted=trusted)
         Comm(None, 0, 1).dcp_load({}, ObjectStoreReader(store, name, commit), planner)
         state = planner.original_state_dict  # the planner rebuilt the saved structure from the commit record
-        blob = io.BytesIO(state["skeleton"].numpy().tobytes())
+        blob = io.BytesIO(bytes(byte_view(state["skeleton"].contiguous())))
         skeleton = torch.load(blob, weights_only=False) if trusted else safe_load_bytes(blob)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         return _join_tensors(skeleton, state.get("tensors", {}), device)

@@ -232,6 +232,30 @@ class ObjectStore:
 
         return self._call(listing, key)
 
+    def list_files(self, key: str = "") -> list[str]:
+        """Keys of every object under ``key``, relative to ``key`` (fresh listing, no cache); empty if none."""
+        path = self.path(key)
+
+        def listing():
+            self._forget(path)
+            try:
+                found = self.fs.find(path)
+            except FileNotFoundError:
+                return []
+            finally:
+                # find() caches every listing under path, and exists() answers from that cache: objects deleted
+                # later by another process or filesystem instance would still look present.
+                self._forget(path)
+            return [p[len(path) + 1:] for p in found if p.startswith(f"{path}/")]
+
+        return self._call(listing, key)
+
+    def _forget(self, path: str) -> None:
+        """Drop fsspec's cached listings of ``path``, its parents and everything below it."""
+        self.fs.invalidate_cache(path)
+        for cached in [k for k in list(getattr(self.fs, "dircache", {})) if k.startswith(f"{path}/")]:
+            self.fs.invalidate_cache(cached)
+
     def size(self, key: str) -> int:
         return int(self._call(lambda: self.fs.info(self.path(key))["size"], key))
 

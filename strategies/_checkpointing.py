@@ -9,7 +9,10 @@ checkpoint, named by the global step::
     <dirpath>/last.ckpt/step_0000000008/COMMIT.json                  written last: makes it loadable
 
 Saving ``P`` again (``last.ckpt`` every few steps) writes a new step folder and deletes the previous one only
-after the new one committed, so a crash mid-save leaves the previous checkpoint loadable. What is stored:
+after the new one committed, so a crash mid-save leaves the previous checkpoint loadable. That holds for any
+step: the same step again is replaced in place (new shard objects, then a new ``COMMIT.json``), and a lower one
+(a run resumed from an older checkpoint) supersedes the higher one after it committed (``Checkpointer.save(...,
+replace=True)``). What is stored:
 the model and optimizer states as this rank holds them (DTensor shards under FSDP2/TP, the local stages under
 pipeline parallelism; FQN keys, so any later layout reshards them), every rank's RNG streams, and rank 0's
 remaining Lightning dict (loops, callbacks, LR schedulers, hyper-parameters) as one blob read back with torch's
@@ -28,16 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
 from multidc.plugins._checkpoint_format import COMMIT, parse_step
+from multidc.plugins._checkpoint_state import load_optimizer_state_dict
+from multidc.plugins._checkpoint_state import optimizer_state_dict as _optimizer_state_dict
 from multidc.plugins.object_store import ObjectStore
 
 try:
@@ -52,7 +51,6 @@ from multidc.plugins.lightning_checkpoint_io import newest_commit  # noqa: E402 
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: pipeline stages never collide
 
 
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
@@ -62,10 +60,11 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 
 def optimizer_state_dict(module: torch.nn.Module, optimizer) -> dict[str, Any]:
     """The optimizer state as this rank holds it, flattened to per-parameter keys (``state.<fqn>.exp_avg``,
-    ``param_groups.<fqn>.lr``), so stages and shards of different ranks never write the same key."""
+    ``param_groups.<fqn>.lr``), so stages and shards of different ranks never write the same key. The same code
+    path as ``multidc.plugins.ModelState``."""
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer._optimizer
-    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    return _optimizer_state_dict(module, optimizer)
 
 
 def locate(path) -> tuple[str, str]:
@@ -118,7 +117,7 @@ class LightningCheckpoints:
         root = str(path).rstrip("/")
         step = int(checkpoint.get("global_step") or 0)
         ckpt = self._checkpointer(root)
-        ckpt.comm.raise_if_any(self._make_room, ckpt, step)
+        ckpt.comm.raise_if_any(_clear_single_file, ckpt)
         optimizers = checkpoint.get(_OPTIMIZERS) or []
         state = {_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)},
                  _RNG: RNGState()}
@@ -127,21 +126,10 @@ class LightningCheckpoints:
             buffer = io.BytesIO()
             torch.save({"checkpoint": rest, "optimizers": len(optimizers)}, buffer)
             state[_LIGHTNING] = buffer.getvalue()
-        handle = ckpt.save(state, step=step, async_save=self.async_save)  # sync: committed (or raised) here
+        # replace: the same step saved again, or a run rewound to an earlier checkpoint, must become what this
+        # path holds; the committed checkpoint it supersedes is deleted only after this one committed.
+        handle = ckpt.save(state, step=step, async_save=self.async_save, replace=True)  # sync: committed here
         self._pending = handle if self.async_save else None
-
-    def _make_room(self, ckpt: Checkpointer, step: int) -> None:
-        """Rank 0: a single-file checkpoint of the same path goes, so do committed steps >= ``step`` (the same
-        step saved again, or a run rewound to an earlier checkpoint): ``latest`` must be this save."""
-        if ckpt.comm.rank != 0:
-            return
-        store = ckpt.store
-        if store.fs.isfile(store.path("")):
-            store.delete("")
-        for info in ckpt.list():
-            if info.step >= step:
-                store.delete(f"{info.name}/{COMMIT}")
-                store.delete_tree(info.name)
 
     # ------------------------------------------------------------------ load
     def load(self, path, *, module: torch.nn.Module, optimizers: list, fitting: bool, strict: bool = True,
@@ -172,7 +160,7 @@ class LightningCheckpoints:
         ckpt.load(state, info, trusted=trusted, allow_partial=not strict)
         set_model_state_dict(module, state[_MODEL], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(module, optimizer, state[_OPTIMIZERS][str(i)], options=_FLAT)
+            load_optimizer_state_dict(module, optimizer, state[_OPTIMIZERS][str(i)])
         return saved["checkpoint"]
 
     # ------------------------------------------------------------------ remove / find
@@ -245,6 +233,12 @@ class LightningCheckpoints:
             raise error
         if described is not None:
             raise RuntimeError(f"rank 0 failed to remove a checkpoint: {described}")
+
+
+def _clear_single_file(ckpt: Checkpointer) -> None:
+    """Rank 0: a single-file checkpoint (another strategy's) at this path goes; a folder cannot coexist with it."""
+    if ckpt.comm.rank == 0 and ckpt.store.fs.isfile(ckpt.store.path("")):
+        ckpt.store.delete("")
 
 
 def _refuse_single_file(ckpt: Checkpointer) -> None:

@@ -6,8 +6,11 @@ single-process reference run computed in the test process.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from multidc.plugins import (
     ModelState,
     ObjectStore,
     ObjectStoreAuthError,
+    ObjectStoreError,
     ObjectStoreNotFoundError,
     RNGState,
     latest,
@@ -414,3 +418,111 @@ def test_lightning_checkpoint_io_saves_to_s3_and_resumes_to_the_same_weights(s3_
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
     ObjectStoreCheckpointIO().remove_checkpoint(path)
     assert not ObjectStore(f"{root}/ckpts").exists("m-step=4.ckpt/COMMIT.json")
+
+
+# ----------------------------------------------------------------------------- step order, replacing, cleanup
+def _upload_part_then_fail(staged, store, name):
+    """Stands in for ``upload``: part of the shard reaches storage, then the upload fails."""
+    store.put(f"{name}/{staged.file}", b"partial shard")
+    raise OSError("injected upload failure")
+
+
+def _stored(ckpt: Checkpointer, which="latest") -> float:
+    target = {"x": torch.zeros(4)}
+    ckpt.load(target, which)
+    return float(target["x"][0])
+
+
+def test_keep_last_1_refuses_an_older_step_instead_of_deleting_it_after_commit(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep_last_k=1)
+    ckpt.save({"x": torch.full((4,), 200.0)}, step=200)
+    with pytest.raises(ValueError, match="step 110 is not after the newest committed checkpoint .*step_0000000200"):
+        ckpt.save({"x": torch.full((4,), 110.0)}, step=110)
+    assert [c.step for c in ckpt.list()] == [200] and not (tmp_path / "step_0000000110").exists()
+    ckpt.save({"x": torch.full((4,), 110.0)}, step=110, replace=True)  # a run rewound on purpose
+    assert [c.step for c in ckpt.list()] == [110] and _stored(ckpt) == 110.0
+    ckpt.save({"x": torch.full((4,), 120.0)}, step=120)
+    assert [c.step for c in ckpt.list()] == [120]
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_replacing_a_committed_step_keeps_it_loadable_until_the_new_one_commits(tmp_path, monkeypatch, request,
+                                                                                 where):
+    import multidc.plugins.checkpoint as checkpoint_module
+
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        url, options = f"{request.getfixturevalue('s3_bucket')}/run", server.storage_options()
+    else:
+        url, options = str(tmp_path), None
+    ckpt = Checkpointer(url, storage_options=options)
+    ckpt.save({"x": torch.full((4,), 1.0)}, step=5)
+    real_upload = checkpoint_module.upload
+    monkeypatch.setattr(checkpoint_module, "upload", _upload_part_then_fail)
+    with pytest.raises(CheckpointSaveError, match="injected upload failure"):
+        ckpt.save({"x": torch.full((4,), 2.0)}, step=5, replace=True)
+    assert _stored(ckpt, 5) == 1.0  # the commit record and the shards it references are untouched
+    monkeypatch.setattr(checkpoint_module, "upload", real_upload)
+    ckpt.save({"x": torch.full((4,), 3.0)}, step=5, replace=True)
+    assert _stored(ckpt, 5) == 3.0
+    files = sorted(ckpt.store.list_files())
+    assert len(files) == 2 and files[0] == "step_0000000005/COMMIT.json", files  # old and partial shards gone
+    assert files[1].startswith("step_0000000005/data/rank00000-"), files
+
+
+def test_cleanup_failing_after_the_commit_is_logged_not_reported_as_a_failed_save(tmp_path, monkeypatch, caplog):
+    ckpt = Checkpointer(tmp_path, keep_last_k=1)
+    ckpt.save({"x": torch.full((4,), 1.0)}, step=1)
+    real_delete = ObjectStore.delete
+
+    def refuse_step_1(self, key):
+        if key.startswith("step_0000000001"):
+            raise ObjectStoreError(f"injected: deleting {key} refused")
+        real_delete(self, key)
+
+    monkeypatch.setattr(ObjectStore, "delete", refuse_step_1)
+    with caplog.at_level(logging.WARNING, logger="multidc.plugins.checkpoint"):
+        info = ckpt.save({"x": torch.full((4,), 2.0)}, step=2).wait()
+    assert info.step == 2 and ckpt.latest().step == 2 and _stored(ckpt) == 2.0
+    warning = caplog.text
+    assert "step_0000000002 is committed, but cleaning up after it failed" in warning
+    assert "left behind" in warning and "step_0000000001" in warning and "deleting step_0000000001" in warning
+
+
+def _python(script: str, *args: str) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_save_and_load_work_without_numpy(tmp_path, monkeypatch):
+    """NumPy is in no extra multidc declares: nothing on the save / load path may call ``Tensor.numpy``."""
+    def unavailable(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")  # what torch raises when NumPy is not installed
+
+    monkeypatch.setattr(torch.Tensor, "numpy", unavailable)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.arange(6.0), "meta": {"epoch": 3}, "empty": torch.zeros(0)}, step=1)
+    target = {"w": torch.zeros(6), "meta": {"epoch": 0}, "empty": torch.ones(0)}
+    ckpt.load(target)
+    assert torch.equal(target["w"], torch.arange(6.0)) and target["meta"] == {"epoch": 3}
+
+
+_EXIT_WITH_FAILED_ASYNC_SAVE = """
+import sys
+import torch
+import multidc.plugins.checkpoint as checkpoint_module
+from multidc.plugins import Checkpointer
+
+def fail(staged, store, name):
+    raise OSError("injected upload failure 7f3a")
+
+checkpoint_module.upload = fail
+Checkpointer(sys.argv[1]).save({"w": torch.ones(4)}, step=3, async_save=True)  # nobody waits for it
+"""
+
+
+def test_an_async_save_error_nobody_waited_for_is_logged_at_exit(tmp_path):
+    run = _python(_EXIT_WITH_FAILED_ASYNC_SAVE, str(tmp_path))
+    assert "injected upload failure 7f3a" in run.stderr, run.stderr[-3000:]
+    assert "async checkpoint save to" in run.stderr and "step_0000000003" in run.stderr

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 import tests._lightning_ckpt_script as script  # noqa: E402
-from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore  # noqa: E402
+from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
 from multidc.plugins._checkpoint_format import decode_commit  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
 from multidc.strategies._checkpointing import LightningCheckpoints, locate  # noqa: E402
@@ -311,3 +311,71 @@ def test_loading_a_single_file_or_an_uncommitted_path_says_what_is_wrong(tmp_pat
     with pytest.raises(FileNotFoundError, match="no committed checkpoint under .*half.ckpt"):
         reader.load(tmp_path / "half.ckpt", module=torch.nn.Linear(2, 2), optimizers=[], fitting=False)
     reader.close()
+
+
+# ----------------------------------------------------------------------------- overwriting a path
+def _upload_part_then_fail(staged, store, name):
+    """Stands in for ``upload``: part of the shard reaches storage, then the upload fails."""
+    store.put(f"{name}/{staged.file}", b"partial shard")
+    raise OSError("injected upload failure")
+
+
+def _stored_value(path) -> float:
+    target = {"state_dict": {"w": torch.zeros(64, 4)}}
+    Checkpointer(path).load(target)
+    return float(target["state_dict"]["w"][0, 0])
+
+
+@pytest.mark.parametrize("new_step", [8, 4], ids=["same-step", "rewound"])
+def test_a_failed_save_over_a_path_leaves_its_previous_checkpoint_loadable(tmp_path, monkeypatch, new_step):
+    import multidc.plugins.checkpoint as checkpoint_module
+
+    path = tmp_path / "last.ckpt"
+    writer = LightningCheckpoints()
+    writer.save(_lightning_dict(8, 1.0), path)
+    real_upload = checkpoint_module.upload
+    monkeypatch.setattr(checkpoint_module, "upload", _upload_part_then_fail)
+    with pytest.raises(CheckpointSaveError, match="injected upload failure"):
+        writer.save(_lightning_dict(new_step, 2.0), path)
+    assert _stored_value(path) == 1.0
+    assert writer.find_last(tmp_path) == {f"{tmp_path}/last.ckpt/step_0000000008/COMMIT.json"}
+    monkeypatch.setattr(checkpoint_module, "upload", real_upload)
+    writer.save(_lightning_dict(new_step, 3.0), path)  # replaces it: the path holds this one only
+    assert _stored_value(path) == 3.0
+    assert [c.step for c in list_checkpoints(path)] == [new_step]
+    assert sorted(p.name for p in path.iterdir()) == [f"step_000000000{new_step}"]
+    assert len(list((path / f"step_000000000{new_step}" / "data").iterdir())) == 1  # no stale shards
+    writer.close()
+
+
+def test_checkpoint_io_overwrite_that_fails_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    import multidc.plugins.lightning_checkpoint_io as io_module
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    io, path = ObjectStoreCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint(_lightning_dict(4, 1.0), path)
+    real_upload = io_module.upload
+    monkeypatch.setattr(io_module, "upload", _upload_part_then_fail)
+    with pytest.raises(OSError, match="injected upload failure"):
+        io.save_checkpoint(_lightning_dict(8, 2.0), path)
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.0
+    monkeypatch.setattr(io_module, "upload", real_upload)
+    io.save_checkpoint(_lightning_dict(8, 3.0), path)
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 8 and float(loaded["state_dict"]["w"][0, 0]) == 3.0
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    assert len(files) == 2 and files[0] == "COMMIT.json" and files[1].startswith("data/rank00000-"), files
+
+
+def test_checkpoint_io_round_trip_needs_no_numpy(tmp_path, monkeypatch):
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    def unavailable(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")  # what torch raises when NumPy is not installed
+
+    monkeypatch.setattr(torch.Tensor, "numpy", unavailable)
+    io = ObjectStoreCheckpointIO()
+    io.save_checkpoint(_lightning_dict(4, 1.5), tmp_path / "m.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "m.ckpt")
+    assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.5
