@@ -10,16 +10,14 @@ Needs root (network namespaces; see ``multidc.hierarchical.lab``). Each repetiti
 * ``offrail`` sites [2, 1]; the failed ranks stay alive (``--linger-s``), so rank 1, which never crosses the WAN,
   must give up on its intra-site wait by itself.
 * ``save``   sites [2, 2]; cut when a checkpoint save starts (state padded with ``--ckpt-mb`` so it takes a while):
-  the checkpoint's own collectives cross the WAN. Not in the default set: today every rank fails within the
-  Checkpointer's ``timeout_s`` and the restart resumes correctly, but the error is gloo's bare "Timed out waiting
-  ... for recv operation" (the checkpoint collectives do not yet name the sites), which this script counts as a
-  problem.
+  the checkpoint's own collectives cross the WAN and must fail with a ``WanError`` naming the sites too
+  (``Checkpointer(topology=...)``), within the Checkpointer's ``timeout_s`` (the job sets it to ``--timeout-s``).
 
 Prints one line per repetition, a summary (time to fail after the cut per scenario: median and max over ranks and
 repetitions, next to the budget) and a JSON line; exits 1 if any rank failed late, hung, exited zero, gave an
 error that does not name the sites, or a resume lost a committed step or diverged. Usage::
 
-    python benchmarks/fault_wan_cut.py [--repeats 3] [--scenarios train,offrail[,save]] [--timeout-s 10]
+    python benchmarks/fault_wan_cut.py [--repeats 3] [--scenarios train,offrail,save] [--timeout-s 10]
 """
 
 from __future__ import annotations
@@ -128,7 +126,7 @@ def _verdict(args, r: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scenarios", default="train,offrail", help="any of train,offrail,save")
+    parser.add_argument("--scenarios", default="train,offrail,save", help="any of train,offrail,save")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="WanConfig.timeout_s of the job")
     parser.add_argument("--margin-s", type=float, default=8.0, help="allowed on top of --timeout-s")
     parser.add_argument("--steps", type=int, default=25)

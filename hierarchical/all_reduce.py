@@ -335,6 +335,22 @@ def _wan_message(topo: Topology, timeout_s: float, i: int, chunks: int, exc: Bas
     return f"WAN collective between {_sites(topo)} {what} {_ADVICE} [gloo: {exc}]"
 
 
+def wan_failure(topology: Topology, what: str, timeout_s: float, exc: BaseException) -> WanError:
+    """A ``WanError`` for another collective of a multi-site job (e.g. a checkpoint's) that failed or timed out.
+
+    Names the sites, this rank and its end of the link; the original error stays in the message.
+    """
+    me = f"rank {topology.rank} (site {topology.site_name!r})"
+    if _timed_out(exc):
+        what_happened = (f"timed out after {timeout_s:g} s: {me} got no answer from the other ranks over the link "
+                         f"between the sites (this end: {_local_interface()}). The link is down or congested, or a "
+                         "rank of another site stopped.")
+    else:
+        what_happened = (f"failed: {me} lost the connection to the other ranks over the link between the sites "
+                         f"(this end: {_local_interface()}). A rank of another site died or the link was reset.")
+    return WanError(f"{what} between {_sites(topology)} {what_happened} {_ADVICE} [gloo: {exc}]")
+
+
 def _site_message(topo: Topology, seconds: float, i: int, chunks: int, what: str, exc: BaseException) -> str:
     peers = [r for r in topo.layout.site_ranks[topo.site] if r != topo.rank]
     role = f"on rail {topo.rail}" if topo.rail is not None else "not on a WAN rail"

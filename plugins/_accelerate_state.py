@@ -121,7 +121,7 @@ class StateMixin:
             plugin = self.multidc_plugin
             keep = plugin.keep_last_k if plugin.keep_last_k is not None else self.project_configuration.total_limit
             cache[key] = Checkpointer(key, storage_options=plugin.storage_options, keep_last_k=keep,
-                                      async_save=plugin.async_save)
+                                      async_save=plugin.async_save, topology=getattr(self, "topology", None))
         return cache[key]
 
     def _multidc_state(self, step: int) -> dict:

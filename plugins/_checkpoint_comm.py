@@ -7,6 +7,7 @@ no rank is left waiting in a later collective.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 
@@ -37,6 +38,18 @@ class Comm:
 
     def __init__(self, group, rank: int, world_size: int) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
+        # ``(what, error) -> exception`` for a failed collective (the Checkpointer names the sites with it).
+        self.describe_failure = None
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """Turn a failed gloo collective (timeout, lost connection) into ``describe_failure``'s error."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.describe_failure is None:
+                raise
+            raise self.describe_failure(what, exc) from exc
 
     @classmethod
     def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
@@ -54,14 +67,16 @@ class Comm:
         if self.group is None:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._collective("checkpoint collective (all_gather)"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def _broadcast(self, obj):
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with self._collective("checkpoint collective (broadcast)"):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
     def raise_if_any(self, fn, *args):
@@ -91,7 +106,8 @@ class Comm:
         if self.group is None:
             return make_global([local])[0]
         gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        with self._collective("checkpoint planning (gather)"):
+            dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
         outgoing, error = None, None
         if self.rank == 0:
             try:
@@ -100,7 +116,8 @@ class Comm:
                 error = exc
                 outgoing = [(None, _describe(exc))] * self.world_size
         box = [None]
-        dist.scatter_object_list(box, outgoing, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with self._collective("checkpoint planning (scatter)"):
+            dist.scatter_object_list(box, outgoing, src=dist.get_global_rank(self.group, 0), group=self.group)
         plan, described = box[0]
         if described is not None:
             raise error if error is not None else _rebuild(0, described)

@@ -140,12 +140,15 @@ class Checkpointer:
         part_size_mb: multipart part size for S3, MiB (>= 5). ``max_concurrency``: parallel requests per rank.
         retry: retry policy for transient storage errors.
         timeout_s: how long a rank waits for the others in a checkpoint collective (seconds).
+        topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
+            times out or loses its connection raises ``WanError`` naming the sites and this end of the link
+            (e.g. the WAN was cut during a save) instead of gloo's bare error.
     """
 
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
-                 timeout_s: float = 1800.0) -> None:
+                 timeout_s: float = 1800.0, topology=None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
         if stripe_min_mb < 0:
@@ -157,6 +160,10 @@ class Checkpointer:
         self.keep_last_k, self.async_save = keep_last_k, async_save
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
+        if topology is not None and getattr(topology, "num_sites", 1) > 1:
+            from multidc.hierarchical.all_reduce import wan_failure
+
+            self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
         self._pending: SaveHandle | None = None
         self._access_checked = False
 

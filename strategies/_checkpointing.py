@@ -211,7 +211,7 @@ class LightningCheckpoints:
         ckpt = self._open.pop(root, None)
         if ckpt is None:  # collective: every rank opens the same roots in the same order
             ckpt = Checkpointer(root, storage_options=self.storage_options, keep_last_k=1,
-                                async_save=self.async_save)
+                                async_save=self.async_save, topology=getattr(self, "topology", None))
         self._open[root] = ckpt
         while len(self._open) > _OPEN_ROOTS:
             self._open.popitem(last=False)[1].close()

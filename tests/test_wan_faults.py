@@ -16,6 +16,7 @@ from multidc.hierarchical import SiteLayout, WanError
 from multidc.hierarchical._executor import SerialExecutor
 from multidc.hierarchical.lab import Lab, lab_available
 from multidc.plugins import Checkpointer
+from tests._dist import run_ranks
 from tests.faults.lab_job import LabJob, python_argv
 from tests.faults.train_job import reference_losses
 
@@ -158,3 +159,29 @@ def test_site_stall_message_names_the_rank_off_the_rail_and_its_peers():
                            "chunk 1/3.")
     three = _topo(0, site_ranks=((0,), (1,), (2,)), names=("a", "b", "c"))
     assert "between sites 'a', 'b' and 'c'" in _all_reduce_module._wan_message(three, 5, 0, 1, RuntimeError("x"))
+
+
+def _checkpoint_collective_times_out(rank, world, url):
+    import time
+
+    from multidc.hierarchical import Topology, WanError
+    from multidc.plugins import Checkpointer
+
+    topology = Topology.build(num_sites=2)
+    ckpt = Checkpointer(url, timeout_s=2, topology=topology)
+    if rank == 1:  # the other site never joins the save, as if the WAN were cut
+        time.sleep(6)
+        return None
+    started = time.monotonic()
+    try:
+        ckpt.save({"loop": {"step": 1}}, step=1)
+    except WanError as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_checkpoint_collective_that_times_out_raises_wan_error_naming_the_sites(tmp_path):
+    message, seconds = run_ranks(_checkpoint_collective_times_out, 2, str(tmp_path / "ckpt"), timeout=60)[0]
+    assert message.startswith("checkpoint collective") and "between site '0' and site '1' timed out after 2 s" \
+        in message, message
+    assert seconds < 2 + 5, seconds
