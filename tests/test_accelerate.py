@@ -21,7 +21,8 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
+from tests._resources import require_module
+require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import WanConfig  # noqa: E402
 

