@@ -67,20 +67,6 @@ class WanConfig:
         if not _positive_number(self.timeout_s):
             raise ValueError(f"{self._source('timeout_s')} must be a positive number of seconds, e.g. 300.")
 
-    def key(self) -> tuple:
-        """The settings that every rank must share, as a comparable tuple (see ``Topology.build``)."""
-        return (self.compression, float(self.chunk_mb), self.streams, float(self.timeout_s))
-
-    @classmethod
-    def from_key(cls, key: tuple) -> WanConfig:
-        compression, chunk_mb, streams, timeout_s = key
-        return cls(compression=compression, chunk_mb=chunk_mb, streams=streams, timeout_s=timeout_s)
-
-    @staticmethod
-    def describe_key(key: tuple) -> str:
-        compression, chunk_mb, streams, timeout_s = key
-        return f"compression={compression} chunk_mb={chunk_mb:g} streams={streams} timeout_s={timeout_s:g}"
-
     def _source(self, name: str) -> str:
         """``MULTIDC_WAN_X=value (WanConfig.x)`` when the value came from the environment, else the field."""
         value = getattr(self, name)

@@ -24,8 +24,8 @@ class _Claim:
     site: int | str | None
     num_sites: int | None
     error: str | None = None
-    wan: tuple | None = None
-    """``WanConfig.key()``: ranks must agree on it, or their collectives would not match."""
+    wan: WanConfig | None = None
+    """This rank's WAN settings: ranks must agree on them, or their collectives would not match."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def _local_claim(site: int | str | None, num_sites: int | None, wan: WanConfig |
             num_sites = _env.read_int(_env.NUM_SITES)
         if num_sites is not None and (isinstance(num_sites, bool) or not isinstance(num_sites, int)):
             raise ValueError(f"num_sites={num_sites!r} must be an int.")
-        return _Claim(site=site, num_sites=num_sites, wan=wan.key()), wan
+        return _Claim(site=site, num_sites=num_sites, wan=wan), wan
     except ValueError as exc:
         return _Claim(site=None, num_sites=None, error=str(exc)), wan
 
@@ -155,11 +155,14 @@ def _check_same_wan(claims: list[_Claim]) -> None:
     Different ``streams`` would create different numbers of groups, different ``chunk_mb`` or ``compression``
     mismatched collectives: both hang until the WAN timeout and then blame the network.
     """
-    ranks_by_setting: dict[tuple, list[int]] = {}
+    groups: list[tuple[WanConfig, list[int]]] = []  # WanConfig compares by its fields but is not hashable
     for rank, claim in enumerate(claims):
-        ranks_by_setting.setdefault(claim.wan, []).append(rank)
-    if len(ranks_by_setting) > 1:
-        seen = "; ".join(f"ranks {ranks}: {WanConfig.describe_key(key)}" for key, ranks in ranks_by_setting.items())
+        ranks = next((ranks for wan, ranks in groups if wan == claim.wan), None)
+        if ranks is None:
+            groups.append((claim.wan, ranks := []))
+        ranks.append(rank)
+    if len(groups) > 1:
+        seen = "; ".join(f"ranks {ranks}: {wan}" for wan, ranks in groups)
         raise ValueError(
             f"ranks disagree on the WAN settings ({seen}); pass the same WanConfig / MULTIDC_WAN_* values "
             "(compression, chunk_mb, streams, timeout_s) to every rank of every site."
@@ -270,7 +273,7 @@ class Topology:
         layout = resolve_sites([claims[r] for r in members])
         _check_same_wan([claims[r] for r in members])
         if not member:  # it only helps create the members' groups, so it takes their (agreed) settings
-            wan = WanConfig.from_key(claims[members[0]].wan)
+            wan = claims[members[0]].wan
         topology = cls(layout, group, wan, members=members)
         return topology if member else None
 

@@ -102,7 +102,7 @@ def test_local_claim_reads_arguments_then_environment(monkeypatch, site, num_sit
         monkeypatch.setenv(name, value)
     claim, wan = _local_claim(site, num_sites, None)
     assert (claim.site, claim.num_sites, claim.error) == (expected.site, expected.num_sites, expected.error)
-    assert claim.wan == wan.key()  # the WAN settings travel with the claim, to be compared across ranks
+    assert claim.wan == wan  # the WAN settings travel with the claim, to be compared across ranks
 
 
 @pytest.mark.parametrize(
