@@ -3,14 +3,21 @@
 Every helper here is called by every rank of the group. A failure on one rank is gathered and re-raised on all
 ranks (the failing rank raises its own exception; the others an exception of the same kind naming the rank), so
 no rank is left waiting in a later collective.
+
+Work that can take long (uploads, downloads, the commit, retries against a store that is down) runs in
+:meth:`Comm.alive`: a worker thread does it while the calling thread exchanges a tiny heartbeat all-reduce with the
+other ranks every ``heartbeat_s``. So the group's timeout bounds only how long a rank waits for an *unresponsive*
+peer (a cut link, a hung or dead process), never how long a healthy peer's upload may take.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,8 +43,9 @@ def _rebuild(rank: int, described, error_type=None) -> BaseException:
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
-    def __init__(self, group, rank: int, world_size: int) -> None:
+    def __init__(self, group, rank: int, world_size: int, heartbeat_s: float = 1.0) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
+        self.heartbeat_s = heartbeat_s
         # ``(what, error) -> exception`` for a failed collective (the Checkpointer names the sites with it).
         self.describe_failure = None
 
@@ -61,7 +69,52 @@ class Comm:
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
-        return cls(group, dist.get_rank(group), len(ranks))
+        # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
+        return cls(group, dist.get_rank(group), len(ranks), heartbeat_s=min(1.0, timeout.total_seconds() / 10))
+
+    def alive(self, fn, *args, what: str):
+        """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
+        its error (this rank's own: nothing is gathered). Every rank must call it, also those with nothing to do
+        (``fn=None``).
+
+        ``fn`` runs in a worker thread and must not use this group. The calling thread all-reduces "still
+        working" flags every ``heartbeat_s`` until no rank is, so a peer is never waited on for longer than one
+        beat plus the group's timeout, however long its own ``fn`` takes. A beat that times out or loses its
+        connection raises ``describe_failure``'s error (the WAN cut during a save); ``fn`` is then abandoned
+        to finish on its own (its daemon thread commits nothing).
+        """
+        value, error = self.alive_outcome(fn, *args, what=what)
+        if error is not None:
+            raise error
+        return value
+
+    def alive_outcome(self, fn, *args, what: str) -> tuple:
+        """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
+        outcome = {"value": None, "error": None}
+        done = threading.Event()
+
+        def work():
+            try:
+                outcome["value"] = fn(*args) if fn is not None else None
+            except Exception as exc:  # returned to the caller, which decides whom to tell
+                outcome["error"] = exc
+            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt / SystemExit: re-raised below
+                outcome["fatal"] = exc
+            finally:
+                done.set()
+
+        if self.group is None:
+            work()
+        else:
+            threading.Thread(target=work, name=f"multidc-ckpt-{what}", daemon=True).start()
+            working = torch.ones(1, dtype=torch.int32)
+            while working.item():
+                working.fill_(0 if done.wait(self.heartbeat_s) else 1)
+                with self._collective(f"checkpoint heartbeat ({what})"):
+                    dist.all_reduce(working, group=self.group)
+        if "fatal" in outcome:
+            raise outcome["fatal"]
+        return outcome["value"], outcome["error"]
 
     def all_gather(self, obj) -> list:
         if self.group is None:
@@ -79,14 +132,18 @@ class Comm:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def raise_if_any(self, fn, *args):
+    def raise_if_any(self, fn, *args, what: str | None = None):
         """Run ``fn(*args)`` here and return its value; if it failed on any rank, raise on every rank (the failing
-        rank its own exception, the others one of the same kind naming that rank)."""
-        value, error = None, None
-        try:
-            value = fn(*args)
-        except Exception as exc:
-            error = exc
+        rank its own exception, the others one of the same kind naming that rank). With ``what``, ``fn`` runs
+        under :meth:`alive` (for work that may take long, e.g. a request that retries)."""
+        if what is not None:
+            value, error = self.alive_outcome(fn, *args, what=what)
+        else:
+            value, error = None, None
+            try:
+                value = fn(*args)
+            except Exception as exc:
+                error = exc
         self._raise_gathered(self.all_gather(_describe(error)), error)
         return value
 
@@ -130,13 +187,9 @@ class Comm:
         return [r for r, _ in gathered]
 
     def from_rank0(self, fn, *, what: str, error_type):
-        """Run ``fn()`` on rank 0 and return its value on every rank, or raise its error on every rank."""
-        value, error = None, None
-        if self.rank == 0:
-            try:
-                value = fn()
-            except Exception as exc:
-                error = exc
+        """Run ``fn()`` on rank 0 (under :meth:`alive`) and return its value on every rank, or raise its error on
+        every rank."""
+        value, error = self.alive_outcome(fn if self.rank == 0 else None, what=what)
         value, described = self._broadcast((value, _describe(error)))
         if described is None:
             return value
@@ -151,7 +204,8 @@ class Comm:
     def dcp_load(self, state: dict, reader, planner) -> None:
         """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error."""
         try:
-            with warnings.catch_warnings():
+            # DCP's own collectives (planning, the gather after the reads) fail like ours when the link is cut
+            with warnings.catch_warnings(), self._collective("checkpoint load (DCP collective)"):
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
                 dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group,
                          no_dist=self.group is None)

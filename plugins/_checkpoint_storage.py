@@ -180,11 +180,15 @@ def _with_file(plan: SavePlan, file: str) -> SavePlan:
 
 
 class ObjectStoreReader(StorageReader):
-    """DCP storage reader for one committed checkpoint; verifies each item's CRC-32 as it is read."""
+    """DCP storage reader for one committed checkpoint; verifies each item's CRC-32 as it is read.
 
-    def __init__(self, store: ObjectStore, checkpoint: str, commit=None) -> None:
+    ``alive``: optional ``Comm.alive``, under which ``read_data`` runs its reads (every rank calls ``read_data``
+    once per load, so every rank joins its heartbeat).
+    """
+
+    def __init__(self, store: ObjectStore, checkpoint: str, commit=None, *, alive=None) -> None:
         super().__init__()
-        self.store, self.checkpoint, self.commit = store, checkpoint, commit
+        self.store, self.checkpoint, self.commit, self.alive = store, checkpoint, commit, alive
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -205,6 +209,15 @@ class ObjectStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.alive is None:
+            self._read_all(plan, planner)
+        else:
+            self.alive(self._read_all, plan, planner, what="download")
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         by_location: dict[ItemLocation, list] = {}
         for item in plan.items:
             by_location.setdefault(self.locations[item.storage_index], []).append(item)
@@ -216,9 +229,6 @@ class ObjectStoreReader(StorageReader):
                 self._read_batch(batch, by_location, planner)
                 batch, size = [], 0
         self._read_batch(batch, by_location, planner)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _read_batch(self, batch: list[ItemLocation], by_location: dict, planner: LoadPlanner) -> None:
         if not batch:

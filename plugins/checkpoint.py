@@ -79,6 +79,7 @@ from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWr
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 _log = logging.getLogger(__name__)
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
 
 class CheckpointSaveError(RuntimeError):
@@ -139,7 +140,11 @@ class Checkpointer:
         stripe_min_mb: replicated tensors of at least this many MiB are striped across replicas.
         part_size_mb: multipart part size for S3, MiB (>= 5). ``max_concurrency``: parallel requests per rank.
         retry: retry policy for transient storage errors.
-        timeout_s: how long a rank waits for the others in a checkpoint collective (seconds).
+        timeout_s: how long a rank waits for an unresponsive peer in a checkpoint collective, in seconds (default:
+            the topology's ``WanConfig.timeout_s`` when ``topology`` is given, else 1800). Long work does not
+            count against it: during uploads, downloads and the commit the ranks exchange a heartbeat every
+            ``min(1, timeout_s / 10)`` s, so a slow upload never times out, while a cut link, a hung or a dead
+            peer fails every rank within ``timeout_s`` plus one beat.
         topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
             times out or loses its connection raises ``WanError`` naming the sites and this end of the link
             (e.g. the WAN was cut during a save) instead of gloo's bare error.
@@ -148,13 +153,16 @@ class Checkpointer:
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
-                 timeout_s: float = 1800.0, topology=None) -> None:
+                 timeout_s: float | None = None, topology=None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
         if stripe_min_mb < 0:
             raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
+        if timeout_s is None:
+            timeout_s = topology.wan.timeout_s if topology is not None else _DEFAULT_TIMEOUT_S
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
+        self.timeout_s = float(timeout_s)
         self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                  max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
@@ -208,7 +216,7 @@ class Checkpointer:
             raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
                              "save the same step.")
         name = checkpoint_name(step)
-        self.comm.raise_if_any(self._check_access)
+        self.comm.raise_if_any(self._check_access, what="checking access")
         tag = self.comm.from_rank0(lambda: _retention.claim(self.store, name, step, replace=replace),
                                    what=f"preparing {name}", error_type=None)
         writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
@@ -240,7 +248,7 @@ class Checkpointer:
             self._access_checked = True
 
     def _local_plan(self, state: dict, writer: ObjectStoreWriter):
-        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        state_dict = _state_dicts(state)
         planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
         planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
         writer.set_up_storage_writer(self.comm.rank == 0)
@@ -249,12 +257,10 @@ class Checkpointer:
     def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, replace) -> None:
         info, failure = None, None
         try:
-            results = None
-            if error is None:
-                try:
-                    results = upload(staged, self.store, name)
-                except Exception as exc:
-                    error = exc
+            # every rank joins the heartbeat, also one whose staging failed (it has nothing to upload)
+            results, upload_error = self.comm.alive_outcome(upload if error is None else None, staged, self.store,
+                                                            name, what="upload")
+            error = error or upload_error
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
             info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, replace),
@@ -314,15 +320,19 @@ class Checkpointer:
         """
         self.wait()
         _check_state(state)
-        self.comm.raise_if_any(self.store.check_access)
+        self.comm.raise_if_any(self.store.check_access, what="checking access")
         name, raw = self.comm.from_rank0(lambda: self._read_commit(which), what=f"resolving {which!r}",
                                          error_type=None)
         commit = decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
         for value in state.values():
             if isinstance(value, RNGState):
                 value.select_source(commit.world_size)
-        reader = ObjectStoreReader(self.store, name, commit)
-        self.comm.dcp_load(state, reader, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
+        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive)
+        # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
+        # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
+        plain = self.comm.raise_if_any(_state_dicts, state)
+        self.comm.dcp_load(plain, reader, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
+        self.comm.raise_if_any(_restore, state, plain)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
                               world_size=commit.world_size, created_unix=commit.created_unix)
 
@@ -343,6 +353,20 @@ class Checkpointer:
 
 # Async saves nobody has waited for yet (a successful one leaves at once): handle -> where it writes.
 _UNWAITED: dict[SaveHandle, str] = {}
+
+
+def _state_dicts(state: dict) -> dict:
+    """``state`` with every Stateful replaced by its ``state_dict()`` (what DCP saves / loads into)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _restore(state: dict, loaded: dict) -> None:
+    """Hand loaded values back: ``load_state_dict`` for Stateful objects, replacement for the rest (as DCP does)."""
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]
 
 
 def _check_state(state) -> None:

@@ -78,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
     ddp = nn.parallel.DistributedDataParallel(_model(), broadcast_buffers=False)
     register_ddp_hook(ddp, topology, wan=wan)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-    ckpt = Checkpointer(args.ckpt, timeout_s=args.timeout_s, topology=topology)
+    ckpt = Checkpointer(args.ckpt, topology=topology)  # waits up to the topology's WanConfig.timeout_s
     state = {"model": ModelState(ddp, optimizer), "trainer": {"step": 0}}
     if args.ckpt_mb:  # ballast, so that a save takes long enough for a fault to land inside it
         state["ballast"] = torch.zeros(int(args.ckpt_mb * (1 << 18)))

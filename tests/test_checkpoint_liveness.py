@@ -1,0 +1,158 @@
+"""Checkpoint collectives wait for unresponsive peers only up to ``timeout_s``, never for slow but healthy work.
+
+Ranks exchange a heartbeat while uploading, downloading and committing (``Comm.alive``), so a checkpoint group can
+use the WAN timeout: an upload slower than the timeout still commits, while a peer that stops answering mid-upload
+fails every rank within the timeout plus one beat, with an error naming the sites.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_ranks
+
+TIMEOUT_S = 2.0
+SLOW_S = 3 * TIMEOUT_S  # longer than the timeout: without heartbeats the waiting rank would time out
+
+
+def _slow_on(rank_to_slow: int, rank: int, monkeypatch_target, name: str, match: str) -> None:
+    """Make ``monkeypatch_target.name`` sleep SLOW_S on ``rank_to_slow`` when its key contains ``match``."""
+    import time
+
+    original = getattr(monkeypatch_target, name)
+
+    def slow(self, key, *args, **kwargs):
+        keys = key if isinstance(key, str) else " ".join(str(k) for k in key)
+        if rank == rank_to_slow and match in keys:
+            time.sleep(SLOW_S)
+        return original(self, key, *args, **kwargs)
+
+    setattr(monkeypatch_target, name, slow)
+
+
+def _slow_upload_commit_and_download(rank, world, url):
+    import time
+
+    import torch
+
+    from multidc.plugins import Checkpointer, ObjectStore
+
+    _slow_on(1, rank, ObjectStore, "put", ".distcp")  # rank 1's shard upload
+    _slow_on(0, rank, ObjectStore, "put", "COMMIT.json")  # the commit, which every other rank waits for
+    _slow_on(1, rank, ObjectStore, "get_ranges", ".distcp")  # rank 1's download during load
+    weights = torch.arange(4096, dtype=torch.float32) + rank * 0  # replicated: striped across both ranks
+    ckpt = Checkpointer(url, timeout_s=TIMEOUT_S, stripe_min_mb=0)
+    started = time.monotonic()
+    ckpt.save({"w": weights, "loop": {"step": 7}}, step=7)
+    saved_s = time.monotonic() - started
+    target = {"w": torch.zeros_like(weights), "loop": {"step": 0}}
+    ckpt.load(target)
+    ckpt.close()
+    return saved_s, torch.equal(target["w"], weights), target["loop"]["step"]
+
+
+def test_uploads_commits_and_downloads_slower_than_the_timeout_still_succeed(tmp_path):
+    results = run_ranks(_slow_upload_commit_and_download, 2, str(tmp_path / "ckpt"), timeout=120)
+    for saved_s, equal, step in results:
+        assert saved_s >= 2 * SLOW_S - 1, saved_s  # both slow parts really happened inside the save
+        assert equal and step == 7
+
+
+def _peer_stops_mid_upload(rank, world, url):
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from multidc.hierarchical import Topology, WanConfig, WanError
+    from multidc.plugins import Checkpointer, ObjectStore
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    original = ObjectStore.put
+
+    def stop_here(self, key, *args, **kwargs):
+        if rank == 1 and key.endswith(".distcp"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a cut link / hung host
+        return original(self, key, *args, **kwargs)
+
+    ObjectStore.put = stop_here
+    topology = Topology.build(num_sites=2, wan=WanConfig(timeout_s=TIMEOUT_S))
+    ckpt = Checkpointer(url, topology=topology, stripe_min_mb=0)  # timeout: the topology's WanConfig.timeout_s
+    started = time.monotonic()
+    try:
+        ckpt.save({"w": torch.ones(4096)}, step=1)
+        outcome = "no error"
+    except WanError as exc:
+        outcome = str(exc)
+    finally:
+        if rank == 0:
+            os.kill(pids[1], signal.SIGCONT)  # rank 1 resumes, finds rank 0 gone and fails too
+    return outcome, time.monotonic() - started, ckpt.timeout_s
+
+
+def test_a_peer_that_stops_answering_mid_upload_fails_the_others_within_the_wan_timeout(tmp_path):
+    results = run_ranks(_peer_stops_mid_upload, 2, str(tmp_path / "ckpt"), timeout=120)
+    message, seconds, timeout_s = results[0]
+    assert timeout_s == TIMEOUT_S
+    assert message.startswith("checkpoint heartbeat (upload) between site '0' and site '1'"), message
+    assert f"timed out after {TIMEOUT_S:g} s" in message, message
+    assert seconds < TIMEOUT_S + 1 + 3, seconds  # timeout + one beat + start-up margin
+    assert results[1][0] != "no error"
+
+
+class _FailsOnRank1:
+    """A Stateful whose ``state_dict`` fails on rank 1 only (a user's bug, on one rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self):
+        if self.rank == 1:
+            raise ValueError("state_dict failed on purpose")
+        return {"x": 1}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def _load_with_state_dict_failing_on_one_rank(rank, world, url):
+    import time
+
+    import torch
+
+    from multidc.plugins import Checkpointer
+
+    ckpt = Checkpointer(url)  # the default timeout (30 min): a rank left waiting would hang the test
+    ckpt.save({"w": torch.ones(8)}, step=1)
+    started = time.monotonic()
+    try:
+        ckpt.load({"w": torch.zeros(8), "thing": _FailsOnRank1(rank)}, allow_partial=True)
+        outcome = "no error"
+    except ValueError as exc:
+        outcome = str(exc)
+    ckpt.close()
+    return outcome, time.monotonic() - started
+
+
+def test_a_state_dict_failing_on_one_rank_during_load_raises_on_every_rank(tmp_path):
+    results = run_ranks(_load_with_state_dict_failing_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=90)
+    assert results[1][0] == "state_dict failed on purpose"
+    assert results[0][0] == "rank 1: state_dict failed on purpose"
+    assert all(seconds < 20 for _, seconds in results)
+
+
+def test_checkpointer_takes_its_timeout_from_the_topology_unless_given(tmp_path):
+    from multidc.plugins import Checkpointer
+
+    class _Topology:  # what the Checkpointer reads of a Topology
+        num_sites = 1
+        wan = type("Wan", (), {"timeout_s": 42.0})()
+
+    assert Checkpointer(str(tmp_path), topology=_Topology()).timeout_s == 42.0
+    assert Checkpointer(str(tmp_path), topology=_Topology(), timeout_s=5).timeout_s == 5.0
+    assert Checkpointer(str(tmp_path)).timeout_s == 1800.0
+    with pytest.raises(ValueError, match="timeout_s=0 must be a positive number"):
+        Checkpointer(str(tmp_path), timeout_s=0)
