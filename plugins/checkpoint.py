@@ -48,6 +48,9 @@ Guarantees:
 * **Async.** ``async_save=True`` blocks only to copy this rank's share into host memory; a background thread
   checksums, uploads and commits. The next ``save``, ``load``, ``wait`` or ``close`` waits for it and raises
   its error.
+* **Waits only for unresponsive peers.** ``timeout_s`` bounds how long a rank waits for a peer that stopped
+  answering (a cut link, a hung or dead process); uploads, downloads and the commit run under a heartbeat
+  between the ranks, so they may take as long as they need.
 * **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
   a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor.
 * **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
