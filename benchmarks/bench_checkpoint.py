@@ -260,7 +260,7 @@ def main(argv=None) -> int:
           f"this server, so no striped save can be more than {ceiling:.2f}x faster than Lightning's here; multidc's "
           f"save takes {ratios['multidc_save_over_raw_put']:.2f}x the raw PUT time"
           + ("" if ceiling >= TARGET_SPEEDUP_VS_LIGHTNING else
-             f" (the 3x target is out of reach of any client on this machine: the server's ingest is the limit)"))
+             " (the 3x target is out of reach of any client on this machine: the server's ingest is the limit)"))
     record = {"bench": "checkpoint", "state_mib": size_mib, "ranks": args.ranks, "repeats": args.repeats,
               "part_size_mb": args.part_size_mb, "concurrency": args.concurrency,
               "cpu_count": os.cpu_count(), "rows": rows, **ratios, "targets": verdicts, "valid_size": valid,

@@ -324,15 +324,24 @@ _ADVICE = ("Check the network between the sites (`multidc doctor` measures it), 
            "regularly lags (checkpointing, data loading), raise WanConfig.timeout_s / MULTIDC_WAN_TIMEOUT_S.")
 
 
-def _wan_message(topo: Topology, timeout_s: float, i: int, chunks: int, exc: BaseException) -> str:
-    me, link = f"rank {topo.rank} (site {topo.site_name!r})", _rail_link(topo)
+def _failure_text(topo: Topology, what: str, timeout_s: float, exc: BaseException, *, missing: str, lost: str,
+                  over: str) -> str:
+    """The one shape of every inter-site failure message: what failed between which sites, timed out (no
+    ``missing`` over ``over``) or lost the connection (``lost``), the advice, and gloo's own words."""
+    me = f"rank {topo.rank} (site {topo.site_name!r})"
     if _timed_out(exc):
-        what = (f"timed out after {timeout_s:g} s: {me} got no data for chunk {i + 1}/{chunks} over {link}. "
-                "The link between the sites is down or congested, or a rank of another site stopped.")
+        happened = (f"timed out after {timeout_s:g} s: {me} got no {missing} over {over}. The link between the sites "
+                    "is down or congested, or a rank of another site stopped.")
     else:
-        what = (f"failed: {me} lost the connection during chunk {i + 1}/{chunks} over {link}. A rank of "
-                "another site died or the link was reset.")
-    return f"WAN collective between {_sites(topo)} {what} {_ADVICE} [gloo: {exc}]"
+        happened = (f"failed: {me} lost the connection {lost} over {over}. A rank of another site died or the link "
+                    "was reset.")
+    return f"{what} between {_sites(topo)} {happened} {_ADVICE} [gloo: {exc}]"
+
+
+def _wan_message(topo: Topology, timeout_s: float, i: int, chunks: int, exc: BaseException) -> str:
+    chunk = f"chunk {i + 1}/{chunks}"
+    return _failure_text(topo, "WAN collective", timeout_s, exc, missing=f"data for {chunk}", lost=f"during {chunk}",
+                         over=_rail_link(topo))
 
 
 def wan_failure(topology: Topology, what: str, timeout_s: float, exc: BaseException) -> WanError:
@@ -340,15 +349,9 @@ def wan_failure(topology: Topology, what: str, timeout_s: float, exc: BaseExcept
 
     Names the sites, this rank and its end of the link; the original error stays in the message.
     """
-    me = f"rank {topology.rank} (site {topology.site_name!r})"
-    if _timed_out(exc):
-        what_happened = (f"timed out after {timeout_s:g} s: {me} got no answer from the other ranks over the link "
-                         f"between the sites (this end: {_local_interface()}). The link is down or congested, or a "
-                         "rank of another site stopped.")
-    else:
-        what_happened = (f"failed: {me} lost the connection to the other ranks over the link between the sites "
-                         f"(this end: {_local_interface()}). A rank of another site died or the link was reset.")
-    return WanError(f"{what} between {_sites(topology)} {what_happened} {_ADVICE} [gloo: {exc}]")
+    return WanError(_failure_text(topology, what, timeout_s, exc, missing="answer from the other ranks",
+                                  lost="to the other ranks",
+                                  over=f"the link between the sites (this end: {_local_interface()})"))
 
 
 def _site_message(topo: Topology, seconds: float, i: int, chunks: int, what: str, exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 # Per-parameter optimizer keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Unflattened, every pipeline
 # stage would write the same ``param_groups`` key, only one copy would be stored, and the other stages would load
@@ -148,3 +149,17 @@ def _numpy():
     except ImportError:
         return None
     return numpy
+
+
+def state_dicts(state: dict) -> dict:
+    """``state`` with every Stateful replaced by its ``state_dict()`` (what DCP saves / loads into)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def restore(state: dict, loaded: dict) -> None:
+    """Hand loaded values back: ``load_state_dict`` for Stateful objects, replacement for the rest (as DCP does)."""
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]

@@ -64,24 +64,21 @@ Only one training job may write under a root URL at a time.
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import logging
 import threading
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
 from multidc.plugins import _checkpoint_retention as _retention
 from multidc.plugins._checkpoint_comm import Comm
 from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit
 from multidc.plugins._checkpoint_planner import SafeLoadPlanner, StripedSavePlanner
-from multidc.plugins._checkpoint_state import RNGState
+from multidc.plugins._checkpoint_handle import UNWAITED, SaveHandle
+from multidc.plugins._checkpoint_state import RNGState, restore, state_dicts
 from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, stage, upload
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
-_log = logging.getLogger(__name__)
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
 
@@ -98,33 +95,6 @@ class CheckpointInfo:
     step: int
     world_size: int | None = None
     created_unix: float | None = None
-
-
-class SaveHandle:
-    """The outcome of one ``save``: finished already (sync) or still uploading (async)."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._info: CheckpointInfo | None = None
-        self._error: BaseException | None = None
-        self._raised = False  # the error reached the caller through ``wait``: the Checkpointer won't raise it again
-
-    def _finish(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
-        self._info, self._error = info, error
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until committed; return its info, or raise the save's error (every rank raises)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"checkpoint upload still running after {timeout}s")
-        if self._error is not None:
-            self._raised = True
-            _UNWAITED.pop(self, None)
-            raise self._error
-        return self._info
 
 
 class Checkpointer:
@@ -237,7 +207,7 @@ class Checkpointer:
         args = (handle, writer, planner, staged, stage_error, name, step, replace)
         if async_save if async_save is not None else self.async_save:
             self._pending = handle
-            _UNWAITED[handle] = self.store.where(name)
+            UNWAITED[handle] = self.store.where(name)
             threading.Thread(target=self._upload_and_commit, args=args, name=f"multidc-ckpt-{name}",
                              daemon=True).start()
             return handle
@@ -251,7 +221,7 @@ class Checkpointer:
             self._access_checked = True
 
     def _local_plan(self, state: dict, writer: ObjectStoreWriter):
-        state_dict = _state_dicts(state)
+        state_dict = state_dicts(state)
         planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
         planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
         writer.set_up_storage_writer(self.comm.rank == 0)
@@ -273,7 +243,7 @@ class Checkpointer:
             failure = exc
         handle._finish(info, failure)
         if failure is None:
-            _UNWAITED.pop(handle, None)
+            UNWAITED.pop(handle, None)
 
     def _commit(self, writer, planner, results, name, step, replace) -> CheckpointInfo:
         writer.finish(planner.metadata, results)  # the save has succeeded once this returns
@@ -333,9 +303,9 @@ class Checkpointer:
         reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive)
         # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
         # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
-        plain = self.comm.raise_if_any(_state_dicts, state)
+        plain = self.comm.raise_if_any(state_dicts, state)
         self.comm.dcp_load(plain, reader, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
-        self.comm.raise_if_any(_restore, state, plain)
+        self.comm.raise_if_any(restore, state, plain)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
                               world_size=commit.world_size, created_unix=commit.created_unix)
 
@@ -354,41 +324,10 @@ class Checkpointer:
         return found[-1] if found else None
 
 
-# Async saves nobody has waited for yet (a successful one leaves at once): handle -> where it writes.
-_UNWAITED: dict[SaveHandle, str] = {}
-
-
-def _state_dicts(state: dict) -> dict:
-    """``state`` with every Stateful replaced by its ``state_dict()`` (what DCP saves / loads into)."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-
-
-def _restore(state: dict, loaded: dict) -> None:
-    """Hand loaded values back: ``load_state_dict`` for Stateful objects, replacement for the rest (as DCP does)."""
-    for key, value in state.items():
-        if isinstance(value, Stateful):
-            value.load_state_dict(loaded[key])
-        else:
-            state[key] = loaded[key]
-
-
 def _check_state(state) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"state must be a dict of name -> ModelState / Stateful / tensor / value, not "
                          f"{type(state).__name__}; e.g. {{'model': ModelState(model, optimizer)}}.")
-
-
-@atexit.register
-def _wait_at_exit() -> None:
-    """An interpreter exiting with an upload in flight finishes it; a failed async save whose error nobody
-    received (no ``wait``, ``close`` or later ``save``) is logged as an error on ``multidc.plugins.checkpoint``."""
-    for handle, where in list(_UNWAITED.items()):
-        handle._done.wait()
-        if handle._error is not None and not handle._raised:
-            _log.error("async checkpoint save to %s failed, and the interpreter exited before anything waited for "
-                       "it (call Checkpointer.wait() or close() to have it raised): %s: %s", where,
-                       type(handle._error).__name__, handle._error)
-    _UNWAITED.clear()
 
 
 # ---------------------------------------------------------------------- one-call API

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from multidc.plugins._s3_multipart import S3_MIN_PART, multipart_put
+
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
 _MIB = 1 << 20
-_S3_MIN_PART = 5 * _MIB
 # ``s3:/bucket`` or ``s3:bucket`` (a scheme without ``//``) would otherwise become a local folder named "s3:".
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
 # Characters S3 allows in bucket names (legacy us-east-1 buckets included); anything else cannot be a bucket.
@@ -91,7 +92,7 @@ class ObjectStore:
         url = os.fspath(url)
         if not url or not url.strip():
             raise ValueError("checkpoint URL is empty; pass s3://bucket/prefix, file:///dir or a local path.")
-        if part_size_mb * _MIB < _S3_MIN_PART:
+        if part_size_mb * _MIB < S3_MIN_PART:
             raise ValueError(f"part_size_mb={part_size_mb} is below the S3 minimum part size of 5 MiB.")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1.")
@@ -176,7 +177,7 @@ class ObjectStore:
         """
         view = memoryview(data).cast("B")
         if self.is_s3 and len(view) >= 2 * self.part_size:
-            return self._multipart_put(key, view)
+            return multipart_put(self, key, view)
         if atomic and not self.is_s3:
             tmp = f"{key}.tmp-{uuid.uuid4().hex[:8]}"
             self._call(lambda: self._pipe(tmp, view), tmp)
@@ -278,50 +279,6 @@ class ObjectStore:
                 pass
 
         self._call(remove, key)
-
-    # ----------------------------------------------------------------- S3 multipart
-    def _multipart_put(self, key: str, view: memoryview) -> None:
-        bucket, s3key = self.bucket, self.path(key).split("/", 1)[1]
-        upload = self._call(lambda: self._sync(self.fs._call_s3(
-            "create_multipart_upload", Bucket=bucket, Key=s3key)), key)["UploadId"]
-        starts = list(range(0, len(view), self.part_size))
-        if len(view) - starts[-1] < _S3_MIN_PART and len(starts) > 1:
-            starts.pop()  # fold a short tail into the previous part: only the last part may be < 5 MiB
-        bounds = list(zip(starts, starts[1:] + [len(view)]))
-        try:
-            etags = self._sync(self._upload_parts(bucket, s3key, upload, view, bounds, key))
-            parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
-            self._call(lambda: self._sync(self.fs._call_s3(
-                "complete_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload,
-                MultipartUpload={"Parts": parts})), key)
-        except BaseException:
-            try:
-                self._sync(self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload))
-            except Exception:  # the original error is the one to report; the bucket lifecycle reaps the rest
-                pass
-            raise
-        self.fs.invalidate_cache(self.path(key))
-
-    async def _upload_parts(self, bucket, s3key, upload, view, bounds, key) -> list[str]:
-        gate = asyncio.Semaphore(self.max_concurrency)
-
-        async def one(number: int, start: int, end: int) -> str:
-            async with gate:
-                out = await self._acall(lambda: self.fs._call_s3(
-                    "upload_part", Bucket=bucket, Key=s3key, UploadId=upload, PartNumber=number,
-                    Body=bytes(view[start:end])), key)
-                return out["ETag"]
-
-        tasks = [asyncio.ensure_future(one(i + 1, s, e)) for i, (s, e) in enumerate(bounds)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            # One part is out of retries: the upload has failed. Stop the other parts now rather than let each
-            # spend its own retry budget against a store that is down (and upload into an aborted upload).
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
 
     def _sync(self, coro):
         from fsspec.asyn import sync

@@ -1,0 +1,59 @@
+"""S3 multipart upload of one object: parts sent concurrently, retried one by one, aborted on failure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+_log = logging.getLogger("multidc.plugins.object_store")
+S3_MIN_PART = 5 << 20  # S3's smallest part (all but the last), bytes
+
+
+def multipart_put(store, key: str, view: memoryview) -> None:
+    """Upload ``view`` as object ``key`` of ``store`` (an ``ObjectStore`` on S3) in parts of ``store.part_size``
+    bytes, ``store.max_concurrency`` at a time, each retried by ``store.retry``. On failure the multipart upload
+    is aborted and the error raised; nothing becomes visible under ``key``."""
+    bucket, s3key = store.bucket, store.path(key).split("/", 1)[1]
+    upload = store._call(lambda: store._sync(store.fs._call_s3(
+        "create_multipart_upload", Bucket=bucket, Key=s3key)), key)["UploadId"]
+    starts = list(range(0, len(view), store.part_size))
+    if len(view) - starts[-1] < S3_MIN_PART and len(starts) > 1:
+        starts.pop()  # fold a short tail into the previous part: only the last part may be < 5 MiB
+    bounds = list(zip(starts, starts[1:] + [len(view)]))
+    try:
+        etags = store._sync(_upload_parts(store, bucket, s3key, upload, view, bounds, key))
+        parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
+        store._call(lambda: store._sync(store.fs._call_s3(
+            "complete_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload,
+            MultipartUpload={"Parts": parts})), key)
+    except BaseException:
+        try:
+            store._sync(store.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload))
+        except Exception as abort_error:  # the original error is the one to raise; a lifecycle rule reaps parts
+            _log.warning("%s: could not abort multipart upload after a failed part (%s); its parts stay until the "
+                         "bucket's lifecycle rule removes them", store.where(key),
+                         store._scrub(f"{type(abort_error).__name__}: {abort_error}"))
+        raise
+    store.fs.invalidate_cache(store.path(key))
+
+
+async def _upload_parts(store, bucket, s3key, upload, view, bounds, key) -> list[str]:
+    gate = asyncio.Semaphore(store.max_concurrency)
+
+    async def one(number: int, start: int, end: int) -> str:
+        async with gate:
+            out = await store._acall(lambda: store.fs._call_s3(
+                "upload_part", Bucket=bucket, Key=s3key, UploadId=upload, PartNumber=number,
+                Body=bytes(view[start:end])), key)
+            return out["ETag"]
+
+    tasks = [asyncio.ensure_future(one(i + 1, s, e)) for i, (s, e) in enumerate(bounds)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        # One part is out of retries: the upload has failed. Stop the other parts now rather than let each
+        # spend its own retry budget against a store that is down (and upload into an aborted upload).
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
