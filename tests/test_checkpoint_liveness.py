@@ -58,7 +58,7 @@ def test_uploads_commits_and_downloads_slower_than_the_timeout_still_succeed(tmp
         assert equal and step == 7
 
 
-def _peer_stops_mid_upload(rank, world, url):
+def _peer_stops_mid_transfer(rank, world, url, phase):
     import os
     import signal
     import time
@@ -71,19 +71,25 @@ def _peer_stops_mid_upload(rank, world, url):
 
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    original = ObjectStore.put
-
-    def stop_here(self, key, *args, **kwargs):
-        if rank == 1 and key.endswith(".distcp"):
-            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a cut link / hung host
-        return original(self, key, *args, **kwargs)
-
-    ObjectStore.put = stop_here
     topology = Topology.build(num_sites=2, wan=WanConfig(timeout_s=TIMEOUT_S))
     ckpt = Checkpointer(url, topology=topology, stripe_min_mb=0)  # timeout: the topology's WanConfig.timeout_s
+    if phase == "download":
+        ckpt.save({"w": torch.ones(4096)}, step=1)
+    name = "put" if phase == "upload" else "get_ranges"
+    original = getattr(ObjectStore, name)
+
+    def stop_here(self, *args, **kwargs):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a cut link / hung host
+        return original(self, *args, **kwargs)
+
+    setattr(ObjectStore, name, stop_here)
     started = time.monotonic()
     try:
-        ckpt.save({"w": torch.ones(4096)}, step=1)
+        if phase == "upload":
+            ckpt.save({"w": torch.ones(4096)}, step=2)
+        else:
+            ckpt.load({"w": torch.zeros(4096)})
         outcome = "no error"
     except WanError as exc:
         outcome = str(exc)
@@ -93,11 +99,15 @@ def _peer_stops_mid_upload(rank, world, url):
     return outcome, time.monotonic() - started, ckpt.timeout_s
 
 
-def test_a_peer_that_stops_answering_mid_upload_fails_the_others_within_the_wan_timeout(tmp_path):
-    results = run_ranks(_peer_stops_mid_upload, 2, str(tmp_path / "ckpt"), timeout=120)
+@pytest.mark.parametrize("phase", ["upload", "download"])
+def test_a_peer_that_stops_answering_mid_transfer_fails_the_others_within_the_wan_timeout(tmp_path, phase):
+    results = run_ranks(_peer_stops_mid_transfer, 2, str(tmp_path / "ckpt"), phase, timeout=120)
     message, seconds, timeout_s = results[0]
     assert timeout_s == TIMEOUT_S
-    assert message.startswith("checkpoint heartbeat (upload) between site '0' and site '1'"), message
+    # upload: the heartbeat times out; download: the heartbeat inside DCP's read step, then DCP's own gather
+    # fails at once on the broken connection and names itself
+    head = "checkpoint heartbeat (upload)" if phase == "upload" else "checkpoint load (DCP collective)"
+    assert message.startswith(f"{head} between site '0' and site '1'"), message
     assert f"timed out after {TIMEOUT_S:g} s" in message, message
     assert seconds < TIMEOUT_S + 1 + 3, seconds  # timeout + one beat + start-up margin
     assert results[1][0] != "no error"
