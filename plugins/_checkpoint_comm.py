@@ -40,14 +40,23 @@ def _rebuild(rank: int, described, error_type=None) -> BaseException:
     return cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
 
 
+def _transport_error(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is gloo failing to reach a peer (timeout, reset, closed connection)."""
+    text = str(exc).lower()
+    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or any(
+        word in text for word in ("gloo", "timed out", "timeout", "connection"))
+
+
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
-    def __init__(self, group, rank: int, world_size: int, heartbeat_s: float = 1.0) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.heartbeat_s = heartbeat_s
-        # ``(what, error) -> exception`` for a failed collective (the Checkpointer names the sites with it).
-        self.describe_failure = None
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+        self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
+        # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
+        self.heartbeat_s = min(1.0, timeout_s / 10)
+        # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
+        # with one that names the sites and the link.
+        self.describe_failure = self._peer_failure
 
     @contextlib.contextmanager
     def _collective(self, what: str):
@@ -55,9 +64,18 @@ class Comm:
         try:
             yield
         except RuntimeError as exc:
-            if self.describe_failure is None:
+            if not _transport_error(exc):  # e.g. a planning error raised inside dcp.load: not about the link
                 raise
             raise self.describe_failure(what, exc) from exc
+
+    def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
+        if any(word in str(exc).lower() for word in ("timed out", "timeout")):
+            happened = (f"timed out after {self.timeout_s:g} s: rank {self.rank} got no answer from the other ranks "
+                        "of the checkpoint group (one of them hung or stopped, or the network between them failed)")
+        else:
+            happened = f"failed: rank {self.rank} lost the connection to another rank (it died, or the network failed)"
+        return RuntimeError(f"{what} {happened}. A save in flight does not commit; restart the job with the same "
+                            f"command: it resumes from the last committed checkpoint. [gloo: {exc}]")
 
     @classmethod
     def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
@@ -69,8 +87,7 @@ class Comm:
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
-        # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
-        return cls(group, dist.get_rank(group), len(ranks), heartbeat_s=min(1.0, timeout.total_seconds() / 10))
+        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds())
 
     def alive(self, fn, *args, what: str):
         """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
