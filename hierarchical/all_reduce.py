@@ -325,16 +325,17 @@ _ADVICE = ("Check the network between the sites (`multidc doctor` measures it), 
 
 
 def _failure_text(topo: Topology, what: str, timeout_s: float, exc: BaseException, *, missing: str, lost: str,
-                  over: str) -> str:
+                  over: str, suspect: str = "a rank of another site") -> str:
     """The one shape of every inter-site failure message: what failed between which sites, timed out (no
-    ``missing`` over ``over``) or lost the connection (``lost``), the advice, and gloo's own words."""
+    ``missing`` over ``over``) or lost the connection (``lost``), who may have stopped or died (``suspect``),
+    the advice, and gloo's own words."""
     me = f"rank {topo.rank} (site {topo.site_name!r})"
     if _timed_out(exc):
         happened = (f"timed out after {timeout_s:g} s: {me} got no {missing} over {over}. The link between the sites "
-                    "is down or congested, or a rank of another site stopped.")
+                    f"is down or congested, or {suspect} stopped.")
     else:
-        happened = (f"failed: {me} lost the connection {lost} over {over}. A rank of another site died or the link "
-                    "was reset.")
+        happened = (f"failed: {me} lost the connection {lost} over {over}. {suspect[0].upper()}{suspect[1:]} died or "
+                    "the link was reset.")
     return f"{what} between {_sites(topo)} {happened} {_ADVICE} [gloo: {exc}]"
 
 
@@ -349,8 +350,9 @@ def wan_failure(topology: Topology, what: str, timeout_s: float, exc: BaseExcept
 
     Names the sites, this rank and its end of the link; the original error stays in the message.
     """
+    # the group spans both sites: the rank that stopped answering may be in this one
     return WanError(_failure_text(topology, what, timeout_s, exc, missing="answer from the other ranks",
-                                  lost="to the other ranks",
+                                  lost="to the other ranks", suspect="a rank (of either site)",
                                   over=f"the link between the sites (this end: {_local_interface()})"))
 
 

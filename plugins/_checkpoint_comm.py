@@ -52,6 +52,11 @@ class Comm:
 
     def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
         self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
+        self.global_rank = dist.get_rank() if group is not None else 0
+        # The first failed collective: the group is unusable from then on. Workers of ``alive`` that outlive the
+        # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
+        self.failure: BaseException | None = None
+        self.stopped = threading.Event()
         # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
         self.heartbeat_s = min(1.0, timeout_s / 10)
         # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
@@ -66,16 +71,33 @@ class Comm:
         except RuntimeError as exc:
             if not _transport_error(exc):  # e.g. a planning error raised inside dcp.load: not about the link
                 raise
-            raise self.describe_failure(what, exc) from exc
+            self._fail(self.describe_failure(what, exc))
+            raise self.failure from exc
+
+    def _fail(self, error: BaseException) -> None:
+        """Remember the first failure (what later errors of this group, e.g. DCP's own collective after a failed
+        heartbeat inside its read step, are reported as) and stop the workers."""
+        if self.failure is None:
+            self.failure = error
+            self.stopped.set()
+
+    def check_usable(self) -> None:
+        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's)."""
+        if self.failure is not None:
+            raise RuntimeError(f"this Checkpointer cannot be used again: an earlier checkpoint collective failed "
+                               f"({self.failure}). Restart the job; it resumes from the last committed checkpoint.")
 
     def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
+        me = f"rank {self.global_rank}"
         if any(word in str(exc).lower() for word in ("timed out", "timeout")):
-            happened = (f"timed out after {self.timeout_s:g} s: rank {self.rank} got no answer from the other ranks "
-                        "of the checkpoint group (one of them hung or stopped, or the network between them failed)")
+            happened = (f"timed out after {self.timeout_s:g} s: {me} got no answer from the other ranks of the "
+                        "checkpoint group (one of them hung or stopped, or the network between them failed)")
         else:
-            happened = f"failed: rank {self.rank} lost the connection to another rank (it died, or the network failed)"
-        return RuntimeError(f"{what} {happened}. A save in flight does not commit; restart the job with the same "
-                            f"command: it resumes from the last committed checkpoint. [gloo: {exc}]")
+            happened = f"failed: {me} lost the connection to another rank (it died, or the network failed)"
+        return dist.DistBackendError(
+            f"{what} {happened}. A save in flight is abandoned (it commits only if rank 0 was already writing its "
+            f"commit record); restart the job with the same command: it resumes from the last committed "
+            f"checkpoint. [gloo: {exc}]")
 
     @classmethod
     def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
@@ -97,8 +119,8 @@ class Comm:
         ``fn`` runs in a worker thread and must not use this group. The calling thread all-reduces "still
         working" flags every ``heartbeat_s`` until no rank is, so a peer is never waited on for longer than one
         beat plus the group's timeout, however long its own ``fn`` takes. A beat that times out or loses its
-        connection raises ``describe_failure``'s error (the WAN cut during a save); ``fn`` is then abandoned
-        to finish on its own (its daemon thread commits nothing).
+        connection raises ``describe_failure``'s error (the WAN cut during a save) and sets ``stopped``; ``fn``
+        is then abandoned (its daemon thread must check ``stopped`` before each write).
         """
         value, error = self.alive_outcome(fn, *args, what=what)
         if error is not None:
@@ -219,18 +241,24 @@ class Comm:
         raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}")
 
     def dcp_load(self, state: dict, reader, planner) -> None:
-        """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error."""
+        """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error, and a
+        failed heartbeat inside DCP's read step is what this raises (not DCP's own collective failing after it)."""
         try:
-            # DCP's own collectives (planning, the gather after the reads) fail like ours when the link is cut
             with warnings.catch_warnings(), self._collective("checkpoint load (DCP collective)"):
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
                 dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group,
                          no_dist=self.group is None)
         except CheckpointException as exc:
+            if self.failure is not None:
+                raise self.failure from None
             rank, (error, _trace) = min(exc.failures.items(), key=lambda kv: kv[0])
             if rank == self.rank or self.group is None:
                 raise error from None
             raise _rebuild(rank, (type(error).__name__, str(error))) from None
+        except Exception as exc:
+            if self.failure is not None and exc is not self.failure:
+                raise self.failure from exc
+            raise
 
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -105,8 +105,11 @@ def _numel(sizes) -> int:
     return n
 
 
-def upload(staged: Staged, store: ObjectStore, checkpoint: str) -> list[WriteResult]:
-    """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`."""
+def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> list[WriteResult]:
+    """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`.
+
+    ``stop``: an optional ``threading.Event``; once set (the save was abandoned), nothing more is written.
+    """
     if not staged.entries:
         return []
     view = byte_view(staged.buffer)
@@ -115,8 +118,18 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str) -> list[WriteRes
         crc = zlib.crc32(view[offset:offset + length])
         location = ItemLocation(file=staged.file, offset=offset, length=length, crc32=crc, dtype=dtype, sizes=sizes)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=location))
+    check_stop(stop, f"uploading {staged.file}")
     store.put(f"{checkpoint}/{staged.file}", view)
     return results
+
+
+class Abandoned(RuntimeError):
+    """Work of a checkpoint collective that already failed on this rank: stopped before writing anything more."""
+
+
+def check_stop(stop, what: str) -> None:
+    if stop is not None and stop.is_set():
+        raise Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
 
 
 def commit_bytes(metadata: Metadata, results: list[list[WriteResult]], *, step: int, world_size: int,
@@ -183,12 +196,13 @@ class ObjectStoreReader(StorageReader):
     """DCP storage reader for one committed checkpoint; verifies each item's CRC-32 as it is read.
 
     ``alive``: optional ``Comm.alive``, under which ``read_data`` runs its reads (every rank calls ``read_data``
-    once per load, so every rank joins its heartbeat).
+    once per load, so every rank joins its heartbeat). ``stop``: optional ``threading.Event``; once set (the load
+    failed), nothing more is copied into the caller's tensors.
     """
 
-    def __init__(self, store: ObjectStore, checkpoint: str, commit=None, *, alive=None) -> None:
+    def __init__(self, store: ObjectStore, checkpoint: str, commit=None, *, alive=None, stop=None) -> None:
         super().__init__()
-        self.store, self.checkpoint, self.commit, self.alive = store, checkpoint, commit, alive
+        self.store, self.checkpoint, self.commit, self.alive, self.stop = store, checkpoint, commit, alive, stop
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -236,6 +250,7 @@ class ObjectStoreReader(StorageReader):
         keys = [(f"{self.checkpoint}/{loc.file}", loc.offset, loc.offset + loc.length) for loc in batch]
         for loc, data in zip(batch, self.store.get_ranges(keys)):
             self._verify(loc, data, by_location[loc][0].storage_index)
+            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
             for item in by_location[loc]:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(data))

@@ -76,7 +76,7 @@ from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, c
 from multidc.plugins._checkpoint_planner import SafeLoadPlanner, StripedSavePlanner
 from multidc.plugins._checkpoint_handle import UNWAITED, SaveHandle
 from multidc.plugins._checkpoint_state import RNGState, restore, state_dicts
-from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, stage, upload
+from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
@@ -117,7 +117,10 @@ class Checkpointer:
             the topology's ``WanConfig.timeout_s`` when ``topology`` is given, else 1800). Long work does not
             count against it: during uploads, downloads and the commit the ranks exchange a heartbeat every
             ``min(1, timeout_s / 10)`` s, so a slow upload never times out, while a cut link, a hung or a dead
-            peer fails every rank within ``timeout_s`` plus one beat.
+            peer fails every rank within ``timeout_s`` plus one beat. ``state_dict()`` / ``load_state_dict()``
+            and the copy into host memory run outside the heartbeat: the ranks must finish them within
+            ``timeout_s`` of each other. After such a failure this Checkpointer refuses further use (its
+            group is broken), and work abandoned on this rank writes nothing more.
         topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
             times out or loses its connection raises ``WanError`` naming the sites and this end of the link
             (e.g. the WAN was cut during a save) instead of gloo's bare error.
@@ -181,6 +184,7 @@ class Checkpointer:
                 name the failing rank), before any upload.
         """
         self.wait()
+        self.comm.check_usable()
         _check_state(state)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0.")
@@ -232,7 +236,7 @@ class Checkpointer:
         try:
             # every rank joins the heartbeat, also one whose staging failed (it has nothing to upload)
             results, upload_error = self.comm.alive_outcome(upload if error is None else None, staged, self.store,
-                                                            name, what="upload")
+                                                            name, self.comm.stopped, what="upload")
             error = error or upload_error
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
@@ -246,9 +250,11 @@ class Checkpointer:
             UNWAITED.pop(handle, None)
 
     def _commit(self, writer, planner, results, name, step, replace) -> CheckpointInfo:
+        check_stop(self.comm.stopped, f"committing {name}")
         writer.finish(planner.metadata, results)  # the save has succeeded once this returns
-        files = {result.storage_data.file for rank_results in results for result in rank_results}
-        _retention.clean_after_commit(self.store, name, files, keep_last_k=self.keep_last_k, supersede=replace)
+        if not self.comm.stopped.is_set():  # else the collective already failed: the next save cleans up
+            files = {result.storage_data.file for rank_results in results for result in rank_results}
+            _retention.clean_after_commit(self.store, name, files, keep_last_k=self.keep_last_k, supersede=replace)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
 
     def wait(self) -> CheckpointInfo | None:
@@ -292,6 +298,7 @@ class Checkpointer:
             CheckpointCorruptError: a checksum or the commit record does not match (names the shard).
         """
         self.wait()
+        self.comm.check_usable()
         _check_state(state)
         self.comm.raise_if_any(self.store.check_access, what="checking access")
         name, raw = self.comm.from_rank0(lambda: self._read_commit(which), what=f"resolving {which!r}",
@@ -300,7 +307,7 @@ class Checkpointer:
         for value in state.values():
             if isinstance(value, RNGState):
                 value.select_source(commit.world_size)
-        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive)
+        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
         # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
         # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
         plain = self.comm.raise_if_any(state_dicts, state)

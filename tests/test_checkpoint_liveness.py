@@ -71,8 +71,8 @@ def _peer_stops_mid_transfer(rank, world, url, phase, sites):
 
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    if sites == 2:
-        topology = Topology.build(num_sites=2, wan=WanConfig(timeout_s=TIMEOUT_S))
+    if sites == 2:  # site 0: rank 0; site 1: the others
+        topology = Topology.build(site=min(rank, 1), wan=WanConfig(timeout_s=TIMEOUT_S))
         ckpt = Checkpointer(url, topology=topology, stripe_min_mb=0)  # timeout: the topology's WanConfig.timeout_s
     else:
         ckpt = Checkpointer(url, timeout_s=TIMEOUT_S, stripe_min_mb=0)
@@ -98,18 +98,29 @@ def _peer_stops_mid_transfer(rank, world, url, phase, sites):
         outcome = str(exc)
     finally:
         if rank == 0:
-            os.kill(pids[1], signal.SIGCONT)  # rank 1 resumes, finds rank 0 gone and fails too
-    return outcome, time.monotonic() - started, ckpt.timeout_s
+            os.kill(pids[1], signal.SIGCONT)  # rank 1 resumes, finds the others gone and fails too
+    seconds = time.monotonic() - started
+    try:  # the group is broken: a retry must fail at once, not hang or race the abandoned worker
+        ckpt.save({"w": torch.ones(4096)}, step=3)
+        again = "no error"
+    except RuntimeError as exc:
+        again = str(exc)
+    latest = ckpt.latest()
+    return outcome, seconds, ckpt.timeout_s, again, latest.step if latest else None
 
 
-@pytest.mark.parametrize(("phase", "sites"), [("upload", 2), ("download", 2), ("upload", 1)])
-def test_a_peer_that_stops_answering_mid_transfer_fails_the_others_within_the_timeout(tmp_path, phase, sites):
-    results = run_ranks(_peer_stops_mid_transfer, 2, str(tmp_path / "ckpt"), phase, sites, timeout=120)
-    message, seconds, timeout_s = results[0]
+@pytest.mark.parametrize(("phase", "sites", "world"), [("upload", 2, 2), ("download", 2, 2), ("download", 2, 3),
+                                                    ("upload", 1, 2)])
+def test_a_peer_that_stops_answering_mid_transfer_fails_the_others_within_the_timeout(tmp_path, phase, sites, world):
+    results = run_ranks(_peer_stops_mid_transfer, world, str(tmp_path / "ckpt"), phase, sites, timeout=120)
+    message, seconds, timeout_s, again, latest = results[0]
     assert timeout_s == TIMEOUT_S
-    # upload: the heartbeat times out; download: the heartbeat inside DCP's read step, then DCP's own gather
-    # fails at once on the broken connection and names itself
-    head = "checkpoint heartbeat (upload)" if phase == "upload" else "checkpoint load (DCP collective)"
+    assert again.startswith("this Checkpointer cannot be used again: an earlier checkpoint collective failed"), again
+    assert latest == (None if phase == "upload" else 1)  # the abandoned save committed nothing
+    # download: the heartbeat inside DCP's read step fails; DCP's own gather after it must not wait a second time
+    head = f"checkpoint heartbeat ({phase})"
+    for other, other_seconds, *_ in results[2:]:  # a third rank, healthy like rank 0
+        assert other.startswith(head) and other_seconds < TIMEOUT_S + 1 + 3, (other, other_seconds)
     if sites == 2:
         assert message.startswith(f"{head} between site '0' and site '1' timed out after {TIMEOUT_S:g} s"), message
     else:
