@@ -422,7 +422,7 @@ def test_lightning_checkpoint_io_saves_to_s3_and_resumes_to_the_same_weights(s3_
 
 
 # ----------------------------------------------------------------------------- step order, replacing, cleanup
-def _upload_part_then_fail(staged, store, name):
+def _upload_part_then_fail(staged, store, name, stop=None):
     """Stands in for ``upload``: part of the shard reaches storage, then the upload fails."""
     store.put(f"{name}/{staged.file}", b"partial shard")
     raise OSError("injected upload failure")
@@ -515,7 +515,7 @@ import torch
 import multidc.plugins.checkpoint as checkpoint_module
 from multidc.plugins import Checkpointer
 
-def fail(staged, store, name):
+def fail(staged, store, name, stop=None):
     raise OSError("injected upload failure 7f3a")
 
 checkpoint_module.upload = fail

@@ -315,7 +315,7 @@ def test_loading_a_single_file_or_an_uncommitted_path_says_what_is_wrong(tmp_pat
 
 
 # ----------------------------------------------------------------------------- overwriting a path
-def _upload_part_then_fail(staged, store, name):
+def _upload_part_then_fail(staged, store, name, stop=None):
     """Stands in for ``upload``: part of the shard reaches storage, then the upload fails."""
     store.put(f"{name}/{staged.file}", b"partial shard")
     raise OSError("injected upload failure")
