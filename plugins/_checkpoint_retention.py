@@ -127,8 +127,9 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     In order: objects of ``name`` it no longer references; with ``supersede``, committed checkpoints of later
     steps; with ``keep_last_k``, committed checkpoints beyond the ``k`` newest (``name`` is always one of them,
     it is never deleted); half-written folders. Runs on one rank while no other save of this job is in flight.
-    Never raises: the checkpoint is committed, so a failed deletion is logged as a warning on
-    ``multidc.plugins.checkpoint`` naming what was left behind, and the next save tries again.
+    The checkpoint is committed, so a failed deletion is logged as a warning on ``multidc.plugins.checkpoint``
+    naming what was left behind, and the next save tries again. The one exception: a superseded checkpoint whose
+    commit record cannot be deleted raises RuntimeError (it would still be ``latest``).
     """
     left: list[str] = []
     _attempt(left, f"replaced shard objects of {store.where(name)}", _remove_unreferenced, store, name, files)
@@ -147,6 +148,14 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
         except Exception as exc:  # noqa: BLE001 - as above
             left.append(f"{store.where(n)} (could not tell whether it is committed: {type(exc).__name__}: {exc})")
     doomed = [n for s, n in done if supersede and s > step]
+    # A superseded checkpoint that stays committed would still be `latest` (it has the higher step): uncommit
+    # those first, and raise below if one cannot be, instead of a warning nobody reads before resuming.
+    stuck = []
+    for n in doomed:
+        try:
+            store.delete(f"{n}/{COMMIT}")
+        except Exception as exc:  # noqa: BLE001 - raised below, after the rest of the clean-up
+            stuck.append(f"{store.where(n)} ({type(exc).__name__}: {exc})")
     kept = [n for s, n in done if n not in doomed]
     if keep_last_k is not None:
         doomed += kept[: max(0, len(kept) - (keep_last_k - 1))]
@@ -155,3 +164,8 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     for _, n in half:
         _attempt(left, f"half-written {store.where(n)}", store.delete_tree, n)
     _report(store, name, left)
+    if stuck:
+        raise RuntimeError(
+            f"{store.where(name)} is committed, but checkpoints it was to supersede (replace=True) are still "
+            f"committed, so `latest` resolves to them and not to it: {'; '.join(stuck)}. Delete their COMMIT.json "
+            "by hand before resuming from `latest`, or load this checkpoint by its step.")

@@ -471,6 +471,27 @@ def test_replacing_a_committed_step_keeps_it_loadable_until_the_new_one_commits(
     assert files[1].startswith("step_0000000005/data/rank00000-"), files
 
 
+def test_a_rewound_save_that_cannot_uncommit_the_newer_checkpoint_raises(tmp_path, monkeypatch):
+    from multidc.plugins import ObjectStore
+
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save({"x": torch.full((4,), 1.0)}, step=20)
+    real_delete = ObjectStore.delete
+
+    def refuse_step_20(self, key):
+        if key == "step_0000000020/COMMIT.json":
+            raise PermissionError("injected: delete refused")
+        return real_delete(self, key)
+
+    monkeypatch.setattr(ObjectStore, "delete", refuse_step_20)
+    # a warning here would let `latest` (step 20, the abandoned run) be resumed without anyone noticing
+    with pytest.raises(CheckpointSaveError, match=r"still committed, so `latest` resolves to them.*step_0000000020"):
+        ckpt.save({"x": torch.full((4,), 2.0)}, step=11, replace=True)
+    assert ckpt.latest().step == 20
+    monkeypatch.setattr(ObjectStore, "delete", real_delete)
+    assert [c.step for c in ckpt.list()] == [11, 20]  # step 11 committed; step 20 left for the user to delete
+
+
 def test_cleanup_failing_after_the_commit_is_logged_not_reported_as_a_failed_save(tmp_path, monkeypatch, caplog):
     ckpt = Checkpointer(tmp_path, keep_last_k=1)
     ckpt.save({"x": torch.full((4,), 1.0)}, step=1)
