@@ -133,7 +133,13 @@ class ParallelLayout:
         layout = self
         if self._count_sites and all(n is not None for n in names):
             layout = replace(self, num_sites=len(set(names)))
-        resolved = layout.resolve(len(claims))
+        try:
+            resolved = layout.resolve(len(claims))
+        except ValueError as exc:
+            if layout is self:
+                raise
+            raise ValueError(f"num_sites={layout.num_sites} was counted from the {_env.SITE} names of the ranks "
+                             f"({sorted(set(names))}), and that layout does not fit: {exc}") from None
         _check_sites(resolved, names, counted=layout is not self)
         return resolved, names
 

@@ -160,10 +160,12 @@ def _mesh_groups_and_errors(rank, world, kwargs):
     finally:
         del os.environ["MULTIDC_SITE"]
     errors = []
-    for env in ({"MULTIDC_SITE": "ab"[rank % 2]}, {"MULTIDC_PP_SIZE": "2" if rank else "1"}):
+    for env, sizes in (({"MULTIDC_SITE": "ab"[rank % 2]}, {"num_sites": 2}),
+                       ({"MULTIDC_PP_SIZE": "2" if rank else "1"}, {"num_sites": 2}),
+                       ({"MULTIDC_SITE": "abcc"[rank]}, {"pipeline_parallel_size": 2})):  # 3 sites for 4 ranks
         os.environ.update(env)
         try:
-            ParallelLayout(num_sites=2).build_mesh()
+            ParallelLayout(**sizes).build_mesh()  # reads the environment: built after it is set
             errors.append(None)
         except ValueError as exc:
             errors.append(str(exc))
@@ -179,6 +181,8 @@ def test_mesh_groups_match_layout_arithmetic_and_bad_layouts_raise_on_every_rank
         for axis, (got, want) in mine.items():
             assert got == want, axis
         assert named == ((2, 2, 1, 1, 1), (2, 2, 1, 1, 1)), "2 MULTIDC_SITE names, no num_sites: 2 sites"
-        interleaved_sites, disagreeing_sizes = errors
+        interleaved_sites, disagreeing_sizes, counted_sites = errors
         assert interleaved_sites is not None and "contiguous block of 2 ranks" in interleaved_sites
         assert disagreeing_sizes is not None and "disagree" in disagreeing_sizes
+        assert counted_sites is not None and counted_sites.startswith(
+            "num_sites=3 was counted from the MULTIDC_SITE names of the ranks (['a', 'b', 'c'])"), counted_sites
