@@ -80,14 +80,14 @@ def apply_tensor_parallel(blocks: Iterable[nn.Module], tp_mesh) -> None:
     if tp == 1:
         return
     blocks = list(blocks)
-    done = [block for block in blocks if getattr(block, _APPLIED, None) is not None]
+    done = [block for block in blocks if _applied(block) is not None]
     for block in done:
-        if getattr(block, _APPLIED) != tp:
+        if _applied(block) != tp:
             raise ValueError(
-                f"{type(block).__name__} was already split for tensor_parallel_size={getattr(block, _APPLIED)}, "
+                f"{type(block).__name__} was already split for tensor_parallel_size={_applied(block)}, "
                 f"not {tp}; build the model again to change the size."
             )
-    blocks = [block for block in blocks if getattr(block, _APPLIED, None) is None]
+    blocks = [block for block in blocks if _applied(block) is None]
     plans = [transformer_block_plan(block, tp) for block in blocks]  # validate everything before changing any
     if not any(plans) and not done:
         raise ValueError(
@@ -103,7 +103,19 @@ def apply_tensor_parallel(blocks: Iterable[nn.Module], tp_mesh) -> None:
             for attr in HEAD_ATTRS:
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
-        setattr(block, _APPLIED, tp)
+        _mark(block, tp)
+
+
+def _mark(block: nn.Module, tp: int) -> None:
+    """Mark ``block`` and every module in it as split, so a later call given a part of it is not split again."""
+    for module in block.modules():
+        setattr(module, _APPLIED, tp)
+
+
+def _applied(block: nn.Module) -> int | None:
+    """The size ``block``, or a module inside it, was already split for (a later call given a model that holds
+    split blocks must not split them again); ``None`` if none was."""
+    return next((getattr(m, _APPLIED) for m in block.modules() if getattr(m, _APPLIED, None) is not None), None)
 
 
 def _check_heads(block: nn.Module, tp: int) -> None:

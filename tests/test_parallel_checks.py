@@ -93,6 +93,19 @@ def test_tensor_parallel_helper_refuses_blocks_without_any_known_projection():
         apply_tensor_parallel([nn.Embedding(4, HIDDEN), nn.LayerNorm(HIDDEN)], SimpleNamespace(size=lambda: 2))
 
 
+def test_tensor_parallel_helper_never_splits_a_part_or_a_holder_of_a_split_block_again():
+    from multidc.strategies.tensor_parallel import _mark
+
+    block = _Block(_Attention())
+    _mark(block, 2)  # what a finished split leaves behind
+    holder = nn.Sequential(block)
+    for given in (block.attn, holder):  # a child of the split block, a module holding it
+        with pytest.raises(ValueError, match="already split for tensor_parallel_size=2, not 4"):
+            apply_tensor_parallel([given], SimpleNamespace(size=lambda: 4))
+        apply_tensor_parallel([given], SimpleNamespace(size=lambda: 2))  # same size: nothing to do
+    assert block.attn.n_heads == 2
+
+
 def test_transformer_plan_splits_colwise_then_rowwise():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
