@@ -285,7 +285,8 @@ def _site_grace_s(timeout_s: float) -> float:
     return min(30.0, max(2.0, 0.2 * timeout_s))
 
 
-def _timed_out(exc: BaseException) -> bool:
+def timed_out(exc: BaseException) -> bool:
+    """Whether a gloo error is a timeout (rather than a lost connection)."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
 
@@ -330,7 +331,7 @@ def _failure_text(topo: Topology, what: str, timeout_s: float, exc: BaseExceptio
     ``missing`` over ``over``) or lost the connection (``lost``), who may have stopped or died (``suspect``),
     the advice, and gloo's own words."""
     me = f"rank {topo.rank} (site {topo.site_name!r})"
-    if _timed_out(exc):
+    if timed_out(exc):
         happened = (f"timed out after {timeout_s:g} s: {me} got no {missing} over {over}. The link between the sites "
                     f"is down or congested, or {suspect} stopped.")
     else:
@@ -360,7 +361,7 @@ def _site_message(topo: Topology, seconds: float, i: int, chunks: int, what: str
     peers = [r for r in topo.layout.site_ranks[topo.site] if r != topo.rank]
     role = f"on rail {topo.rail}" if topo.rail is not None else "not on a WAN rail"
     task = f"{'reduce' if what == 'reduce' else 'hand over the WAN result of'} chunk {i + 1}/{chunks}"
-    if _timed_out(exc):
+    if timed_out(exc):
         head = f"waited {seconds:g} s for ranks {peers} of its own site to {task}"
     else:
         head = f"lost the connection to ranks {peers} of its own site while waiting for them to {task}"

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from multidc.hierarchical.all_reduce import timed_out
 from multidc.plugins._checkpoint_format import CheckpointCorruptError
 from multidc.plugins.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
 
@@ -43,8 +44,8 @@ def _rebuild(rank: int, described, error_type=None) -> BaseException:
 def _transport_error(exc: RuntimeError) -> bool:
     """Whether ``exc`` is gloo failing to reach a peer (timeout, reset, closed connection)."""
     text = str(exc).lower()
-    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or any(
-        word in text for word in ("gloo", "timed out", "timeout", "connection"))
+    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or timed_out(exc) or any(
+        word in text for word in ("gloo", "connection"))
 
 
 class Comm:
@@ -89,7 +90,7 @@ class Comm:
 
     def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
         me = f"rank {self.global_rank}"
-        if any(word in str(exc).lower() for word in ("timed out", "timeout")):
+        if timed_out(exc):
             happened = (f"timed out after {self.timeout_s:g} s: {me} got no answer from the other ranks of the "
                         "checkpoint group (one of them hung or stopped, or the network between them failed)")
         else:
@@ -104,7 +105,7 @@ class Comm:
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized.")
-            return cls(None, 0, 1)
+            return cls(None, 0, 1, timeout_s=timeout.total_seconds())
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:

@@ -147,18 +147,19 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
             (done if store.exists(f"{n}/{COMMIT}") else half).append((s, n))
         except Exception as exc:  # noqa: BLE001 - as above
             left.append(f"{store.where(n)} (could not tell whether it is committed: {type(exc).__name__}: {exc})")
-    doomed = [n for s, n in done if supersede and s > step]
-    # A superseded checkpoint that stays committed would still be `latest` (it has the higher step): uncommit
-    # those first, and raise below if one cannot be, instead of a warning nobody reads before resuming.
+    superseded = [n for s, n in done if supersede and s > step]
+    # A superseded checkpoint that stays committed would still be `latest` (it has the higher step): a commit
+    # record that cannot be deleted raises below, instead of a warning nobody reads before resuming.
     stuck = []
-    for n in doomed:
+    for n in superseded:
         try:
             store.delete(f"{n}/{COMMIT}")
         except Exception as exc:  # noqa: BLE001 - raised below, after the rest of the clean-up
             stuck.append(f"{store.where(n)} ({type(exc).__name__}: {exc})")
-    kept = [n for s, n in done if n not in doomed]
-    if keep_last_k is not None:
-        doomed += kept[: max(0, len(kept) - (keep_last_k - 1))]
+            continue
+        _attempt(left, store.where(n), store.delete_tree, n)  # uncommitted: its shards go like a half-written one's
+    kept = [n for s, n in done if n not in superseded]
+    doomed = kept[: max(0, len(kept) - (keep_last_k - 1))] if keep_last_k is not None else []
     for n in doomed:
         _attempt(left, store.where(n), delete_committed, store, n)
     for _, n in half:

@@ -138,7 +138,6 @@ class Checkpointer:
             timeout_s = topology.wan.timeout_s if topology is not None else _DEFAULT_TIMEOUT_S
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
-        self.timeout_s = float(timeout_s)
         self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                  max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
@@ -150,6 +149,11 @@ class Checkpointer:
             self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
         self._pending: SaveHandle | None = None
         self._access_checked = False
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a rank waits for an unresponsive peer in a checkpoint collective, seconds."""
+        return self.comm.timeout_s
 
     @property
     def url(self) -> str:
