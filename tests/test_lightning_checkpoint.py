@@ -380,3 +380,68 @@ def test_checkpoint_io_round_trip_needs_no_numpy(tmp_path, monkeypatch):
     io.save_checkpoint(_lightning_dict(4, 1.5), tmp_path / "m.ckpt")
     loaded = io.load_checkpoint(tmp_path / "m.ckpt")
     assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.5
+
+
+# ----------------------------------------------------------------------------- a peer stops during a save
+WAN_TIMEOUT_S = 2.0
+
+
+def _lightning_save_with_a_stopped_peer(rank, world, root):
+    """A 2-site ``hierarchical_ddp`` Trainer in ranks started by torchelastic's rules (the process group exists);
+    rank 1 stops (SIGSTOP) while uploading its shard of the step-1 checkpoint. Returns what rank 0's ``fit`` raised
+    and how long after the save began."""
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    import torch.distributed as dist
+    from multidc.hierarchical import WanConfig, WanError
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    original = ObjectStore.put
+
+    def stop_in_upload(self, key, *args, **kwargs):
+        if rank == 1 and key.endswith(".distcp"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a hung host
+        return original(self, key, *args, **kwargs)
+
+    ObjectStore.put = stop_in_upload
+    started = {}
+
+    class SaveClock(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            started.setdefault("at", time.monotonic())
+
+    strategy = HierarchicalDDPStrategy(num_sites=2, wan=WanConfig(timeout_s=WAN_TIMEOUT_S))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SaveClock(), ModelCheckpoint(dirpath=root, every_n_train_steps=1)])
+    try:
+        trainer.fit(script.Regressor(), DataLoader(script.regressor_data(), batch_size=8))
+        outcome = "no error"
+    except WanError as exc:
+        outcome = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == 0:
+            os.kill(pids[1], signal.SIGCONT)  # rank 1 resumes, finds rank 0 gone and fails too
+    return outcome, time.monotonic() - started.get("at", time.monotonic())
+
+
+def test_a_peer_stopped_during_a_lightning_save_fails_the_others_with_a_wan_error_within_the_wan_timeout(tmp_path):
+    from tests._dist import run_ranks
+
+    env = {rank: {"TORCHELASTIC_RUN_ID": "multidc-test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                  "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "1"} for rank in range(2)}  # read by Lightning; the group already exists
+    results = run_ranks(_lightning_save_with_a_stopped_peer, 2, str(tmp_path / "ckpts"), env=env, timeout=90)
+    message, seconds = results[0]
+    # the strategy's Checkpointer waits the topology's WanConfig.timeout_s and names the sites
+    assert message.startswith("checkpoint heartbeat (upload) between site '0' and site '1' timed out after "
+                              f"{WAN_TIMEOUT_S:g} s"), message
+    assert seconds < WAN_TIMEOUT_S + 1 + 5, seconds  # timeout + one beat + margin for a loaded machine
+    assert results[1][0] != "no error"
+    assert list_checkpoints(tmp_path / "ckpts" / "epoch=0-step=1.ckpt") == []  # the abandoned save committed nothing
