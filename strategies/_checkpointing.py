@@ -105,9 +105,12 @@ class LightningCheckpoints:
         self._open: OrderedDict[str, Checkpointer] = OrderedDict()
         self._pending: SaveHandle | None = None
         self._deferred: list[str] = []  # removals waiting for the pending save to commit
+        # The job's multidc.hierarchical.Topology (None: one site), which the strategy builds at setup and hands
+        # over before each call: checkpoint collectives then wait its WanConfig.timeout_s and name its sites.
+        self.topology = None
 
     def __getstate__(self) -> dict:  # spawn launchers pickle the strategy: nothing is open before launch
-        return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": []}
+        return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None}
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], path) -> None:
@@ -211,7 +214,7 @@ class LightningCheckpoints:
         ckpt = self._open.pop(root, None)
         if ckpt is None:  # collective: every rank opens the same roots in the same order
             ckpt = Checkpointer(root, storage_options=self.storage_options, keep_last_k=1,
-                                async_save=self.async_save, topology=getattr(self, "topology", None))
+                                async_save=self.async_save, topology=self.topology)
         self._open[root] = ckpt
         while len(self._open) > _OPEN_ROOTS:
             self._open.popitem(last=False)[1].close()
@@ -270,7 +273,8 @@ def _delete_checkpoint(root: str, storage_options: dict | None) -> None:
 
 class CheckpointingMixin:
     """The Lightning ``Strategy`` side: put it before the Lightning base class. Call ``_init_checkpointing`` in
-    ``__init__``. ``_sharded_checkpoints()`` ``False`` falls back to the base class's checkpointing."""
+    ``__init__``; the strategy provides ``topology`` (``None`` before setup or with one site).
+    ``_sharded_checkpoints()`` ``False`` falls back to the base class's checkpointing."""
 
     def _init_checkpointing(self, checkpoint_async: bool, checkpoint_storage_options: dict | None) -> None:
         self._multidc_checkpoints = LightningCheckpoints(
@@ -279,6 +283,11 @@ class CheckpointingMixin:
 
     def _sharded_checkpoints(self) -> bool:
         return True
+
+    def _checkpoints(self) -> LightningCheckpoints:
+        """The checkpoint writer, handed this strategy's topology first: it is built at setup, after ``__init__``."""
+        self._multidc_checkpoints.topology = self.topology
+        return self._multidc_checkpoints
 
     @property
     def multidc_checkpoints(self) -> LightningCheckpoints | None:
@@ -320,14 +329,14 @@ class CheckpointingMixin:
             raise TypeError(
                 f"{type(self).__name__} takes storage options once, as checkpoint_storage_options=..., not per save."
             )
-        self._multidc_checkpoints.save(checkpoint, self.broadcast(str(filepath)))
+        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)))
         return None
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not self._sharded_checkpoints():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self.lightning_module.trainer
-        return self._multidc_checkpoints.load(
+        return self._checkpoints().load(
             self.broadcast(str(checkpoint_path)), module=self.lightning_module, optimizers=list(self.optimizers),
             fitting=trainer.state.fn == TrainerFn.FITTING, strict=self.lightning_module.strict_loading,
             trusted=weights_only is False,
@@ -336,12 +345,12 @@ class CheckpointingMixin:
     def remove_checkpoint(self, filepath) -> None:
         if not self._sharded_checkpoints():
             return super().remove_checkpoint(filepath)
-        self._multidc_checkpoints.remove(filepath)
+        self._checkpoints().remove(filepath)
         return None
 
     def teardown(self) -> None:
         try:
-            self._multidc_checkpoints.close()  # the last async upload: its error surfaces here
+            self._checkpoints().close()  # the last async upload: its error surfaces here
         finally:
             super().teardown()
 
