@@ -48,6 +48,11 @@ def _transport_error(exc: RuntimeError) -> bool:
         word in text for word in ("gloo", "connection"))
 
 
+# ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one
+# rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
+THIS_PROCESS = object()
+
+
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
@@ -102,8 +107,10 @@ class Comm:
 
     @classmethod
     def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
-        if not (dist.is_available() and dist.is_initialized()):
-            if process_group is not None:
+        """A Comm over ``process_group`` (``None``: the default group), on a new gloo group: collective. Without a
+        process group, or with ``THIS_PROCESS``, a Comm of this process alone (no group, nothing collective)."""
+        if process_group is THIS_PROCESS or not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None and process_group is not THIS_PROCESS:
                 raise ValueError("process_group was given but torch.distributed is not initialized.")
             return cls(None, 0, 1, timeout_s=timeout.total_seconds())
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)

@@ -1,16 +1,29 @@
-"""``SaveHandle``: the outcome of one checkpoint save, and the async saves nobody has waited for yet."""
+"""What a checkpoint save ends with (``SaveHandle``, ``CheckpointInfo``, ``CheckpointSaveError``), and the async
+saves nobody has waited for yet."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from multidc.plugins.checkpoint import CheckpointInfo
+from dataclasses import dataclass
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save did not commit; the message says which ranks failed and why. The previous checkpoint is intact."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint. ``world_size`` / ``created_unix`` are ``None`` when only listed, not read."""
+
+    url: str
+    name: str
+    step: int
+    world_size: int | None = None
+    created_unix: float | None = None
 
 
 class SaveHandle:

@@ -47,6 +47,11 @@ def resolve(store: ObjectStore, which) -> str:
     name = checkpoint_name(which) if isinstance(which, int) else which.strip("/").rsplit("/", 1)[-1]
     if parse_step(name) is None:
         raise ValueError(f"which={which!r} is not 'latest', a step number or a name like {checkpoint_name(100)!r}.")
+    return require_committed(store, name)
+
+
+def require_committed(store: ObjectStore, name: str) -> str:
+    """``name``, if folder ``name`` holds a committed checkpoint; else FileNotFoundError."""
     if not store.exists(f"{name}/{COMMIT}"):
         raise FileNotFoundError(f"checkpoint {store.where(name)} does not exist or was never committed")
     return name
@@ -72,6 +77,13 @@ def claim(store: ObjectStore, name: str, step: int, *, replace: bool) -> str | N
     return claim_folder(store, name)
 
 
+def clear_file(store: ObjectStore, name: str = "") -> None:
+    """Delete a plain file at ``name`` (``""``: the root), e.g. a single-file checkpoint of another format: a
+    checkpoint folder cannot take its place while it exists."""
+    if store.fs.isfile(store.path(name)):
+        store.delete(name)
+
+
 def claim_folder(store: ObjectStore, name: str) -> str | None:
     """Prepare folder ``name`` for a new checkpoint; return the tag its shard objects must carry, or ``None``.
 
@@ -85,9 +97,11 @@ def claim_folder(store: ObjectStore, name: str) -> str | None:
     return None
 
 
-def delete_committed(store: ObjectStore, name: str) -> None:
-    """Delete a checkpoint folder, its commit record first."""
-    store.delete(f"{name}/{COMMIT}")
+def delete_committed(store: ObjectStore, name: str = "") -> None:
+    """Delete the checkpoint folder ``name``, or with ``""`` every checkpoint under the root and the root itself.
+    Commit records go first, so a half-deleted checkpoint never looks committed."""
+    for folder in [name] if name else [n for _, n in committed(store)]:
+        store.delete(f"{folder}/{COMMIT}")
     store.delete_tree(name)
 
 

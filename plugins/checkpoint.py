@@ -65,36 +65,21 @@ Only one training job may write under a root URL at a time.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from multidc.plugins import _checkpoint_retention as _retention
 from multidc.plugins._checkpoint_comm import Comm
-from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit
-from multidc.plugins._checkpoint_planner import SafeLoadPlanner, StripedSavePlanner
-from multidc.plugins._checkpoint_handle import UNWAITED, SaveHandle
+from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, Commit, checkpoint_name, decode_commit
+from multidc.plugins._checkpoint_planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
+from multidc.plugins._checkpoint_handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
 from multidc.plugins._checkpoint_state import RNGState, restore, state_dicts
 from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save did not commit; the message says which ranks failed and why. The previous checkpoint is intact."""
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint. ``world_size`` / ``created_unix`` are ``None`` when only listed, not read."""
-
-    url: str
-    name: str
-    step: int
-    world_size: int | None = None
-    created_unix: float | None = None
 
 
 class Checkpointer:
@@ -187,8 +172,7 @@ class Checkpointer:
             Any error of a ``state_dict()`` or of local planning on one rank: raised on every rank (the others
                 name the failing rank), before any upload.
         """
-        self.wait()
-        self.comm.check_usable()
+        self._ready()
         _check_state(state)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0.")
@@ -197,9 +181,28 @@ class Checkpointer:
             raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
                              "save the same step.")
         name = checkpoint_name(step)
+        clean = functools.partial(_retention.clean_after_commit, keep_last_k=self.keep_last_k, supersede=replace)
+        return self._write(state, name, step, lambda: _retention.claim(self.store, name, step, replace=replace),
+                           clean, extra=extra, async_save=async_save)
+
+    def _save_folder(self, state: dict, name: str, *, step: int) -> SaveHandle:
+        """``save`` into folder ``name``, any name (``ObjectStoreCheckpointIO``'s are Lightning's), replacing it in
+        place; a plain file there goes first. Other folders are left alone: no step order, no retention."""
+        self._ready()
+        _check_state(state)
+
+        def claim():
+            _retention.clear_file(self.store, name)  # a checkpoint in another format: the folder cannot coexist
+            return _retention.claim_folder(self.store, name)
+
+        return self._write(state, name, step, claim, _retention.remove_replaced)
+
+    def _write(self, state: dict, name: str, step: int, claim, clean, *, extra: dict | None = None,
+               async_save: bool | None = None) -> SaveHandle:
+        """Save into folder ``name``: ``claim()`` on rank 0 prepares it and returns its shard tag; after the commit
+        rank 0 runs ``clean(store, name, files the commit references)``."""
         self.comm.raise_if_any(self._check_access, what="checking access")
-        tag = self.comm.from_rank0(lambda: _retention.claim(self.store, name, step, replace=replace),
-                                   what=f"preparing {name}", error_type=None)
+        tag = self.comm.from_rank0(claim, what=f"preparing {name}", error_type=None)
         writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
         # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): settle
         # that on every rank before the planning collective, where the others would wait for it until timeout_s.
@@ -212,7 +215,7 @@ class Checkpointer:
         except Exception as exc:  # reported to every rank at the commit barrier, never dropped
             stage_error = exc
         handle = SaveHandle()
-        args = (handle, writer, planner, staged, stage_error, name, step, replace)
+        args = (handle, writer, planner, staged, stage_error, name, step, clean)
         if async_save if async_save is not None else self.async_save:
             self._pending = handle
             UNWAITED[handle] = self.store.where(name)
@@ -222,6 +225,11 @@ class Checkpointer:
         self._upload_and_commit(*args)
         handle.wait()
         return handle
+
+    def _ready(self) -> None:
+        """Wait for the pending save; refuse further use after a failed collective."""
+        self.wait()
+        self.comm.check_usable()
 
     def _check_access(self) -> None:
         if not self._access_checked:  # once per Checkpointer: later credential failures surface from the upload
@@ -235,7 +243,7 @@ class Checkpointer:
         writer.set_up_storage_writer(self.comm.rank == 0)
         return planner, writer.prepare_local_plan(planner.create_local_plan())
 
-    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, replace) -> None:
+    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, clean) -> None:
         info, failure = None, None
         try:
             # every rank joins the heartbeat, also one whose staging failed (it has nothing to upload)
@@ -244,7 +252,7 @@ class Checkpointer:
             error = error or upload_error
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
-            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, replace),
+            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),
                                         what=f"committing {self.store.where(name)}",
                                         error_type=CheckpointSaveError)
         except BaseException as exc:  # noqa: BLE001 - handed to the SaveHandle, raised by wait()
@@ -253,12 +261,11 @@ class Checkpointer:
         if failure is None:
             UNWAITED.pop(handle, None)
 
-    def _commit(self, writer, planner, results, name, step, replace) -> CheckpointInfo:
+    def _commit(self, writer, planner, results, name, step, clean) -> CheckpointInfo:
         check_stop(self.comm.stopped, f"committing {name}")
         writer.finish(planner.metadata, results)  # the save has succeeded once this returns
         if not self.comm.stopped.is_set():  # else the collective already failed: the next save cleans up
-            files = {result.storage_data.file for rank_results in results for result in rank_results}
-            _retention.clean_after_commit(self.store, name, files, keep_last_k=self.keep_last_k, supersede=replace)
+            clean(self.store, name, {result.storage_data.file for rank_results in results for result in rank_results})
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
 
     def wait(self) -> CheckpointInfo | None:
@@ -301,38 +308,55 @@ class Checkpointer:
             FileNotFoundError: no committed checkpoint matches ``which``.
             CheckpointCorruptError: a checksum or the commit record does not match (names the shard).
         """
-        self.wait()
-        self.comm.check_usable()
+        self._ready()
         _check_state(state)
-        self.comm.raise_if_any(self.store.check_access, what="checking access")
-        name, raw = self.comm.from_rank0(lambda: self._read_commit(which), what=f"resolving {which!r}",
-                                         error_type=None)
-        commit = decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
+        name, commit = self._open(lambda: _retention.resolve(self.store, which), what=f"resolving {which!r}")
         for value in state.values():
             if isinstance(value, RNGState):
                 value.select_source(commit.world_size)
-        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
         # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
         # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
         plain = self.comm.raise_if_any(state_dicts, state)
-        self.comm.dcp_load(plain, reader, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
+        self._read(name, commit, plain, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
         self.comm.raise_if_any(restore, state, plain)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
                               world_size=commit.world_size, created_unix=commit.created_unix)
 
-    def _read_commit(self, which) -> tuple[str, bytes]:
-        name = _retention.resolve(self.store, which)
-        return name, self.store.get(f"{name}/{COMMIT}")
+    def _load_folder(self, name: str, *, trusted: bool = False) -> dict:
+        """The state saved by ``_save_folder(state, name)``, its structure rebuilt from the commit record."""
+        self._ready()
+        name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}")
+        planner = SafeRebuildLoadPlanner(trusted=trusted)
+        self._read(name, commit, {}, planner)
+        return planner.original_state_dict
+
+    def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
+        """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank."""
+        self.comm.raise_if_any(self.store.check_access, what="checking access")
+
+        def read_commit() -> tuple[str, bytes]:
+            name = resolve()
+            return name, self.store.get(f"{name}/{COMMIT}")
+
+        name, raw = self.comm.from_rank0(read_commit, what=what, error_type=None)
+        return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
+
+    def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:
+        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
+        self.comm.dcp_load(state_dict, reader, planner)
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first. Not collective (any rank, any process may call it)."""
-        return [CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step)
-                for step, name in _retention.committed(self.store)]
+        return _committed(self.store)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or ``None``. Not collective."""
-        found = self.list()
-        return found[-1] if found else None
+        return next(reversed(self.list()), None)
+
+
+def _committed(store: ObjectStore) -> list[CheckpointInfo]:
+    return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
+            for step, name in _retention.committed(store)]
 
 
 def _check_state(state) -> None:
@@ -383,15 +407,12 @@ def wait(url: str, *, process_group=None) -> CheckpointInfo | None:
 
 def list_checkpoints(url: str, *, storage_options: dict | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints under ``url``, oldest first. Not collective; half-written ones are not listed."""
-    store = ObjectStore(url, storage_options=storage_options)
-    return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
-            for step, name in _retention.committed(store)]
+    return _committed(ObjectStore(url, storage_options=storage_options))
 
 
 def latest(url: str, *, storage_options: dict | None = None) -> CheckpointInfo | None:
     """The newest committed checkpoint under ``url``, or ``None``. Not collective."""
-    found = list_checkpoints(url, storage_options=storage_options)
-    return found[-1] if found else None
+    return next(reversed(list_checkpoints(url, storage_options=storage_options)), None)
 
 
 __all__ = ["CheckpointCorruptError", "CheckpointInfo", "CheckpointSaveError", "Checkpointer", "SaveHandle",

@@ -25,16 +25,16 @@ while it exists.
 from __future__ import annotations
 
 import io
-import threading
 from typing import Any
 
 import torch
 
-from multidc.plugins._checkpoint_comm import Comm
-from multidc.plugins._checkpoint_format import COMMIT, decode_commit
-from multidc.plugins._checkpoint_planner import SafeRebuildLoadPlanner, StripedSavePlanner, safe_load_bytes
-from multidc.plugins._checkpoint_retention import claim_folder, remove_replaced
-from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, byte_view, stage, upload
+from multidc.plugins._checkpoint_comm import THIS_PROCESS
+from multidc.plugins._checkpoint_format import COMMIT, decode_commit, parse_step
+from multidc.plugins._checkpoint_planner import safe_load_bytes
+from multidc.plugins._checkpoint_retention import committed, delete_committed
+from multidc.plugins._checkpoint_storage import byte_view
+from multidc.plugins.checkpoint import Checkpointer
 from multidc.plugins.object_store import ObjectStore, RetryPolicy
 
 try:
@@ -61,72 +61,41 @@ class ObjectStoreCheckpointIO(CheckpointIO):
                  retry: RetryPolicy | None = None, part_size_mb: float = 16) -> None:
         self.storage_options, self.async_save = storage_options, async_save
         self.retry, self.part_size_mb = retry, part_size_mb
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._pending: Checkpointer | None = None  # the one whose async save may still be uploading
 
-    def _split(self, path) -> tuple[ObjectStore, str]:
+    def _checkpointer(self, path) -> tuple[Checkpointer, str]:
+        """A Checkpointer of this process alone (Lightning calls a CheckpointIO on rank 0 only) over the folder
+        holding ``path``, and ``path``'s name in it."""
         text = str(path).rstrip("/").removesuffix(f"/{COMMIT}")  # "last" resolves to the commit record
         root, _, name = text.rpartition("/")
         if not name:
             raise ValueError(f"checkpoint path {text!r} has no file name.")
-        store = ObjectStore(root or ".", storage_options=self.storage_options, retry=self.retry,
-                            part_size_mb=self.part_size_mb)
-        return store, name
+        ckpt = Checkpointer(root or ".", process_group=THIS_PROCESS, storage_options=self.storage_options,
+                            retry=self.retry, part_size_mb=self.part_size_mb, async_save=self.async_save)
+        return ckpt, name
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("ObjectStoreCheckpointIO takes storage options in its constructor, not per save.")
         self.wait()
-        store, name = self._split(path)
-        store.check_access()
-        if store.fs.isfile(store.path(name)):
-            store.delete(name)  # a single-file checkpoint in another format: the folder cannot coexist with it
-        tag = claim_folder(store, name)  # a committed checkpoint here stays loadable until the new one commits
+        ckpt, name = self._checkpointer(path)
         skeleton, tensors = _split_tensors(checkpoint)
-        state = {"skeleton": skeleton, "tensors": tensors}
-        planner = StripedSavePlanner()
-        writer = ObjectStoreWriter(store, name, step=int(checkpoint.get("global_step", 0) or 0), shard_tag=tag)
-        planner.set_up_planner(state, is_coordinator=True)
-        writer.set_up_storage_writer(True)
-        plan = Comm(None, 0, 1).plan(writer.prepare_local_plan(planner.create_local_plan()),
-                                     lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
-        staged = stage(planner.finish_plan(plan), planner, plan.storage_data)
-
-        def finish() -> None:
-            results = upload(staged, store, name)
-            writer.finish(planner.metadata, [results])
-            remove_replaced(store, name, {r.storage_data.file for r in results})  # logs, never raises
-
-        if not self.async_save:
-            return finish()
-        self._thread = threading.Thread(target=self._run, args=(finish,), name=f"multidc-ckptio-{name}", daemon=True)
-        self._thread.start()
-        return None
-
-    def _run(self, fn) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-            self._error = exc
+        step = int(checkpoint.get("global_step", 0) or 0)
+        ckpt._save_folder({"skeleton": skeleton, "tensors": tensors}, name, step=step)
+        self._pending = ckpt if self.async_save else None
 
     def wait(self) -> None:
         """Wait for the background upload, raising its error."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.close()
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
         self.wait()
-        store, name = self._split(path)
-        commit = decode_commit(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+        ckpt, name = self._checkpointer(path)
         trusted = weights_only is False
-        planner = SafeRebuildLoadPlanner(trusted=trusted)
-        Comm(None, 0, 1).dcp_load({}, ObjectStoreReader(store, name, commit), planner)
-        state = planner.original_state_dict  # the planner rebuilt the saved structure from the commit record
+        state = ckpt._load_folder(name, trusted=trusted)
         blob = io.BytesIO(bytes(byte_view(state["skeleton"].contiguous())))
         skeleton = torch.load(blob, weights_only=False) if trusted else safe_load_bytes(blob)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
@@ -134,20 +103,15 @@ class ObjectStoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         self.wait()
-        store, name = self._split(path)
-        store.delete(f"{name}/{COMMIT}")  # first: a half-deleted checkpoint never looks committed
-        store.delete_tree(name)
+        ckpt, name = self._checkpointer(path)
+        delete_committed(ckpt.store, name)
 
     def teardown(self) -> None:
         self.wait()
 
     def find_last(self, dirpath) -> set[str]:
-        """The ``COMMIT.json`` of the newest committed checkpoint under ``dirpath`` (commit time, then step), as a
-        one-element set, or an empty set. Half-written checkpoints have no ``COMMIT.json``."""
-        directory = ObjectStore(dirpath, storage_options=self.storage_options, retry=self.retry)
-        keys = [f"{name}/{COMMIT}" for name in directory.list_dirs() if directory.exists(f"{name}/{COMMIT}")]
-        newest = newest_commit(directory, keys, lambda key: decode_commit(directory.get(key), key).step)
-        return {f"{directory.url}/{newest}"} if newest else set()
+        """See :func:`find_last`."""
+        return find_last(dirpath, storage_options=self.storage_options, retry=self.retry, step_folders=False)
 
 
 def _split_tensors(obj) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -186,14 +150,33 @@ def _join_tensors(skeleton, tensors: dict[str, torch.Tensor], device):
     return walk(skeleton)
 
 
-def newest_commit(store: ObjectStore, keys: list[str], step_of) -> str | None:
-    """Of commit record keys under ``store``, the newest commit; ties (S3 stamps have 1 s resolution) go to the
-    highest ``step_of(key)``. ``None`` without keys."""
+def find_last(dirpath, *, storage_options: dict | None = None, retry: RetryPolicy | None = None,
+              step_folders: bool) -> set[str]:
+    """The commit record URL of the newest committed checkpoint under ``dirpath`` as a one-element set, or an empty
+    set (what ``ModelCheckpoint._find_last_checkpoints`` returns). Newest: the latest commit, then (S3 stamps have
+    1 s resolution) the highest step. Half-written checkpoints have no commit record. Not collective.
+
+    ``step_folders``: each Lightning path is a Checkpointer root of step folders (the multidc strategies; then
+    ``dirpath`` itself may be one too), not one checkpoint folder (``ObjectStoreCheckpointIO``).
+    """
+    directory = ObjectStore(dirpath, storage_options=storage_options, retry=retry)
+    if step_folders:
+        roots = ["", *(f"{name}/" for name in directory.list_dirs())]
+        keys = [f"{root}{name}/{COMMIT}" for root in roots for _, name in
+                committed(ObjectStore(f"{directory.url}/{root}", storage_options=storage_options, retry=retry))]
+    else:
+        keys = [f"{name}/{COMMIT}" for name in directory.list_dirs() if directory.exists(f"{name}/{COMMIT}")]
     if not keys:
-        return None
-    stamps = {key: store.fs.modified(store.path(key)) for key in keys}
-    newest = max(stamps.values())
-    return max((key for key in keys if stamps[key] == newest), key=step_of)
+        return set()
+    stamps = {key: directory.fs.modified(directory.path(key)) for key in keys}
+    newest = [key for key in keys if stamps[key] == max(stamps.values())]
+    return {f"{directory.url}/{max(newest, key=lambda key: _step(directory, key))}"}
+
+
+def _step(directory: ObjectStore, key: str) -> int:
+    """The step of the checkpoint whose commit record is ``key``: its folder's name says it, or its record does."""
+    step = parse_step(key.split("/")[-2])
+    return step if step is not None else decode_commit(directory.get(key), directory.where(key)).step
 
 
 def _checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:

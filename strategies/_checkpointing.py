@@ -30,14 +30,13 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
+from multidc.plugins import Checkpointer, RNGState, SaveHandle
 from multidc.plugins._checkpoint_format import COMMIT, parse_step
+from multidc.plugins._checkpoint_retention import clear_file, delete_committed
 from multidc.plugins._checkpoint_state import load_optimizer_state_dict
 from multidc.plugins._checkpoint_state import optimizer_state_dict as _optimizer_state_dict
-from multidc.plugins.object_store import ObjectStore
 
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -47,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
-from multidc.plugins.lightning_checkpoint_io import newest_commit  # noqa: E402  (needs Lightning, checked above)
+from multidc.plugins.lightning_checkpoint_io import find_last  # noqa: E402  (needs Lightning, checked above)
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
@@ -76,10 +75,6 @@ def locate(path) -> tuple[str, str]:
     if root and parse_step(leaf) is not None:
         return root, leaf
     return text, "latest"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class LightningCheckpoints:
@@ -120,7 +115,8 @@ class LightningCheckpoints:
         root = str(path).rstrip("/")
         step = int(checkpoint.get("global_step") or 0)
         ckpt = self._checkpointer(root)
-        ckpt.comm.raise_if_any(_clear_single_file, ckpt)
+        # a single-file checkpoint (another strategy's) at this path goes: a folder cannot coexist with it
+        ckpt.comm.from_rank0(lambda: clear_file(ckpt.store), what=f"preparing {ckpt.url}", error_type=None)
         optimizers = checkpoint.get(_OPTIMIZERS) or []
         state = {_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)},
                  _RNG: RNGState()}
@@ -145,7 +141,7 @@ class LightningCheckpoints:
         self.wait()
         root, which = locate(path)
         ckpt = self._checkpointer(root)
-        ckpt.comm.raise_if_any(_refuse_single_file, ckpt)
+        ckpt.comm.from_rank0(lambda: _refuse_single_file(ckpt), what=f"reading {ckpt.url}", error_type=None)
         header = {_LIGHTNING: b""}
         info = ckpt.load(header, which, trusted=trusted)
         saved = _safe_load(header[_LIGHTNING], trusted, ckpt.store.where(info.name))
@@ -177,20 +173,18 @@ class LightningCheckpoints:
         self._remove_now([root])
 
     def _remove_now(self, roots: list[str]) -> None:
-        for root in roots:
-            ckpt = self._open.pop(root, None)
-            if ckpt is not None:
+        for root in roots:  # collective: every rank removes the same roots in the same order
+            ckpt = self._checkpointer(root)
+            try:
+                ckpt.comm.from_rank0(lambda: delete_committed(ckpt.store), what=f"removing {ckpt.url}",
+                                     error_type=None)
+            finally:
+                del self._open[root]
                 ckpt.close()
-        self._on_rank0(lambda: [_delete_checkpoint(root, self.storage_options) for root in roots])
 
     def find_last(self, dirpath) -> set[str]:
-        """The ``COMMIT.json`` path of the newest committed checkpoint under ``dirpath`` (newest commit time, then
-        highest step), as a one-element set, or an empty set. Not collective."""
-        directory = ObjectStore(dirpath, storage_options=self.storage_options)
-        keys = [f"{sub}{info.name}/{COMMIT}" for sub in ["", *(f"{name}/" for name in directory.list_dirs())]
-                for info in list_checkpoints(f"{directory.url}/{sub}", storage_options=self.storage_options)]
-        newest = newest_commit(directory, keys, lambda key: parse_step(key.split("/")[-2]))
-        return {f"{directory.url}/{newest}"} if newest else set()
+        """See ``multidc.plugins.lightning_checkpoint_io.find_last``."""
+        return find_last(dirpath, storage_options=self.storage_options, step_folders=True)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -220,32 +214,9 @@ class LightningCheckpoints:
             self._open.popitem(last=False)[1].close()
         return ckpt
 
-    def _on_rank0(self, fn) -> None:
-        """Run ``fn`` on rank 0; raise its error on every rank."""
-        error = None
-        if _rank() == 0:
-            try:
-                fn()
-            except Exception as exc:  # shared below, then raised here unchanged
-                error = exc
-        described = [None if error is None else f"{type(error).__name__}: {error}"]
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(described, src=0)
-        described = described[0]
-        if error is not None:
-            raise error
-        if described is not None:
-            raise RuntimeError(f"rank 0 failed to remove a checkpoint: {described}")
-
-
-def _clear_single_file(ckpt: Checkpointer) -> None:
-    """Rank 0: a single-file checkpoint (another strategy's) at this path goes; a folder cannot coexist with it."""
-    if ckpt.comm.rank == 0 and ckpt.store.fs.isfile(ckpt.store.path("")):
-        ckpt.store.delete("")
-
 
 def _refuse_single_file(ckpt: Checkpointer) -> None:
-    if ckpt.comm.rank == 0 and ckpt.store.fs.isfile(ckpt.store.path("")):
+    if ckpt.store.fs.isfile(ckpt.store.path("")):
         raise ValueError(
             f"{ckpt.url} is a single-file Lightning checkpoint; multidc strategies read the directory checkpoints "
             "they write. Load it with the strategy that wrote it, or give HierarchicalDDPStrategy a CheckpointIO "
@@ -261,14 +232,6 @@ def _safe_load(blob: bytes, trusted: bool, where: str) -> dict:
             f"the Lightning state of checkpoint {where} holds objects torch's safe loading refuses ({exc}). If you "
             "trust this store, allow their classes with torch.serialization.add_safe_globals([...])."
         ) from exc
-
-
-def _delete_checkpoint(root: str, storage_options: dict | None) -> None:
-    """Delete a Lightning checkpoint path: commit markers first, so a half-deleted one never looks committed."""
-    store = ObjectStore(root, storage_options=storage_options)
-    for info in list_checkpoints(root, storage_options=storage_options):
-        store.delete(f"{info.name}/{COMMIT}")
-    store.delete_tree("")
 
 
 class CheckpointingMixin:

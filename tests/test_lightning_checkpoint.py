@@ -350,18 +350,18 @@ def test_a_failed_save_over_a_path_leaves_its_previous_checkpoint_loadable(tmp_p
 
 
 def test_checkpoint_io_overwrite_that_fails_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
-    import multidc.plugins.lightning_checkpoint_io as io_module
+    import multidc.plugins.checkpoint as checkpoint_module
     from multidc.plugins import ObjectStoreCheckpointIO
 
     io, path = ObjectStoreCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint(_lightning_dict(4, 1.0), path)
-    real_upload = io_module.upload
-    monkeypatch.setattr(io_module, "upload", _upload_part_then_fail)
-    with pytest.raises(OSError, match="injected upload failure"):
+    real_upload = checkpoint_module.upload  # the IO saves through the Checkpointer
+    monkeypatch.setattr(checkpoint_module, "upload", _upload_part_then_fail)
+    with pytest.raises(CheckpointSaveError, match="OSError: injected upload failure"):
         io.save_checkpoint(_lightning_dict(8, 2.0), path)
     loaded = io.load_checkpoint(path)
     assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.0
-    monkeypatch.setattr(io_module, "upload", real_upload)
+    monkeypatch.setattr(checkpoint_module, "upload", real_upload)
     io.save_checkpoint(_lightning_dict(8, 3.0), path)
     loaded = io.load_checkpoint(path)
     assert loaded["global_step"] == 8 and float(loaded["state_dict"]["w"][0, 0]) == 3.0
