@@ -25,9 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
-from multidc.hierarchical.stats import WanStepMeter
-from multidc.hierarchical.topology import Topology
+from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
 
 try:
     from accelerate import Accelerator
@@ -44,7 +42,7 @@ from multidc.plugins._accelerate_state import StateMixin
 if TYPE_CHECKING:  # multidc.strategies imports Lightning when installed: only the layout code path pays for it
     from multidc.strategies import ParallelLayout, ParallelModel
 
-class MultiDCAccelerator(StateMixin, Accelerator):
+class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     """An ``Accelerator`` that trains across sites: DDP with a hierarchical gradient hook, or a parallel layout.
 
     **Data parallel (default).** ``prepare`` / ``prepare_model`` attach ``multidc.hierarchical.register_ddp_hook``
@@ -86,6 +84,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         device_mesh: the layout's ``DeviceMesh`` (``None`` for plain data parallelism).
         parallel: the ``ParallelModel`` from ``prepare`` (layout only).
         hook_states: one ``HierarchicalHookState`` per prepared DDP model.
+        gradient_sync: what keeps the topology, the hooks and the WAN meter behind ``wan_metrics``.
 
     Raises:
         ValueError: bad settings, a layout that cannot split the processes (on every rank, during construction,
@@ -110,15 +109,13 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         self.device_mesh = None
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
-        self.hook_states: list[HierarchicalHookState] = []
-        self._wan_meter: WanStepMeter | None = None
-        self.topology: Topology | None = None
+        self.gradient_sync = GradientSync(plugin.wan)
         self._build_layout() if plugin.layout is not None else self._build_topology()
 
     def _build_topology(self) -> None:
         plugin = self.multidc_plugin
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.topology = Topology.build(num_sites=plugin.num_sites, site=plugin.site, wan=plugin.wan)
+            self.gradient_sync.build_topology(num_sites=plugin.num_sites, site=plugin.site)
             return
         if plugin.num_sites not in (None, 1):
             raise ValueError(
@@ -182,9 +179,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
             pipeline=plugin.pipeline, wan=plugin.wan, device=self.device,
         )
         model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
-        self.topology = self.parallel.topology
-        if self.topology is not None:
-            self._wan_meter = WanStepMeter(self.topology.wan_stats, [])
+        self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -193,10 +188,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         ddp_model = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps the DDP module
         if isinstance(ddp_model, DistributedDataParallel):
             assert self.topology is not None, "a DDP model implies a multi-process run, which built a topology"
-            self.hook_states.append(register_ddp_hook(ddp_model, self.topology, wan=self.multidc_plugin.wan))
-            if self._wan_meter is None:
-                self._wan_meter = WanStepMeter(self.topology.wan_stats, [])
-            self._wan_meter.watch(ddp_model.parameters())
+            self.gradient_sync.attach_ddp(ddp_model)
         elif self.topology is not None and self.topology.num_sites > 1 and not evaluation_mode:
             if any(p.requires_grad for p in prepared.parameters()):
                 raise ValueError(
@@ -231,8 +223,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         super().backward(loss, **kwargs)
-        if self._wan_meter is not None:
-            self._wan_meter.backward_done()
+        self.gradient_sync.backward_done()
 
     def pipeline_step(self, model, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one batch, for every layout. Every rank must call it.
@@ -249,8 +240,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
             self.backward(loss)
             return loss.detach()
         loss = self.parallel.pipeline.step(inputs, targets, loss_fn)
-        if self._wan_meter is not None:
-            self._wan_meter.backward_done()
+        self.gradient_sync.backward_done()
         return loss
 
     def pipeline_eval_step(self, model, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable):
@@ -287,20 +277,11 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         ``sync_gradients``) and pass to ``accelerator.log``. Keys: ``wan/bytes_sent`` (bytes), ``wan/comm_s``,
         ``wan/MBps``, ``wan/wait_s`` (see ``multidc.hierarchical.stats.WanStepMeter``; with a layout the FSDP
         reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared."""
-        if self._wan_meter is None:
-            return {}
-        metrics = self._wan_meter.take()
-        if self.parallel is not None:
-            metrics["wan/wait_s"] = metrics["wan/comm_s"]
-        return metrics
+        return self.gradient_sync.metrics()
 
     def end_training(self) -> None:
-        if self._wan_meter is not None:
-            self._wan_meter.close()
-            self._wan_meter = None
         try:
             self._close_checkpointers()  # waits for an async save_state and raises its error
         finally:
-            if self.topology is not None:
-                self.topology.close()  # before Accelerate destroys the process group
+            self.gradient_sync.close()  # the topology's worker, before Accelerate destroys the process group
             super().end_training()

@@ -23,8 +23,7 @@ from multidc.strategies.parallelize import (
 from multidc.strategies.pipeline import Pipeline, PipelineConfig, split_blocks
 from multidc.strategies.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 
-# Public names that need Lightning -> the module defining them. Those modules register their strategy names
-# when imported, so they are imported eagerly whenever Lightning is installed.
+# Public names that need Lightning -> the module defining them (without Lightning, __getattr__ raises its error).
 _LIGHTNING_EXPORTS = {
     "HierarchicalDDPStrategy": "multidc.strategies.hierarchical_ddp",
     "HierarchicalDDPFabricStrategy": "multidc.strategies.hierarchical_ddp",
@@ -60,5 +59,6 @@ def __getattr__(name: str):
 
 
 if importlib.util.find_spec("lightning") is not None:
-    for _module in dict.fromkeys(_LIGHTNING_EXPORTS.values()):
-        importlib.import_module(_module)
+    from multidc.strategies._registry import register_all
+
+    register_all()  # Trainer(strategy="hierarchical_ddp") etc. work once multidc.strategies is imported

@@ -2,8 +2,9 @@
 across sites over the WAN (chunked, optionally compressed), via ``multidc.hierarchical.register_ddp_hook``.
 
 Importing ``multidc.strategies`` registers ``"hierarchical_ddp"`` and ``"hierarchical_ddp_spawn"`` with
-Lightning's ``StrategyRegistry`` (Trainer) and Fabric's ``STRATEGY_REGISTRY``; with a string name the site layout
-and WAN settings come from ``MULTIDC_NUM_SITES`` / ``MULTIDC_SITE`` / ``MULTIDC_WAN_*``.
+Lightning's ``StrategyRegistry`` (Trainer) and Fabric's ``STRATEGY_REGISTRY`` (see ``multidc.strategies._registry``);
+with a string name the site layout and WAN settings come from ``MULTIDC_NUM_SITES`` / ``MULTIDC_SITE`` /
+``MULTIDC_WAN_*``.
 """
 
 from __future__ import annotations
@@ -14,41 +15,38 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
+from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
-from multidc.hierarchical.stats import WanStepMeter
-from multidc.hierarchical.topology import Topology
 
 try:
     import lightning.pytorch as pl
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
     from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.strategies import DDPStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
+from multidc.strategies._registry import register as _register
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 # DDPStrategy arguments that would install a second comm hook; DDP accepts only one per model.
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class _HierarchicalSync:
-    """The framework-agnostic part both strategies share: settings, topology, hook and WAN meter."""
+class _HierarchicalSync(HasGradientSync):
+    """What both strategies share: the site settings; the WAN work itself is a ``GradientSync``."""
 
     def _init_sites(self, num_sites: int | None, site: int | str | None, wan: WanConfig | None) -> None:
         self.num_sites = _resolve_num_sites(num_sites)
         self.site = site
-        if wan is not None and not isinstance(wan, WanConfig):
-            raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
-        self.wan = wan if wan is not None else WanConfig()
-        self.topology: Topology | None = None
-        self.hook_states: list[HierarchicalHookState] = []
-        self.wan_meter: WanStepMeter | None = None
+        self.gradient_sync = GradientSync(wan)
+
+    @property
+    def wan(self) -> WanConfig:
+        """The WAN settings (``wan=``, default ``WanConfig()``, env ``MULTIDC_WAN_*``)."""
+        return self.gradient_sync.wan
 
     def _check_site_split(self, world_size: int) -> None:
         # Fails in the launching process, before any rank starts, for the one layout known there: contiguous
@@ -62,28 +60,18 @@ class _HierarchicalSync:
                 f"set {_env.SITE} on each node for unequal sites."
             )
 
-    def _build_topology(self) -> None:
-        if self.topology is None:  # collective; every rank reaches it in setup_environment
-            self.topology = Topology.build(num_sites=self.num_sites, site=self.site, wan=self.wan)
+    def _configure_launcher(self) -> None:
+        self._check_site_split(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
 
-    def _attach(self, ddp_model: DistributedDataParallel) -> None:
-        assert self.topology is not None, "the topology is built in setup_environment, before the model"
-        self.hook_states.append(register_ddp_hook(ddp_model, self.topology, wan=self.wan))
-        if self.wan_meter is None:
-            self.wan_meter = WanStepMeter(self.topology.wan_stats, [])
-        self.wan_meter.watch(ddp_model.parameters())
+    def _build_topology(self) -> None:
+        # collective; every rank reaches it in setup_environment
+        self.gradient_sync.build_topology(num_sites=self.num_sites, site=self.site)
 
     def wan_metrics(self) -> dict[str, float]:
         """WAN figures since the previous call (see ``multidc.hierarchical.stats.WanStepMeter``); ``{}`` before
         a model is set up. Keys: ``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``."""
-        return self.wan_meter.take() if self.wan_meter is not None else {}
-
-    def _close(self) -> None:
-        if self.wan_meter is not None:
-            self.wan_meter.close()
-            self.wan_meter = None
-        if self.topology is not None:
-            self.topology.close()  # the worker thread; groups stay valid and the next fit reuses them
+        return self.gradient_sync.metrics()
 
 
 class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy):
@@ -147,10 +135,6 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
         self._checkpoint_io = io
         self._user_checkpoint_io = io is not None
 
-    def _configure_launcher(self) -> None:
-        self._check_site_split(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self._build_topology()
@@ -158,27 +142,20 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
     def _register_ddp_hooks(self) -> None:
         # Lightning registers user comm hooks on CUDA only; the hierarchical hook runs on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        self._attach(self.model)
+        self.gradient_sync.attach_ddp(self.model)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and not any(
-            isinstance(c, WanMetricsCallback) for c in trainer.callbacks
-        ):
-            # First, so its on_after_backward runs right after backward returns (see WanStepMeter.wait_s).
-            trainer.callbacks.insert(0, WanMetricsCallback(self))
+        WanMetricsCallback.add_to(trainer, self)
 
     def teardown(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WanMetricsCallback)]
-        self._close()
+        WanMetricsCallback.remove_from(self.lightning_module)
+        self.gradient_sync.close()  # the worker thread; groups stay valid and the next fit reuses them
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
-            _register(strategy_registry, name, cls, start_method)
+        _register_ddp_names(strategy_registry, cls)
 
 
 class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
@@ -199,32 +176,26 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan)
 
-    def _configure_launcher(self) -> None:
-        self._check_site_split(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
         self._build_topology()
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp_model = super().setup_module(module)
-        self._attach(ddp_model)
+        self.gradient_sync.attach_ddp(ddp_model)
         return ddp_model
 
     def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
-        if self.wan_meter is not None:
-            self.wan_meter.backward_done()
+        self.gradient_sync.backward_done()
 
     def teardown(self) -> None:
-        self._close()
+        self.gradient_sync.close()
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
-            _register(strategy_registry, name, cls, start_method)
+        _register_ddp_names(strategy_registry, cls)
 
 
 def _resolve_num_sites(num_sites: int | None) -> int | None:
@@ -246,26 +217,7 @@ def _reject_hook_args(ddp_kwargs: dict) -> None:
         )
 
 
-def _register(registry, name: str, cls: type, start_method: str) -> None:
-    """Register ``cls`` under ``name``; idempotent (re-import, module reload), but never steals a name."""
-    current = registry[name]["strategy"] if name in registry else None
-    if current is not None and _qualified(current) != _qualified(cls):
-        raise RuntimeError(
-            f"strategy name {name!r} is already registered to {_qualified(current)}; multidc cannot register "
-            f"{_qualified(cls)} under it. Remove the other registration or pass a strategy instance."
-        )
-    registry.register(
-        name,
-        cls,
-        description=f"multidc hierarchical (site-first, then WAN) DDP with start_method={start_method!r}",
-        override=True,
-        start_method=start_method,
-    )
-
-
-def _qualified(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-HierarchicalDDPStrategy.register_strategies(StrategyRegistry)
-HierarchicalDDPFabricStrategy.register_strategies(_FABRIC_REGISTRY)
+def _register_ddp_names(registry, cls: type) -> None:
+    for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
+        description = f"multidc hierarchical (site-first, then WAN) DDP with start_method={start_method!r}"
+        _register(registry, name, cls, description=description, start_method=start_method)

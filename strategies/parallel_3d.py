@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from multidc.hierarchical import WanConfig, _env
-from multidc.hierarchical.stats import WanStepMeter
+from multidc.hierarchical._gradient_sync import GradientSync
 from multidc.strategies.data_parallel import fsdp_mesh_crosses_sites
 from multidc.strategies.layout import ParallelLayout, submesh
 from multidc.strategies.parallelize import ParallelModel, layout_of, parallelize
@@ -44,7 +44,7 @@ try:
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.utilities.init import _materialize_distributed_module
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
-    from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+    from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
+from multidc.strategies._registry import register
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 
@@ -115,16 +116,18 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             schedule=pipeline_schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
             split_points=split_points,
         )
-        if wan is not None and not isinstance(wan, WanConfig):
-            raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
-        self.wan = wan if wan is not None else WanConfig()
+        self.gradient_sync = GradientSync(wan)  # the replicas' topology is the layout's: adopted at setup
         self.parallel: ParallelModel | None = None
-        self.wan_meter: WanStepMeter | None = None
         self._parked_grads: list | None = None
         self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
 
     def _sharded_checkpoints(self) -> bool:
         return self._save_distributed_checkpoint
+
+    @property
+    def wan(self) -> WanConfig:
+        """The cross-site reduction settings (``wan=``, default ``WanConfig()``, env ``MULTIDC_WAN_*``)."""
+        return self.gradient_sync.wan
 
     @property
     def topology(self):
@@ -194,15 +197,10 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         # Lightning has no strategy hook for clipping: the precision plugin clips with torch's per-process
         # clip_grad_norm_, which cannot see other stages' and shards' gradients. Route it to the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.gradient_sync.adopt(self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._add_wan_metrics(trainer)
-
-    def _add_wan_metrics(self, trainer: pl.Trainer) -> None:
-        if self.topology is None or any(isinstance(c, WanMetricsCallback) for c in trainer.callbacks):
-            return
-        self.wan_meter = WanStepMeter(self.topology.wan_stats, [])
-        trainer.callbacks.insert(0, WanMetricsCallback(self))
+            WanMetricsCallback.add_to(trainer, self)
 
     def wan_metrics(self) -> dict[str, float]:
         """WAN figures since the previous call (``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``).
@@ -210,11 +208,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         The FSDP hook runs the replica reduction inside backward and backward waits for it, so ``wan/wait_s``
         equals ``wan/comm_s``.
         """
-        if self.wan_meter is None:
-            return {}
-        metrics = self.wan_meter.take()
-        metrics["wan/wait_s"] = metrics["wan/comm_s"]
-        return metrics
+        return self.gradient_sync.metrics()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -275,24 +269,11 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         clip_grad_norm_(params, clip_val, self.device_mesh)
 
     def teardown(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WanMetricsCallback)]
-        if self.topology is not None:
-            self.topology.close()
+        WanMetricsCallback.remove_from(self.lightning_module)
+        self.gradient_sync.close()
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        current = strategy_registry[cls.strategy_name]["strategy"] if cls.strategy_name in strategy_registry else None
-        if current is not None and f"{current.__module__}.{current.__qualname__}" != f"{__name__}.{cls.__qualname__}":
-            raise RuntimeError(
-                f"strategy name {cls.strategy_name!r} is already registered to {current!r}; multidc cannot register "
-                f"its Parallel3DStrategy under it. Pass a Parallel3DStrategy(...) instance instead."
-            )
-        strategy_registry.register(
-            cls.strategy_name, cls, description="multidc site x FSDP2 x pipeline x tensor parallelism", override=True
-        )
-
-
-Parallel3DStrategy.register_strategies(StrategyRegistry)
+        register(strategy_registry, cls.strategy_name, cls,
+                 description="multidc site x FSDP2 x pipeline x tensor parallelism")

@@ -1,0 +1,106 @@
+"""``GradientSync``: what a training front-end keeps for the cross-site gradient reduction of one job.
+
+The Lightning and Fabric strategies and the Accelerate accelerator drive the same steps; they are written here once,
+without any framework import, so ``multidc.strategies`` and ``multidc.plugins`` both use them:
+
+1. ``build_topology`` (collective, once the process group exists), or ``adopt`` the topology a parallel layout
+   built (its FSDP hook reduces the replicas inside backward);
+2. ``attach_ddp`` for every DDP model: the hierarchical comm hook, and the gradients the step meter times;
+3. every step: ``backward_done()`` right after backward returns, ``metrics()`` once per optimizer step;
+4. ``close()`` when training ends: the meter's gradient hooks and the topology's worker thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.stats import WanStepMeter
+from multidc.hierarchical.topology import Topology
+
+
+class GradientSync:
+    """The topology, the DDP hooks and the per-step WAN figures of one training job.
+
+    Args:
+        wan: WAN settings for the topology and the hooks; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+
+    Raises:
+        ValueError: ``wan`` is not a ``WanConfig``.
+    """
+
+    def __init__(self, wan: WanConfig | None = None) -> None:
+        if wan is not None and not isinstance(wan, WanConfig):
+            raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
+        self.wan = wan if wan is not None else WanConfig()
+        self.topology: Topology | None = None
+        self.hook_states: list[HierarchicalHookState] = []
+        self.meter: WanStepMeter | None = None
+        self._reduced_in_backward = False
+
+    def build_topology(self, *, num_sites: int | None = None, site: int | str | None = None) -> Topology:
+        """The job's topology over the default group, built on the first call (collective: every rank calls it)
+        and kept for later fits (``close`` stops only its worker thread)."""
+        if self.topology is None:
+            self.topology = Topology.build(num_sites=num_sites, site=site, wan=self.wan)
+        return self.topology
+
+    def adopt(self, topology: Topology | None) -> None:
+        """Meter ``topology``, whose replicas a parallel layout's FSDP hook reduces inside backward; ``None``: this
+        rank has no replicas, nothing crosses the WAN."""
+        if topology is None:
+            return
+        self.topology, self._reduced_in_backward = topology, True
+        if self.meter is None:
+            self.meter = WanStepMeter(topology.wan_stats, [])
+
+    def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> HierarchicalHookState:
+        """Send ``ddp_model``'s gradient buckets through the hierarchical all-reduce and time its gradients. Call
+        after ``build_topology``, before the first backward, on every rank."""
+        assert self.topology is not None, "build_topology() comes first: the hook needs the topology"
+        state = register_ddp_hook(ddp_model, self.topology, wan=self.wan)
+        self.hook_states.append(state)
+        if self.meter is None:
+            self.meter = WanStepMeter(self.topology.wan_stats, [])
+        self.meter.watch(ddp_model.parameters())
+        return state
+
+    def backward_done(self) -> None:
+        """Call right after backward returns (see ``WanStepMeter.backward_done``)."""
+        if self.meter is not None:
+            self.meter.backward_done()
+
+    def metrics(self) -> dict[str, float]:
+        """WAN figures since the previous call; call once per optimizer step. Keys ``wan/bytes_sent`` (bytes),
+        ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s`` (see ``WanStepMeter``); ``{}`` before a model is attached."""
+        if self.meter is None:
+            return {}
+        metrics = self.meter.take()
+        if self._reduced_in_backward:  # backward waits for all of it: none of the reduction overlaps compute
+            metrics["wan/wait_s"] = metrics["wan/comm_s"]
+        return metrics
+
+    def close(self) -> None:
+        """Remove the meter's gradient hooks and stop the topology's worker thread (its groups stay usable)."""
+        if self.meter is not None:
+            self.meter.close()
+            self.meter = None
+        if self.topology is not None:
+            self.topology.close()
+
+
+class HasGradientSync:
+    """Mixed into a front-end that keeps its ``GradientSync`` as ``gradient_sync``: what users read off it."""
+
+    gradient_sync: GradientSync
+
+    @property
+    def topology(self) -> Topology | None:
+        """The job's topology (WAN counters in ``topology.wan_stats``); ``None`` before it is built."""
+        return self.gradient_sync.topology
+
+    @property
+    def hook_states(self) -> list[HierarchicalHookState]:
+        """One hook state per DDP model (their int8 error-feedback ``residuals`` are inspectable)."""
+        return self.gradient_sync.hook_states
