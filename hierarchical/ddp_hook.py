@@ -6,7 +6,8 @@
 import torch
 import torch.distributed as dist
 
-from multidc.hierarchical.all_reduce import _check, residual_numel, submit
+from multidc.hierarchical._error_feedback import ErrorFeedback
+from multidc.hierarchical.all_reduce import _check, submit
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.topology import Topology
 
@@ -22,23 +23,17 @@ class HierarchicalHookState:
         self.topology = topology
         self.wan = wan
         self.error_feedback = error_feedback
-        self.residuals: dict[int, torch.Tensor] = {}
-        self._bucket_params: dict[int, tuple[int, ...]] = {}
+        self._feedback = ErrorFeedback(topology, wan)
+        self.residuals: dict[int, torch.Tensor] = self._feedback.residuals
 
     def _residual(self, bucket: dist.GradBucket) -> torch.Tensor | None:
         """This rank's float32 error-feedback buffer for ``bucket``, zeroed when the bucket is new or changed."""
         if not self.error_feedback:
             return None
-        index, buffer = bucket.index(), bucket.buffer()
         # DDP rebuilds its buckets after the first step (in gradient-ready order): the same index can then
         # hold other parameters, even at the same size, and an old residual would land on the wrong elements.
         params = tuple(id(p) for p in bucket.parameters())
-        numel = residual_numel(buffer.numel(), buffer.element_size(), self.topology, self.wan)
-        current = self.residuals.get(index)
-        if current is None or current.numel() != numel or self._bucket_params.get(index) != params:
-            current = self.residuals[index] = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
-            self._bucket_params[index] = params
-        return current
+        return self._feedback.residual(bucket.index(), bucket.buffer(), owners=params)
 
 
 def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

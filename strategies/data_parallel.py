@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
-from multidc.hierarchical.all_reduce import residual_numel, submit
+from multidc.hierarchical._error_feedback import ErrorFeedback
+from multidc.hierarchical.all_reduce import submit
 from multidc.strategies.layout import submesh
 
 
@@ -132,26 +133,16 @@ def apply_data_parallel(
 
 
 class _ReplicaReduction:
-    """What the FSDP hooks of one model share: topology, WAN settings, per-unit error-feedback residuals.
-
-    With error feedback (int8), each unit keeps what WAN compression dropped from the shards this rank sent and
-    adds it back next step, so the compression error does not accumulate.
-    """
+    """What the FSDP hooks of one model share: topology, WAN settings and, with error feedback (int8), one
+    residual per FSDP unit (see ``multidc.hierarchical._error_feedback``)."""
 
     def __init__(self, topology: Topology, wan: WanConfig, error_feedback: bool) -> None:
         self.topology = topology
         self.wan = wan
-        self.error_feedback = error_feedback
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.feedback = ErrorFeedback(topology, wan) if error_feedback else None
 
     def residual(self, index: int, values: torch.Tensor) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        numel = residual_numel(values.numel(), values.element_size(), self.topology, self.wan)
-        current = self.residuals.get(index)
-        if current is None or current.numel() != numel:
-            current = self.residuals[index] = torch.zeros(numel, dtype=torch.float32, device=values.device)
-        return current
+        return self.feedback.residual(index, values) if self.feedback is not None else None
 
 
 def _reduce_replicas(state: _ReplicaReduction, index: int, reduce_output: torch.Tensor) -> None:
