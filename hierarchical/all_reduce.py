@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -88,12 +89,6 @@ def submit(
     return future.then(_value)
 
 
-def reduce_and_wait(tensor: torch.Tensor, topology: Topology, wan: WanConfig, *, op: str,
-                    residual: torch.Tensor | None = None) -> None:
-    """``submit`` and wait, for Python callers (FSDP hooks): a failure raises the ``WanError`` itself."""
-    topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual)).wait()
-
-
 def _value(future: torch.futures.Future):
     return future.value()  # re-raises the job's exception inside ``then``: the chained future gets an error
 
@@ -139,6 +134,24 @@ def _all_reduce(tensor, topology, wan, op, residual):
     return tensor
 
 
+@dataclass
+class _ChunkState:
+    """Where one chunk is in the pipeline. Works are waited for (and cleared) before the next stage starts."""
+
+    buffer: torch.Tensor
+    """The chunk (a zero-padded copy when it does not split evenly into shards); holds the result at the end."""
+    shard: torch.Tensor | None
+    """This rank's shard of ``buffer`` after the site reduction; ``None`` off the rails (unequal sites)."""
+    works: list = field(default_factory=list)
+    """Pending intra-site operations: the reduction, later the all-gather / broadcast of the result."""
+    wan: dist.Work | None = None
+    """The pending inter-site operation of ``shard``."""
+    values: torch.Tensor | None = None
+    """With compression: the float32 shard (plus residual) that was encoded."""
+    gathered: torch.Tensor | None = None
+    """With compression: every site's encoded shard, one row per site."""
+
+
 class _Pipeline:
     """One hierarchical all-reduce of a flat tensor. Issues operations in a fixed order on every rank."""
 
@@ -160,7 +173,7 @@ class _Pipeline:
         self.residual_offsets = offsets
         intra = topology.intra_group
         self.leaders = [dist.get_global_rank(intra, r) for r in range(topology.num_rails)]
-        self.state: list[dict] = [{} for _ in self.chunks]
+        self.state: list[_ChunkState] = []  # chunk i's, once _reduce_in_site(i) started it
         # Rows of a rail all-gather follow the rail group's rank order, which torch sorts by global rank: not
         # the site order when a higher site index holds lower ranks (MULTIDC_SITE=1 on the first machine).
         self.own_row = dist.get_group_rank(topology.rail_groups[0], dist.get_rank()) if topology.rail_groups else None
@@ -184,24 +197,24 @@ class _Pipeline:
             self._finish_wan(finished)
             finished += 1
         state = self.state[i]
-        self._wait_in_site(state.pop("works"), i, "reduce")
+        self._wait_in_site(state, i, "reduce")
         if self.topo.rail is None:
             return finished
-        shard = state["shard"]
+        shard = state.shard
         group = self.topo.rail_groups[i % self.streams]
         if self.codec is None:
-            state["wan"] = dist.all_reduce(shard, group=group, async_op=True)
+            state.wan = dist.all_reduce(shard, group=group, async_op=True)
             ring = shard.numel() * shard.element_size() * 2 * (self.topo.num_sites - 1) // self.topo.num_sites
             self.topo.wan_stats.add(sent=ring, received=ring)
             return finished
         values = shard.to(torch.float32, copy=True)
         if self.residual is not None:
             values += self._residual_slice(i)
-        state["values"] = values
+        state.values = values
         wire = self.codec.encode(values)
         gathered = wire.new_empty(self.topo.num_sites * wire.numel())  # gloo wants a flat output
-        state["gathered"] = gathered.view(self.topo.num_sites, wire.numel())
-        state["wan"] = _compat.all_gather_single(gathered, wire, group=group, async_op=True)
+        state.gathered = gathered.view(self.topo.num_sites, wire.numel())
+        state.wan = _compat.all_gather_single(gathered, wire, group=group, async_op=True)
         moved = wire.numel() * wire.element_size() * (self.topo.num_sites - 1)
         self.topo.wan_stats.add(sent=moved, received=moved)
         return finished
@@ -209,48 +222,47 @@ class _Pipeline:
     def _finish_wan(self, i: int) -> None:
         state = self.state[i]
         chunk = self.chunks[i]
-        if "wan" in state:
-            self._wait_wan(state.pop("wan"), i)
-        if "gathered" in state:
-            gathered, values = state.pop("gathered"), state.pop("values")
+        if state.wan is not None:
+            self._wait_wan(state.wan, i)
+            state.wan = None
+        if state.gathered is not None:
+            gathered, values, state.gathered, state.values = state.gathered, state.values, None, None
             if self.residual is not None:
                 own = self.codec.decode(gathered[self.own_row], chunk.shard_numel)
                 residual = torch.sub(values, own, out=self._residual_slice(i))
                 # An overflowed step (skipped by a GradScaler) must not poison every later step's residual.
                 residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            state["shard"].copy_(self.codec.decode_sum(gathered, chunk.shard_numel))
-        state["works"] = self._gather_in_site(state)
+            state.shard.copy_(self.codec.decode_sum(gathered, chunk.shard_numel))
+        state.works = self._gather_in_site(state)
 
     def _reduce_in_site(self, i: int) -> None:
-        chunk, state = self.chunks[i], self.state[i]
+        chunk = self.chunks[i]
         if not chunk.padded:
             buffer = self.flat[chunk.start : chunk.end]
         else:
             buffer = self.flat.new_zeros(chunk.padded_numel)
             buffer[: chunk.numel].copy_(self.flat[chunk.start : chunk.end])
-        state["buffer"] = buffer
         pieces = buffer.split(chunk.shard_numel)
         topo = self.topo
         if topo.site_size == 1:
-            state["shard"], state["works"] = buffer, []
+            state = _ChunkState(buffer, shard=buffer)
         elif topo.layout.equal_sites:
-            state["shard"] = buffer.new_empty(chunk.shard_numel)
-            state["works"] = [
-                _compat.reduce_scatter_single(state["shard"], buffer, group=topo.intra_group, async_op=True)
-            ]
+            state = _ChunkState(buffer, shard=buffer.new_empty(chunk.shard_numel))
+            state.works = [_compat.reduce_scatter_single(state.shard, buffer, group=topo.intra_group, async_op=True)]
         else:  # unequal sites: only the first num_rails ranks of a site hold a shard
-            state["shard"] = pieces[topo.rail] if topo.rail is not None else None
-            state["works"] = [
+            state = _ChunkState(buffer, shard=pieces[topo.rail] if topo.rail is not None else None)
+            state.works = [
                 dist.reduce(piece, dst=leader, group=topo.intra_group, async_op=True)
                 for piece, leader in zip(pieces, self.leaders)
             ]
+        self.state.append(state)
 
-    def _gather_in_site(self, state: dict) -> list:
-        topo, buffer = self.topo, state["buffer"]
+    def _gather_in_site(self, state: _ChunkState) -> list:
+        topo, buffer = self.topo, state.buffer
         if topo.site_size == 1:
             return []
         if topo.layout.equal_sites:
-            return [_compat.all_gather_single(buffer, state["shard"], group=topo.intra_group, async_op=True)]
+            return [_compat.all_gather_single(buffer, state.shard, group=topo.intra_group, async_op=True)]
         pieces = buffer.split(buffer.numel() // topo.num_rails)
         return [
             dist.broadcast(piece, src=leader, group=topo.intra_group, async_op=True)
@@ -259,9 +271,9 @@ class _Pipeline:
 
     def _finish_in_site(self, i: int, chunk: Chunk) -> None:
         state = self.state[i]
-        self._wait_in_site(state.pop("works"), i, "share")
+        self._wait_in_site(state, i, "share")
         if chunk.padded:
-            self.flat[chunk.start : chunk.end].copy_(state["buffer"][: chunk.numel])
+            self.flat[chunk.start : chunk.end].copy_(state.buffer[: chunk.numel])
 
     def _residual_slice(self, i: int) -> torch.Tensor:
         return self.residual[self.residual_offsets[i] : self.residual_offsets[i + 1]]
@@ -272,7 +284,8 @@ class _Pipeline:
         except RuntimeError as exc:
             raise WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc)) from exc
 
-    def _wait_in_site(self, works: list, i: int, what: str) -> None:
+    def _wait_in_site(self, state: _ChunkState, i: int, what: str) -> None:
+        works, state.works = state.works, []
         for work in works:
             try:
                 work.wait(self.site_timeout)
