@@ -22,10 +22,6 @@ class Codec:
         """Float32 values of one encoded shard of ``numel`` elements."""
         raise NotImplementedError
 
-    def wire_numel(self, numel: int) -> int:
-        """Elements of the wire tensor for a shard of ``numel`` elements."""
-        return numel
-
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise bound on ``|decode(encode(x)) - x|``."""
         raise NotImplementedError
@@ -82,9 +78,6 @@ class Fp16Codec(Codec):
         scale = wire[numel : numel + 2].clone().view(torch.float32)
         return wire[:numel].float() / scale
 
-    def wire_numel(self, numel: int) -> int:
-        return numel + 2
-
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return xf.abs() * 2.0**-11 + 2.0**-25 / _fp16_scale(xf)
@@ -118,9 +111,6 @@ class Int8Codec(Codec):
     def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
         scale = wire[numel : numel + 4].clone().view(torch.float32)
         return wire[:numel].view(torch.int8).float() * scale
-
-    def wire_numel(self, numel: int) -> int:
-        return numel + 4
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         # Half a quantisation step, plus float32 rounding of the division and the product.

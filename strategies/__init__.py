@@ -18,7 +18,6 @@ from multidc.strategies.parallelize import (
     data_parallel_coordinate,
     parallelize,
     prepare_parallel,
-    rebind_optimizer,
 )
 from multidc.strategies.pipeline import Pipeline, PipelineConfig, split_blocks
 from multidc.strategies.tensor_parallel import apply_tensor_parallel, transformer_block_plan
@@ -44,7 +43,6 @@ __all__ += [
     "data_parallel_coordinate",
     "parallelize",
     "prepare_parallel",
-    "rebind_optimizer",
     "replicate_topology",
     "split_blocks",
     "transformer_block_plan",

@@ -265,20 +265,6 @@ def _drop_remote_blocks(model, blocks, names, local_ids, layout, config) -> None
         parent._modules[leaf] = RemoteBlock(stage_of[index], name)
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, names_before: dict[int, str], model: nn.Module) -> None:
-    """Point ``optimizer`` at the parameters ``parallelize`` left in ``model``; drop other stages' parameters.
-
-    Args:
-        optimizer: built over the model's parameters before ``parallelize``, not stepped yet.
-        names_before: ``{id(param): qualified name}`` taken from ``model.named_parameters()`` before.
-        model: the model after ``parallelize``.
-    """
-    _check_fresh(optimizer, names_before)
-    after = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [after[n] for n in (names_before[id(p)] for p in group["params"]) if n in after]
-
-
 def prepare_parallel(
     model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], mesh, **parallelize_kwargs
 ) -> ParallelModel:
