@@ -16,8 +16,10 @@ as one ``torch.save`` blob and read back with ``weights_only=True`` unless Light
 
 Saving a path that holds a committed checkpoint (Lightning overwrites ``last.ckpt``) replaces it in place without
 a moment where neither is loadable: the new shards go up under fresh object names, the new ``COMMIT.json``
-replaces the old one in one atomic write, and only then are the old shards deleted. A save that fails or
-crashes leaves the previous checkpoint at that path loadable (its leftovers go with the next successful save).
+replaces the old one in one atomic write, and only then are the old shards deleted. A save that fails raises
+``CheckpointSaveError`` naming the cause (the engine is :class:`~multidc.plugins.Checkpointer`'s, for this
+process alone); one that fails or crashes leaves the previous checkpoint at that path loadable (its leftovers go
+with the next successful save).
 A plain file at the path (a checkpoint in another format) is deleted first: a folder cannot take its place
 while it exists.
 """
