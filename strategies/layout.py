@@ -163,17 +163,16 @@ class ParallelLayout:
         dist.all_gather_object(claims, (sizes, self._count_sites, _env.read(_env.SITE)))
         _check_sizes_agree(claims)
         names = [c[2] for c in claims]
-        layout = self
-        if self._count_sites and all(n is not None for n in names):
-            layout = replace(self, num_sites=len(set(names)))
+        counted = self._count_sites and all(n is not None for n in names)
         try:
+            layout = replace(self, num_sites=len(set(names))) if counted else self
             resolved = layout.resolve(len(claims))
         except ValueError as exc:
-            if layout is self:
+            if not counted:
                 raise
-            raise ValueError(f"num_sites={layout.num_sites} was counted from the {_env.SITE} names of the ranks "
+            raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
                              f"({sorted(set(names))}), and that layout does not fit: {exc}") from None
-        _check_sites(resolved, names, counted=layout is not self)
+        _check_sites(resolved, names, counted=counted)
         return resolved, names
 
     @property

@@ -9,7 +9,8 @@ tensor-parallel example does, that the data-parallel mesh is 1-D), run unchanged
 
 Every rank writes DIR/weights_rank{r}.pt (full values of its parameters) and DIR/bytes_rank{r}.json: the bytes
 this rank's FSDP all-gathers and reduce-scatters sent to ranks of the other site (sites: ``--sites`` contiguous
-blocks of ranks, also for ModelParallelStrategy, which has none), and what multidc's WAN statistics counted.
+blocks of ranks, also for ModelParallelStrategy, which has none), what multidc's WAN statistics counted, and the
+bytes of this rank's parameter shards.
 Rank 0 writes DIR/run.json (losses).
 """
 
@@ -128,6 +129,7 @@ def main() -> None:
     )
     replicas = trainer.strategy.layout.resolve(args.devices).dp_size if args.strategy == "name" else args.dp
     trainer.fit(module, DataLoader(dataset(replicas), batch_size=ROWS_PER_REPLICA))
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.model.parameters())
     params = module.model.named_parameters()
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in params}
     rank = trainer.global_rank
@@ -135,7 +137,7 @@ def main() -> None:
     topology = getattr(trainer.strategy, "topology", None)
     wan = topology.wan_stats.snapshot()["bytes_sent"] if topology is not None else 0
     with open(os.path.join(args.out, f"bytes_rank{rank}.json"), "w") as f:
-        json.dump({"fsdp_cross_site": meter.bytes, "wan_stats": wan}, f)
+        json.dump({"fsdp_cross_site": meter.bytes, "wan_stats": wan, "param_bytes": local}, f)
     if rank == 0:
         with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
             losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
