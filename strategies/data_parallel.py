@@ -6,6 +6,10 @@ replicas (axes ``site`` x ``dp_replicate``) are then reduced by an FSDP all-redu
 ``multidc.hierarchical``'s chunked, optionally compressed, hierarchical all-reduce on each reduce-scatter output:
 inside the site first, across the WAN once per shard. No flat all-reduce crosses sites.
 
+A module sharded by its own code (Lightning ``ModelParallelStrategy`` style, ``fully_shard(m,
+mesh=mesh["data_parallel"])``) gets the same treatment: inside ``data_parallel_within_sites`` that call shards over
+``"dp_shard"``, and ``add_replica_reduction`` adds the hook afterwards.
+
 Gradient accumulation: ``set_requires_gradient_sync(model, False)`` skips the reduce-scatter and the hook, so a
 non-sync micro-step sends nothing over the WAN.
 """

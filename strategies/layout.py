@@ -13,7 +13,8 @@ Mesh axes, outermost first: ``("site", "pp", "dp_replicate", "dp_shard", "tp")``
 
 Flattened aliases on the same mesh: ``"data_parallel"`` = site x dp_replicate x dp_shard (what a Lightning
 ``ModelParallelStrategy`` ``configure_model`` expects), ``"tensor_parallel"`` = tp, ``"pipeline_parallel"`` = pp,
-``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN).
+``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN). ``data_parallel_size``, when
+given, is that alias's size (as in ``ModelParallelStrategy``): it fixes ``dp_shard`` (or the one inferred size).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``configure_model`` on ``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``, asserting, as Lightning's
 tensor-parallel example does, that the data-parallel mesh is 1-D), run unchanged under any of:
 
-    python tests/_model_parallel_script.py --out DIR      # strategy="parallel_3d": MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
+    python tests/_model_parallel_script.py --out DIR     # "parallel_3d" from MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
     python tests/_model_parallel_script.py --out DIR --strategy model_parallel   # ModelParallelStrategy(dp 2, tp 2)
     python tests/_model_parallel_script.py --out DIR --strategy parallel_3d [--fsdp-across-sites]
                                                           # Parallel3DStrategy(num_sites=2, dp 2, tp 2)
