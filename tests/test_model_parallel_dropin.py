@@ -111,6 +111,35 @@ def test_site_count_from_names_is_checked_against_data_parallel_size_on_every_ra
     assert "data_parallel_size=2" in errors[0], errors
 
 
+def _hooked_units(rank, world):
+    """How many FSDP units get the replica reduction: blocks sharded inside the site (with and without TP) do; a
+    unit sharded over the whole "data_parallel" mesh (FSDP reduces it across sites itself) does not."""
+    from torch.distributed.fsdp import fully_shard
+
+    from multidc.strategies.data_parallel import add_replica_reduction, replicate_topology
+    from multidc.strategies.layout import ParallelLayout, submesh
+    from multidc.strategies.tensor_parallel import apply_tensor_parallel
+    from tests._tiny_models import TinyGPT
+
+    counts = []
+    for sizes, tp in ((dict(num_sites=2, dp_shard=2), False), (dict(num_sites=2, dp_shard=1, tensor_parallel_size=2),
+                                                                True)):
+        mesh = ParallelLayout(**sizes).build_mesh()
+        model = TinyGPT(2)
+        if tp:
+            apply_tensor_parallel(list(model.layers), submesh(mesh, "tensor_parallel"))
+        fully_shard(model.embed, mesh=submesh(mesh, "data_parallel"))  # across sites: FSDP's own flat reduction
+        for block in (*model.layers, model.head):
+            fully_shard(block, mesh=submesh(mesh, "dp_shard"))
+        fully_shard(model, mesh=submesh(mesh, "dp_shard"))
+        counts.append(add_replica_reduction(model, mesh, replicate_topology(mesh)))
+    return counts
+
+
+def test_replica_reduction_goes_to_exactly_the_units_sharded_inside_a_site():
+    assert run_ranks(_hooked_units, 4, timeout=120) == [[3, 3]] * 4  # 2 layers + head; not the embedding
+
+
 # ------------------------------------------------------------------------- a ModelParallelStrategy module, 4 ranks
 
 RUNS = {
