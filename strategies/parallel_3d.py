@@ -67,10 +67,9 @@ from multidc.strategies._wan_metrics import WanMetricsCallback
 _FLAT_WAN_WARNING = (
     "configure_model applied fully_shard over a mesh that spans sites, and {why}: that module's gradients cross "
     "the WAN flat (reduce-scattered over all sites) and its parameters are all-gathered across it in every forward "
-    "and backward. For the "
-    "hierarchical reduction, shard over self.device_mesh['data_parallel'] with fsdp_across_sites=False (the "
-    "default: parameters are then sharded inside each site and reduced across sites once per step), or leave "
-    "data parallelism to Parallel3DStrategy."
+    "and backward. For the hierarchical reduction, shard over self.device_mesh['data_parallel'] with "
+    "fsdp_across_sites=False (the default: parameters are then sharded inside each site and reduced across sites "
+    "once per step), or leave data parallelism to Parallel3DStrategy."
 )
 
 
