@@ -6,6 +6,10 @@ replicas (axes ``site`` x ``dp_replicate``) are then reduced by an FSDP all-redu
 ``multidc.hierarchical``'s chunked, optionally compressed, hierarchical all-reduce on each reduce-scatter output:
 inside the site first, across the WAN once per shard. No flat all-reduce crosses sites.
 
+A module sharded by its own code (Lightning ``ModelParallelStrategy`` style, ``fully_shard(m,
+mesh=mesh["data_parallel"])``) gets the same treatment: inside ``data_parallel_within_sites`` that call shards over
+``"dp_shard"``, and ``add_replica_reduction`` adds the hook afterwards.
+
 Gradient accumulation: ``set_requires_gradient_sync(model, False)`` skips the reduce-scatter and the hook, so a
 non-sync micro-step sends nothing over the WAN.
 """
@@ -13,7 +17,8 @@ non-sync micro-step sends nothing over the WAN.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -109,27 +114,74 @@ def apply_data_parallel(
     Returns:
         ``module`` (now an ``FSDPModule``).
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    replicas = submesh(mesh, "replicate").size()
-    if topology is not None and topology.size != replicas:
-        raise ValueError(
-            f"topology spans {topology.size} ranks but the mesh's replicate axis has {replicas}; build it with "
-            f"replicate_topology(mesh)."
-        )
     shard_mesh = submesh(mesh, "dp_shard")
     for unit in units:
         fully_shard(unit, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
     if topology is not None:
-        wan = wan if wan is not None else topology.wan
-        if error_feedback is None:
-            error_feedback = wan.compression == "int8"
-        state = _ReplicaReduction(topology, wan, error_feedback)
-        fsdp_units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for index, unit in enumerate(fsdp_units):
-            unit.set_all_reduce_hook(partial(_reduce_replicas, state, index))
+        add_replica_reduction(module, mesh, topology, wan=wan, error_feedback=error_feedback)
     return module
+
+
+def add_replica_reduction(
+    module: nn.Module, mesh, topology: Topology, *, wan: WanConfig | None = None, error_feedback: bool | None = None
+) -> int:
+    """Reduce the replicas of every FSDP unit of ``module`` sharded over ``mesh["dp_shard"]``, hierarchically.
+
+    Such a unit's reduce-scatter stays inside the site; an FSDP all-reduce hook then averages its output over the
+    ``"replicate"`` ranks (``site`` x ``dp_replicate``) through ``multidc.hierarchical``. Units on other meshes are
+    left as they are. Every rank must call it with the same module.
+
+    Args:
+        module: a model (or stage) after ``fully_shard``.
+        mesh: the root mesh from ``ParallelLayout.build_mesh``.
+        topology: from ``replicate_topology(mesh, wan)``.
+        wan: WAN settings for the cross-site hop; default ``topology.wan``.
+        error_feedback: keep per-unit compression residuals; default on for ``int8``.
+
+    Returns:
+        How many units now reduce their replicas.
+    """
+    replicas = submesh(mesh, "replicate").size()
+    if topology.size != replicas:
+        raise ValueError(
+            f"topology spans {topology.size} ranks but the mesh's replicate axis has {replicas}; build it with "
+            f"replicate_topology(mesh)."
+        )
+    wan = wan if wan is not None else topology.wan
+    state = _ReplicaReduction(topology, wan, wan.compression == "int8" if error_feedback is None else error_feedback)
+    units = _units_on(module, submesh(mesh, "dp_shard"))
+    for index, unit in enumerate(units):
+        unit.set_all_reduce_hook(partial(_reduce_replicas, state, index))
+    return len(units)
+
+
+def _units_on(module: nn.Module, shard_mesh) -> list[nn.Module]:
+    """The FSDP units of ``module`` whose own parameters FSDP shards over ``shard_mesh``'s ranks (FSDP puts its
+    shard axis first in each parameter's mesh, before any tensor-parallel axis)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    shard_ranks = dist.get_process_group_ranks(shard_mesh.get_group())
+    found = []
+    for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
+        meshes = [p.device_mesh for p in _own_parameters(unit) if isinstance(p, DTensor)]
+        if meshes and all(dist.get_process_group_ranks(m.get_group(0)) == shard_ranks for m in meshes):
+            found.append(unit)
+    return found
+
+
+def _own_parameters(unit: nn.Module) -> Iterator[nn.Parameter]:
+    """Parameters of ``unit`` outside the FSDP units nested in it: the ones its own reduce-scatter handles."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield from module.parameters(recurse=False)
+        stack += [child for child in module.children() if not isinstance(child, FSDPModule)]
 
 
 class _ReplicaReduction:
@@ -182,3 +234,41 @@ def fsdp_mesh_crosses_sites(module: nn.Module, mesh) -> bool:
                 if len({r // site_size for r in ranks}) > 1:
                     return True
     return False
+
+
+@contextmanager
+def data_parallel_within_sites(mesh) -> Generator[bool, None, None]:
+    """Inside, ``fully_shard(m, mesh=mesh["data_parallel"])`` shards ``m`` over ``mesh["dp_shard"]`` instead.
+
+    For a module written for Lightning's ``ModelParallelStrategy``, whose ``configure_model`` shards over the
+    1-D ``"data_parallel"`` mesh: across sites, that mesh would all-gather parameters and reduce-scatter gradients
+    over the WAN in every forward and backward. Sharded inside the site instead, the module keeps a replica per
+    ``site`` x ``dp_replicate`` index, which ``add_replica_reduction`` then reduces hierarchically, once per step.
+    The ``"data_parallel"`` mesh the module sees is unchanged (still 1-D, over all sites); only what ``fully_shard``
+    does with it changes. Other meshes pass through. Parameters and optimizer state take ``num_sites x
+    dp_replicate`` times the memory they would take sharded over all of ``"data_parallel"``.
+
+    torch has no public way to pick the mesh behind a caller's back, so this swaps ``fully_shard``'s private mesh
+    resolution (``_get_mesh_info``, torch 2.13) for the duration of the block, and restores it on exit. Yields
+    ``False`` and changes nothing when the mesh has one site, or when this torch lacks that function.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fully_shard as fsdp_impl
+    except ImportError:  # pragma: no cover - torch moved its FSDP2 internals
+        fsdp_impl = None
+    original = getattr(fsdp_impl, "_get_mesh_info", None)
+    if original is None or submesh(mesh, "site").size() == 1:
+        yield False
+        return
+    flat, shard = submesh(mesh, "data_parallel"), submesh(mesh, "dp_shard")
+
+    def get_mesh_info(user_mesh, dp_mesh_dims=None):
+        if dp_mesh_dims is None and user_mesh == flat:
+            return original(shard, None)
+        return original(user_mesh, dp_mesh_dims)
+
+    fsdp_impl._get_mesh_info = get_mesh_info
+    try:
+        yield True
+    finally:
+        fsdp_impl._get_mesh_info = original

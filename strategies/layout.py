@@ -13,7 +13,8 @@ Mesh axes, outermost first: ``("site", "pp", "dp_replicate", "dp_shard", "tp")``
 
 Flattened aliases on the same mesh: ``"data_parallel"`` = site x dp_replicate x dp_shard (what a Lightning
 ``ModelParallelStrategy`` ``configure_model`` expects), ``"tensor_parallel"`` = tp, ``"pipeline_parallel"`` = pp,
-``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN).
+``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN). ``data_parallel_size``, when
+given, is that alias's size (as in ``ModelParallelStrategy``): it fixes ``dp_shard`` (or the one inferred size).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _ENV_OF_FIELD = {
     "tensor_parallel_size": _env.TP_SIZE,
 }
 _DEFAULTS = {"num_sites": 1, "dp_replicate": 1, "dp_shard": -1, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
+_DATA_PARALLEL_FIELDS = ("num_sites", "dp_replicate", "dp_shard")
 AUTO = -1
 
 
@@ -73,6 +75,12 @@ class ParallelLayout:
     """Pipeline stages (rank groups); each holds a contiguous run of the model's blocks. Default 1."""
     tensor_parallel_size: int | str | None = None
     """Tensor-parallel degree (innermost axis). Default 1."""
+    data_parallel_size: int | str | None = None
+    """Data-parallel ranks over all sites, ``num_sites x dp_replicate x dp_shard``: Lightning
+    ``ModelParallelStrategy``'s ``data_parallel_size``. ``None``, ``-1`` or ``"auto"``: whatever the other sizes
+    leave. A number fixes the one ``-1``/``"auto"`` size among those three, else ``dp_shard`` when it is unset,
+    and must equal their product; with it, one of ``pipeline_parallel_size`` / ``tensor_parallel_size`` may be
+    inferred from the world as well."""
     world_size: int | None = None
     """Ranks in all; when given, sizes are resolved and checked at construction."""
     _count_sites: bool = field(default=False, init=False, repr=False, compare=False)
@@ -88,20 +96,45 @@ class ParallelLayout:
                     defaulted.add(name)
                 value = default if env_value is None else _parse(name, env_value, _ENV_OF_FIELD[name])
             object.__setattr__(self, name, _parse(name, value))
-        if "dp_shard" in defaulted and any(getattr(self, n) == AUTO for n in _DEFAULTS if n != "dp_shard"):
-            object.__setattr__(self, "dp_shard", 1)  # the default auto yields to the size the user asked to infer
+        if self.data_parallel_size is not None:
+            object.__setattr__(self, "data_parallel_size", _parse("data_parallel_size", self.data_parallel_size))
+        given = self._given_data_parallel_size
+        # The default auto dp_shard yields to a size the user asked to infer from the same total (the world, or
+        # data_parallel_size when given).
+        rivals = [n for n in (_DATA_PARALLEL_FIELDS if given else _DEFAULTS) if n != "dp_shard"]
+        if "dp_shard" in defaulted and any(getattr(self, n) == AUTO for n in rivals):
+            object.__setattr__(self, "dp_shard", 1)
         object.__setattr__(self, "_count_sites", "num_sites" in defaulted and self.world_size is None)
+        self._check_one_auto(given)
+        if given and not self._count_sites:  # counted sites: resolve_job fills the sizes once it knows the count
+            for name, value in _fill_data_parallel(self._sizes(), given).items():
+                object.__setattr__(self, name, value)
+        if self.world_size is not None:
+            if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+                raise ValueError(f"ParallelLayout.world_size={self.world_size!r} must be a positive int.")
+            for name, value in _resolve_world(self._sizes(), given, self.world_size).items():
+                object.__setattr__(self, name, value)
+
+    @property
+    def _given_data_parallel_size(self) -> int | None:
+        size = self.data_parallel_size
+        return None if size is None or size == AUTO else size
+
+    def _check_one_auto(self, given: int | None) -> None:
+        """One size per total may be inferred: the world's, and ``data_parallel_size``'s when it is given."""
         auto = [name for name in _DEFAULTS if getattr(self, name) == AUTO]
-        if len(auto) > 1:
+        if given is None and len(auto) > 1:
             raise ValueError(
                 f"ParallelLayout: only one size can be inferred, but {auto} are all -1/'auto'; give all but one "
                 f"of them a number."
             )
-        if self.world_size is not None:
-            if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-                raise ValueError(f"ParallelLayout.world_size={self.world_size!r} must be a positive int.")
-            for name, value in _resolve_sizes(self._sizes(), self.world_size).items():
-                object.__setattr__(self, name, value)
+        dp_auto = [name for name in auto if name in _DATA_PARALLEL_FIELDS]
+        if given is not None and (len(dp_auto) > 1 or len(auto) - len(dp_auto) > 1):
+            raise ValueError(
+                f"ParallelLayout: {auto} are all -1/'auto'; with data_parallel_size={given} at most one of "
+                f"{list(_DATA_PARALLEL_FIELDS)} (taken from data_parallel_size) and one of pipeline_parallel_size, "
+                f"tensor_parallel_size (taken from the world size) can be inferred; give the others a number."
+            )
 
     def resolve(self, world_size: int) -> ParallelLayout:
         """Return this layout with concrete sizes for ``world_size`` ranks; ValueError saying what would fit."""
@@ -127,20 +160,20 @@ class ParallelLayout:
         if not dist.is_initialized():
             raise RuntimeError("ParallelLayout.resolve_job needs torch.distributed: call init_process_group first.")
         claims: list = [None] * dist.get_world_size()
-        dist.all_gather_object(claims, (self._sizes(), self._count_sites, _env.read(_env.SITE)))
+        sizes = {**self._sizes(), "data_parallel_size": self.data_parallel_size}
+        dist.all_gather_object(claims, (sizes, self._count_sites, _env.read(_env.SITE)))
         _check_sizes_agree(claims)
         names = [c[2] for c in claims]
-        layout = self
-        if self._count_sites and all(n is not None for n in names):
-            layout = replace(self, num_sites=len(set(names)))
+        counted = self._count_sites and all(n is not None for n in names)
         try:
+            layout = replace(self, num_sites=len(set(names))) if counted else self
             resolved = layout.resolve(len(claims))
         except ValueError as exc:
-            if layout is self:
+            if not counted:
                 raise
-            raise ValueError(f"num_sites={layout.num_sites} was counted from the {_env.SITE} names of the ranks "
+            raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
                              f"({sorted(set(names))}), and that layout does not fit: {exc}") from None
-        _check_sites(resolved, names, counted=layout is not self)
+        _check_sites(resolved, names, counted=counted)
         return resolved, names
 
     @property
@@ -283,6 +316,42 @@ def _resolve_sizes(sizes: dict[str, int], world: int) -> dict[str, int]:
             f"ParallelLayout: {product} = {fixed} ranks, but the world has {world}. {_what_fits(sizes, world)}"
         )
     return dict(sizes)
+
+
+def _fill_data_parallel(sizes: dict[str, int], data_parallel_size: int) -> dict[str, int]:
+    """``sizes`` with the one ``AUTO`` data-parallel size (if any) set so that ``num_sites x dp_replicate x dp_shard
+    == data_parallel_size``; ValueError naming the sizes and the fix when they cannot."""
+    dp = {name: sizes[name] for name in _DATA_PARALLEL_FIELDS}
+    auto = [name for name, value in dp.items() if value == AUTO]
+    fixed = math.prod(v for v in dp.values() if v != AUTO)
+    product = " x ".join(f"{n}={'auto' if v == AUTO else v}" for n, v in dp.items())
+    if auto and data_parallel_size % fixed:
+        raise ValueError(
+            f"ParallelLayout: data_parallel_size={data_parallel_size} counts the data-parallel ranks of all sites "
+            f"(num_sites x dp_replicate x dp_shard), so it must be a multiple of {product} = {fixed} for {auto[0]} "
+            f"to be a whole number. Pass a data_parallel_size that {fixed} divides, or other sizes."
+        )
+    if auto:
+        return {**sizes, auto[0]: data_parallel_size // fixed}
+    if fixed != data_parallel_size:
+        raise ValueError(
+            f"ParallelLayout: data_parallel_size={data_parallel_size} counts the data-parallel ranks of all sites, "
+            f"but {product} = {fixed}. Pass data_parallel_size={fixed}, or leave dp_shard unset (it then becomes "
+            f"data_parallel_size / (num_sites x dp_replicate))."
+        )
+    return dict(sizes)
+
+
+def _resolve_world(sizes: dict[str, int], data_parallel_size: int | None, world: int) -> dict[str, int]:
+    """``_resolve_sizes``; with ``data_parallel_size`` (already filled into the data-parallel sizes) the check is
+    ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size == world``, and so is the advice."""
+    if data_parallel_size is None:
+        return _resolve_sizes(sizes, world)
+    outer = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": sizes["pipeline_parallel_size"],
+             "tensor_parallel_size": sizes["tensor_parallel_size"]}
+    resolved = _resolve_sizes(outer, world)
+    return {**sizes, "pipeline_parallel_size": resolved["pipeline_parallel_size"],
+            "tensor_parallel_size": resolved["tensor_parallel_size"]}
 
 
 def _what_fits(sizes: dict[str, int], world: int) -> str:

@@ -7,8 +7,11 @@ What a LightningModule does with it:
   ``"tensor_parallel"`` and ``"data_parallel"``), e.g.
   ``apply_tensor_parallel(blocks, self.device_mesh["tensor_parallel"])``.
   Leave data parallelism to the strategy: it shards with FSDP2 inside each site and reduces replicas across sites
-  hierarchically. (A ``configure_model`` that calls ``fully_shard`` itself still runs, without pipeline
-  parallelism, but its gradients then cross sites flat, and the strategy warns.)
+  hierarchically. A ``configure_model`` written for ``ModelParallelStrategy`` that calls
+  ``fully_shard(..., mesh=self.device_mesh["data_parallel"])`` itself runs unchanged (without pipeline
+  parallelism): that ``fully_shard`` shards inside each site instead and the strategy reduces the sites'
+  replicas hierarchically (``data_parallel_within_sites``); ``fsdp_across_sites=True`` keeps it across sites,
+  flat, with a warning.
 * ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks (see ``multidc.strategies.pipeline``).
   Required with ``pipeline_parallel_size > 1``; otherwise used as FSDP units when defined.
 * ``training_step``: with pipeline parallelism, ``self(x)`` is not available on any one rank. Instead write
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +37,12 @@ import torch
 
 from multidc.hierarchical import WanConfig, _env
 from multidc.hierarchical._gradient_sync import GradientSync
-from multidc.strategies.data_parallel import fsdp_mesh_crosses_sites
+from multidc.strategies.data_parallel import (
+    add_replica_reduction,
+    data_parallel_within_sites,
+    fsdp_mesh_crosses_sites,
+    replicate_topology,
+)
 from multidc.strategies.layout import ParallelLayout, submesh
 from multidc.strategies.parallelize import ParallelModel, layout_of, parallelize
 from multidc.strategies.pipeline import PipelineConfig
@@ -57,6 +65,15 @@ from multidc.strategies._registry import register
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 
+_FLAT_WAN_WARNING = (
+    "configure_model applied fully_shard over a mesh that spans sites, and {why}: that module's gradients cross "
+    "the WAN flat (reduce-scattered over all sites) and its parameters are all-gathered across it in every forward "
+    "and backward. For the hierarchical reduction, shard over self.device_mesh['data_parallel'] with "
+    "fsdp_across_sites=False (the default: parameters are then sharded inside each site and reduced across sites "
+    "once per step), or leave data parallelism to Parallel3DStrategy."
+)
+
+
 class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
 
@@ -65,9 +82,17 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             (``None`` = ``MULTIDC_*`` env, then default; one may be ``-1``/``"auto"``; ``dp_shard`` defaults to
             auto, or to 1 when another size is auto; ``num_sites`` defaults to the number of ``MULTIDC_SITE``
             names when every rank sets one, else 1).
+        data_parallel_size: as ``ModelParallelStrategy``'s: the data-parallel ranks over ALL sites, i.e.
+            ``num_sites x dp_replicate x dp_shard`` (``dp_shard`` follows from it when unset). ``None``/``"auto"``
+            = whatever the other sizes leave (not ``ModelParallelStrategy``'s "number of nodes").
         pipeline_schedule, microbatches, stages_per_rank, split_points: see ``PipelineConfig`` (env
             ``MULTIDC_PP_SCHEDULE`` / ``MULTIDC_PP_MICROBATCHES``).
         wan: cross-site reduction settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
+        fsdp_across_sites: ``False`` (default): a ``fully_shard`` over ``device_mesh["data_parallel"]`` in
+            ``configure_model`` shards inside each site, and the sites' replicas are reduced hierarchically
+            (parameters and optimizer state then take ``num_sites x dp_replicate`` times the memory they would
+            take sharded over all sites). ``True``: it shards over all sites as written, and gradients and
+            parameter all-gathers cross the WAN flat (a warning says so).
         checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
             save and the end of ``fit`` wait for it and raise its error.
         checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
@@ -78,8 +103,9 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     Raises:
-        ValueError: bad sizes at construction; sizes that do not multiply to ``devices x num_nodes`` when the
-            ``Trainer`` launches, before any process group exists.
+        ValueError: bad sizes at construction (a ``data_parallel_size`` that ``num_sites x dp_replicate x dp_shard``
+            cannot make); sizes that do not multiply to ``devices x num_nodes`` when the ``Trainer`` launches,
+            before any process group exists.
     """
 
     strategy_name = "parallel_3d"
@@ -88,6 +114,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         self,
         *,
         num_sites: int | str | None = None,
+        data_parallel_size: int | str | None = None,
         dp_replicate: int | str | None = None,
         dp_shard: int | str | None = None,
         pipeline_parallel_size: int | str | None = None,
@@ -99,6 +126,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        fsdp_across_sites: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -109,7 +137,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self.layout = ParallelLayout(
-            num_sites=num_sites, dp_replicate=dp_replicate, dp_shard=dp_shard,
+            num_sites=num_sites, dp_replicate=dp_replicate, dp_shard=dp_shard, data_parallel_size=data_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size,
         )
         self.pipeline_config = PipelineConfig(
@@ -117,6 +145,8 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             split_points=split_points,
         )
         self.gradient_sync = GradientSync(wan)  # the replicas' topology is the layout's: adopted at setup
+        self.fsdp_across_sites = fsdp_across_sites
+        self._fsdp_within_sites = False
         self.parallel: ParallelModel | None = None
         self._parked_grads: list | None = None
         self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
@@ -152,8 +182,13 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         # ``configure_model`` runs inside: ``device_mesh["tensor_parallel"]`` slices a flattened axis of the root
         # mesh, which torch 2.13 supports but warns about; the aliases are this strategy's documented interface.
-        with warnings.catch_warnings(), super().model_sharded_context():
+        # A ``fully_shard`` over ``device_mesh["data_parallel"]`` shards inside each site (see ``setup``).
+        within_sites = nullcontext(False)
+        if self._device_mesh is not None and not self.fsdp_across_sites:
+            within_sites = data_parallel_within_sites(self._device_mesh)
+        with warnings.catch_warnings(), super().model_sharded_context(), within_sites as redirected:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            self._fsdp_within_sites = self._fsdp_within_sites or redirected
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -175,12 +210,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
                     "configure_model applied fully_shard, but with pipeline_parallel_size > 1 the strategy shards "
                     "each stage itself; apply only tensor parallelism in configure_model."
                 )
-            if fsdp_mesh_crosses_sites(module, self.device_mesh):
-                rank_zero_warn(
-                    "configure_model sharded over device_mesh['data_parallel'], which spans sites: gradients cross "
-                    "the WAN flat. Leave data parallelism to Parallel3DStrategy for the hierarchical reduction."
-                )
-            self.parallel = ParallelModel(module, self.device_mesh, self.layout, roots=[module])
+            self.parallel = self._adopt_sharded_module(module)
         else:
             blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
             self.parallel = parallelize(
@@ -201,6 +231,25 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             WanMetricsCallback.add_to(trainer, self)
+
+    def _adopt_sharded_module(self, module: pl.LightningModule) -> ParallelModel:
+        """A module that ``configure_model`` sharded itself: add the hierarchical replica reduction to its units
+        over ``"dp_shard"`` (where ``model_sharded_context`` put its ``fully_shard`` over ``"data_parallel"``), and
+        warn about units whose gradients still cross sites flat."""
+        mesh = self.device_mesh
+        topology = replicate_topology(mesh, self.wan)
+        if topology is not None and add_replica_reduction(module, mesh, topology, wan=self.wan) == 0:
+            topology.close()
+            topology = None
+        if fsdp_mesh_crosses_sites(module, mesh):
+            if self.fsdp_across_sites:
+                why = "fsdp_across_sites=True keeps it there"
+            elif not self._fsdp_within_sites:
+                why = "this torch has no fully_shard mesh resolution (_get_mesh_info) for multidc to redirect"
+            else:
+                why = "that mesh is not device_mesh['data_parallel'] (only a fully_shard over that one is moved)"
+            rank_zero_warn(_FLAT_WAN_WARNING.format(why=why))
+        return ParallelModel(module, mesh, self.layout, topology=topology, roots=[module])
 
     def wan_metrics(self) -> dict[str, float]:
         """WAN figures since the previous call (``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``).

@@ -254,15 +254,19 @@ MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel
 
 
 @pytest.mark.timeout(400)
-def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_about_flat_wan(tmp_path):
-    """tests/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model."""
+def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_them_hierarchically(tmp_path):
+    """tests/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model; its
+    FSDP stays inside each site (tests/test_model_parallel_dropin.py compares it with ModelParallelStrategy)."""
     require_module("lightning", "lightning")
     import tests._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
 
     env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"}
     out = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], env)
-    assert "gradients cross the WAN flat" in out
+    assert "cross the WAN flat" not in out
+    with open(tmp_path / "bytes_rank0.json") as f:
+        sent = json.load(f)
+    assert sent["fsdp_cross_site"] == 0 and sent["wan_stats"] > 0, sent
     with open(tmp_path / "run.json") as f:
         run = json.load(f)
     torch.manual_seed(0)  # seed_everything(0) before the module, as the script
