@@ -7,15 +7,18 @@ without any framework import, so ``multidc.strategies`` and ``multidc.plugins`` 
    built (its FSDP hook reduces the replicas inside backward);
 2. ``attach_ddp`` for every DDP model: the hierarchical comm hook, and the gradients the step meter times;
 3. every step: ``backward_done()`` right after backward returns, ``metrics()`` once per optimizer step;
-4. ``close()`` when training ends: the meter's gradient hooks and the topology's worker thread.
+4. ``close()`` when training ends: the meter's gradient hooks and the topology's worker thread; and
+   ``release_ddp()`` before a front-end destroys the process group itself.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, release_reducer
 from multidc.hierarchical.stats import WanStepMeter
 from multidc.hierarchical.topology import Topology
 
@@ -38,6 +41,7 @@ class GradientSync:
         self.hook_states: list[HierarchicalHookState] = []
         self.meter: WanStepMeter | None = None
         self._reduced_in_backward = False
+        self._ddp_models: weakref.WeakSet = weakref.WeakSet()
 
     def build_topology(self, *, num_sites: int | None = None, site: int | str | None = None) -> Topology:
         """The job's topology over the default group, built on the first call (collective: every rank calls it)
@@ -61,6 +65,7 @@ class GradientSync:
         assert self.topology is not None, "build_topology() comes first: the hook needs the topology"
         state = register_ddp_hook(ddp_model, self.topology, wan=self.wan)
         self.hook_states.append(state)
+        self._ddp_models.add(ddp_model)
         if self.meter is None:
             self.meter = WanStepMeter(self.topology.wan_stats, [])
         self.meter.watch(ddp_model.parameters())
@@ -88,6 +93,14 @@ class GradientSync:
             self.meter = None
         if self.topology is not None:
             self.topology.close()
+
+    def release_ddp(self) -> None:
+        """Free the reducers of the attached DDP models (see ``release_reducer``). Call on every rank when the
+        front-end destroys the process group itself while the models may outlive it (Accelerate's
+        ``end_training``); the models cannot train afterwards."""
+        for ddp_model in list(self._ddp_models):
+            release_reducer(ddp_model)
+        self._ddp_models = weakref.WeakSet()
 
 
 class HasGradientSync:

@@ -81,5 +81,37 @@ def register_ddp_hook(
     return state
 
 
+def release_reducer(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Free ``ddp_model``'s C++ reducer and logger now, so its process group is not last released by them.
+
+    Why: DDP's reducer holds the process group from C++ and is freed with the GIL held. When the reducer is the
+    group's last holder (Accelerate's ``end_training`` destroys the group while the user's model lives on), the
+    gloo group's destructor joins its worker threads under the GIL; a worker still releasing finished work (the
+    output of the last ``gather`` under the last barrier) needs the GIL to free that tensor, and the rank hangs at
+    exit forever. Freed here, while the group is still registered, the reducer is never the last holder; the group
+    is then freed from Python, where torch releases the GIL first.
+
+    Call on every rank after the last backward and before the process group is destroyed. Afterwards the DDP
+    wrapper cannot run forward or backward (it raises saying so); its ``module`` is unchanged.
+    """
+    for name in ("logger", "reducer"):  # the logger holds the reducer
+        if not isinstance(getattr(ddp_model, name, None), _Released):
+            setattr(ddp_model, name, _Released(name))
+
+
+class _Released:
+    """Stands in for a DDP wrapper's freed reducer / logger: any use says what happened."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        raise RuntimeError(
+            f"this DistributedDataParallel model's {self._name} was freed when training ended (end_training / "
+            f"teardown), together with its process group; use the unwrapped model (accelerator.unwrap_model(model) "
+            f"or model.module) after training."
+        )
+
+
 def _short(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"

@@ -284,4 +284,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             self._close_checkpointers()  # waits for an async save_state and raises its error
         finally:
             self.gradient_sync.close()  # the topology's worker, before Accelerate destroys the process group
+            # Accelerate destroys the process group while the user's DDP models live on; their reducers must not
+            # be the groups' last holders, or a rank can hang at exit (see release_reducer).
+            self.gradient_sync.release_ddp()
             super().end_training()

@@ -1,0 +1,1 @@
+"""Command-line and lab tools around the core (never imported by it)."""
