@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
 
-    from tests._dist import run_ranks
-    from tests._s3 import SeaweedS3
+    from multidc.hierarchical.tools.ranks import run_ranks
+    from multidc.hierarchical.tools.seaweed import SeaweedS3
 
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedS3.start(tmp, auth=KEYS)

@@ -45,7 +45,7 @@ def _run(store: str, args, tmp: str) -> dict:
         else:
             endpoint = args.s3_endpoint
             if endpoint is None:
-                from tests._s3 import SeaweedS3
+                from multidc.hierarchical.tools.seaweed import SeaweedS3
 
                 server = SeaweedS3.start(os.path.join(tmp, "seaweed"))
                 endpoint = server.endpoint

@@ -1,6 +1,6 @@
 """Fault script: cut the lab WAN link in the middle of a DDP job, again and again, and measure how it fails.
 
-Needs root (network namespaces; see ``multidc.hierarchical.lab``). Each repetition runs ``tests/faults/train_job``
+Needs root (network namespaces; see ``multidc.hierarchical.tools.lab``). Each repetition runs ``tests/faults/train_job``
 (DDP + ``register_ddp_hook``, a checkpoint every ``--every`` steps) as 2 sites and cuts site 1's link:
 
 * ``train``  sites [2, 2]; cut after a random step between two checkpoints. Every rank must fail within
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from multidc.hierarchical.lab import Lab, lab_available  # noqa: E402
+from multidc.hierarchical.tools.lab import Lab, lab_available  # noqa: E402
 from tests.faults.lab_job import LabJob, python_argv  # noqa: E402
 from tests.faults.train_job import reference_losses  # noqa: E402
 

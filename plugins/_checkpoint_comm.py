@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from multidc.hierarchical.all_reduce import timed_out
+from multidc.hierarchical.errors import timed_out
 from multidc.plugins._checkpoint_format import CheckpointCorruptError
 from multidc.plugins.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
 

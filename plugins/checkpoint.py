@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from multidc.hierarchical.errors import wan_failure
 from multidc.plugins import _checkpoint_retention as _retention
 from multidc.plugins._checkpoint_comm import Comm
 from multidc.plugins._checkpoint_format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit
@@ -144,8 +145,6 @@ class Checkpointer:
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
         if topology is not None and getattr(topology, "num_sites", 1) > 1:
-            from multidc.hierarchical.all_reduce import wan_failure
-
             self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
         self._pending: SaveHandle | None = None
         self._access_checked = False

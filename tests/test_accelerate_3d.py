@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests._resources import require_module, require_weed
-from tests._s3 import weed_binary
+from multidc.hierarchical.tools.seaweed import weed_binary
 require_module("accelerate", "accelerate")
 
 from tests._accelerate_ckpt import resume_runs, save_runs  # noqa: E402
-from tests._dist import run_ranks  # noqa: E402
+from multidc.hierarchical.tools.ranks import run_ranks  # noqa: E402
 from tests._tiny_models import EVAL_ROWS, TinyGPT, _optimizer, assert_parity, batch, loss_fn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from multidc.hierarchical import Topology, WanConfig, all_reduce, get_codec
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 
 SIZES = (1, 7, 4097, 1_000_003)
 COMPRESSIONS = ("none", "bf16", "fp16", "int8")

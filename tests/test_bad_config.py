@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multidc.hierarchical import WanConfig, all_reduce, cli, plan_chunks, resolve_sites
-from multidc.hierarchical.lab import Lab, parse_rate
-from multidc.hierarchical.launch import SiteJob
+from multidc.hierarchical import WanConfig, all_reduce, plan_chunks, resolve_sites
+from multidc.hierarchical.tools import cli
+from multidc.hierarchical.tools.lab import Lab, parse_rate
+from multidc.hierarchical.tools.launch import SiteJob
 from multidc.hierarchical.topology import _Claim
 from multidc.plugins import (
     Checkpointer,
@@ -28,7 +29,7 @@ from multidc.plugins import (
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
 from multidc.strategies.layout import ParallelLayout
 from multidc.strategies.pipeline import PipelineConfig
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 
 
 def _saved(tmp, state) -> Checkpointer:

@@ -35,7 +35,7 @@ from multidc.plugins._checkpoint_format import CheckpointCorruptError as FormatE
 from multidc.plugins._checkpoint_format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins._checkpoint_planner import stripe_plans
 from tests._resources import require_module
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
 
 pytestmark = pytest.mark.timeout(240)

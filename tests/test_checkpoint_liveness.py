@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 
 TIMEOUT_S = 2.0
 SLOW_S = 3 * TIMEOUT_S  # longer than the timeout: without heartbeats the waiting rank would time out

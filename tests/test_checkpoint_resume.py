@@ -16,7 +16,7 @@ import torch
 
 from multidc.plugins import Checkpointer, latest, list_checkpoints
 from tests._resources import require_module
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 from tests._tiny_models import TinyGPT, batch, loss_fn
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from multidc.hierarchical import Topology, WanConfig, register_ddp_hook
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 
 WORLD = 4
 STEPS = 5

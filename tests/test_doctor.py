@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from multidc.hierarchical import cli
-from multidc.hierarchical.lab import lab_available
+from multidc.hierarchical.tools import cli
+from multidc.hierarchical.tools.lab import lab_available
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
-MULTIDC = [sys.executable, "-m", "multidc.hierarchical.cli"]
+MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
 
 
 def _doctor(tmp_path, *lab_args: str, env: dict | None = None, sites: int = 2, per_site: int = 2):

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from multidc.hierarchical import cli
-from multidc.hierarchical.lab import Lab, lab_available, parse_rate
+from multidc.hierarchical.tools import cli
+from multidc.hierarchical.tools.lab import Lab, lab_available, parse_rate
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
 
@@ -86,7 +86,7 @@ def test_lab_is_torn_down_when_its_process_gets_sigterm(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(textwrap.dedent("""
         import sys, time
-        from multidc.hierarchical.lab import Lab
+        from multidc.hierarchical.tools.lab import Lab
         with Lab(2, "100mbit") as lab:
             print(lab.netns(0), flush=True)
             time.sleep(60)
@@ -102,7 +102,7 @@ def test_lab_is_torn_down_when_its_process_gets_sigterm(tmp_path):
 @needs_lab
 def test_next_lab_sweeps_namespaces_of_a_killed_lab(tmp_path):
     script = tmp_path / "hold.py"
-    script.write_text("import time\nfrom multidc.hierarchical.lab import Lab\nlab = Lab(2).__enter__()\n"
+    script.write_text("import time\nfrom multidc.hierarchical.tools.lab import Lab\nlab = Lab(2).__enter__()\n"
                       "print(lab.netns(0), flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     prefix = proc.stdout.readline().strip().split("-")[0]

@@ -71,8 +71,8 @@ def test_wheel_installs_no_top_level_package_but_multidc(wheel):
 def test_wheel_declares_the_multidc_console_script(wheel):
     entry_points = configparser.ConfigParser()
     entry_points.read_string(_dist_info(wheel, "entry_points.txt"))
-    assert entry_points["console_scripts"]["multidc"] == "multidc.hierarchical.cli:main"
-    assert "multidc/hierarchical/cli.py" in wheel.namelist()
+    assert entry_points["console_scripts"]["multidc"] == "multidc.hierarchical.tools.cli:main"
+    assert "multidc/hierarchical/tools/cli.py" in wheel.namelist()
 
 
 def test_wheel_metadata_requires_torch_and_offers_the_extras(wheel):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests._resources import require_module
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
 FOUR_RANK_CASES = {

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multidc.strategies.layout import ALIASES, MESH_AXES, ParallelLayout
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 
 SIZE_FIELDS = ("num_sites", "dp_replicate", "dp_shard", "pipeline_parallel_size", "tensor_parallel_size")
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multidc.strategies.pipeline import PipelineConfig, local_stage_indices, split_blocks
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
 

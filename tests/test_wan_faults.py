@@ -5,7 +5,6 @@ the unbroken run's (computed in one process). Without root: the executor's fail-
 
 from __future__ import annotations
 
-import sys
 import time
 from types import SimpleNamespace
 
@@ -13,15 +12,15 @@ import pytest
 import torch
 
 from multidc.hierarchical import SiteLayout, WanError
+from multidc.hierarchical import errors
 from multidc.hierarchical._executor import SerialExecutor
-from multidc.hierarchical.lab import Lab, lab_available
+from multidc.hierarchical.tools.lab import Lab, lab_available
 from multidc.plugins import Checkpointer
-from tests._dist import run_ranks
+from multidc.hierarchical.tools.ranks import run_ranks
 from tests.faults.lab_job import LabJob, python_argv
 from tests.faults.train_job import reference_losses
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
-_all_reduce_module = sys.modules["multidc.hierarchical.all_reduce"]
 
 TIMEOUT_S = 10.0
 # A rank inside a site waits timeout_s + 2 s (grace, so the WAN rank reports first), then the interpreter exits;
@@ -142,23 +141,23 @@ def _topo(rank, site_ranks=((0, 1), (2, 3)), names=("us-east", "eu-west")):
 
 def test_wan_timeout_message_names_sites_rail_link_and_what_to_do(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    text = _all_reduce_module._wan_message(_topo(3), 10.0, 1, 4, RuntimeError("Operation timed out!"))
+    text = errors._wan_message(_topo(3), 10.0, 1, 4, RuntimeError("Operation timed out!"))
     assert text.startswith("WAN collective between site 'us-east' and site 'eu-west' timed out after 10 s: rank 3 "
                            "(site 'eu-west') got no data for chunk 2/4 over the rail-1 link (rank 1 of site "
                            "'us-east' <-> rank 3 of site 'eu-west'; this end: interface lo 127.0.0.1)")
     assert "MULTIDC_WAN_TIMEOUT_S" in text and "last committed checkpoint" in text
-    broken = _all_reduce_module._wan_message(_topo(0), 10.0, 0, 1, RuntimeError("Connection closed by peer"))
+    broken = errors._wan_message(_topo(0), 10.0, 0, 1, RuntimeError("Connection closed by peer"))
     assert "failed: rank 0 (site 'us-east') lost the connection during chunk 1/1" in broken
 
 
 def test_site_stall_message_names_the_rank_off_the_rail_and_its_peers():
     topo = _topo(1, site_ranks=((0, 1), (2,)), names=("0", "1"))
-    text = _all_reduce_module._site_message(topo, 12.0, 0, 3, "share", RuntimeError("Operation timed out!"))
+    text = errors._site_message(topo, 12.0, 0, 3, "share", RuntimeError("Operation timed out!"))
     assert text.startswith("WAN collective between site '0' and site '1' stalled inside site '0': rank 1 (not on a "
                            "WAN rail) waited 12 s for ranks [0] of its own site to hand over the WAN result of "
                            "chunk 1/3.")
     three = _topo(0, site_ranks=((0,), (1,), (2,)), names=("a", "b", "c"))
-    assert "between sites 'a', 'b' and 'c'" in _all_reduce_module._wan_message(three, 5, 0, 1, RuntimeError("x"))
+    assert "between sites 'a', 'b' and 'c'" in errors._wan_message(three, 5, 0, 1, RuntimeError("x"))
 
 
 def _checkpoint_collective_times_out(rank, world, url):

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multidc.hierarchical.lab import SITE_IFACE, Lab
-from multidc.hierarchical.launch import free_port
+from multidc.hierarchical.tools.lab import SITE_IFACE, Lab
+from multidc.hierarchical.tools.launch import free_port
 
 
 @dataclass

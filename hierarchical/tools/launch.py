@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import ExitStack
 
-from multidc.hierarchical.lab import SITE_IFACE, Lab, lab_available, parse_rate
+from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available, parse_rate
 
 
 def free_port() -> int:

@@ -12,9 +12,10 @@ import sys
 
 # subcommand path -> (module, help)
 _COMMANDS = {
-    ("bench", "allreduce"): ("multidc.hierarchical.bench", "time flat vs hierarchical all-reduce over a lab WAN"),
-    ("lab", "run"): ("multidc.hierarchical.launch", "run a command as several sites over a lab WAN"),
-    ("doctor",): ("multidc.hierarchical.doctor", "print the detected sites and measure intra/inter-site bandwidth"),
+    ("bench", "allreduce"): ("multidc.hierarchical.tools.bench", "time flat vs hierarchical all-reduce over a lab WAN"),
+    ("lab", "run"): ("multidc.hierarchical.tools.launch", "run a command as several sites over a lab WAN"),
+    ("doctor",): ("multidc.hierarchical.tools.doctor",
+                  "print the detected sites and measure intra/inter-site bandwidth"),
 }
 
 

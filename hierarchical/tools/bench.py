@@ -22,8 +22,8 @@ import sys
 import tempfile
 
 from multidc.hierarchical.config import COMPRESSIONS
-from multidc.hierarchical.launch import SiteJob
-from multidc.hierarchical.lab import SITE_IFACE, parse_rate
+from multidc.hierarchical.tools.launch import SiteJob
+from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="multidc-bench-") as tmp:
         plan = {"modes": modes, "size_mb": args.size_mb, "repeats": args.repeats, "warmup": args.warmup,
                 "chunk_mb": args.chunk_mb, "streams": args.streams, "out": os.path.join(tmp, "records.json")}
-        argv = [sys.executable, "-m", "multidc.hierarchical._bench_worker"]
+        argv = [sys.executable, "-m", "multidc.hierarchical.tools._bench_worker"]
         job = SiteJob(argv, sites=args.sites, ranks_per_site=args.ranks_per_site, wan_rate=args.wan_rate,
                       loopback=args.loopback, env={"OMP_NUM_THREADS": "1"})
         if job.reason:
