@@ -121,7 +121,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
 
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # main() checked that it is installed
 
-    from multidc.plugins._checkpoint_storage import byte_view
+    from multidc.plugins.checkpoint.storage import byte_view
 
     raw = byte_view(torch.randint(0, 256, (state_bytes // world,), dtype=torch.uint8))
 

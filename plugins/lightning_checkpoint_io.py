@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from multidc.plugins._checkpoint_comm import Comm
-from multidc.plugins._checkpoint_format import COMMIT, decode_commit
-from multidc.plugins._checkpoint_planner import SafeRebuildLoadPlanner, StripedSavePlanner, safe_load_bytes
-from multidc.plugins._checkpoint_retention import claim_folder, remove_replaced
-from multidc.plugins._checkpoint_storage import ObjectStoreReader, ObjectStoreWriter, byte_view, stage, upload
-from multidc.plugins.object_store import ObjectStore, RetryPolicy
+from multidc.plugins.checkpoint.comm import Comm
+from multidc.plugins.checkpoint.format import COMMIT, decode_commit
+from multidc.plugins.checkpoint.planner import SafeRebuildLoadPlanner, StripedSavePlanner, safe_load_bytes
+from multidc.plugins.checkpoint.retention import claim_folder, remove_replaced
+from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, byte_view, stage, upload
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

@@ -27,8 +27,8 @@ from multidc.plugins import (
     RetryPolicy,
 )
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
-from multidc.strategies.layout import ParallelLayout
-from multidc.strategies.pipeline import PipelineConfig
+from multidc.strategies.parallel.layout import ParallelLayout
+from multidc.strategies.parallel.pipeline import PipelineConfig
 from multidc.hierarchical.tools.ranks import run_ranks
 
 

@@ -31,9 +31,9 @@ from multidc.plugins import (
     latest,
     list_checkpoints,
 )
-from multidc.plugins._checkpoint_format import CheckpointCorruptError as FormatError
-from multidc.plugins._checkpoint_format import checkpoint_name, decode_commit, parse_step
-from multidc.plugins._checkpoint_planner import stripe_plans
+from multidc.plugins.checkpoint.format import CheckpointCorruptError as FormatError
+from multidc.plugins.checkpoint.format import checkpoint_name, decode_commit, parse_step
+from multidc.plugins.checkpoint.planner import stripe_plans
 from tests._resources import require_module
 from multidc.hierarchical.tools.ranks import run_ranks
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
@@ -449,7 +449,7 @@ def test_keep_last_1_refuses_an_older_step_instead_of_deleting_it_after_commit(t
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_replacing_a_committed_step_keeps_it_loadable_until_the_new_one_commits(tmp_path, monkeypatch, request,
                                                                                  where):
-    import multidc.plugins.checkpoint as checkpoint_module
+    import multidc.plugins.checkpoint.checkpointer as checkpoint_module
 
     if where == "s3":
         server = request.getfixturevalue("s3_server")
@@ -533,7 +533,7 @@ def test_save_and_load_work_without_numpy(tmp_path, monkeypatch):
 _EXIT_WITH_FAILED_ASYNC_SAVE = """
 import sys
 import torch
-import multidc.plugins.checkpoint as checkpoint_module
+import multidc.plugins.checkpoint.checkpointer as checkpoint_module
 from multidc.plugins import Checkpointer
 
 def fail(staged, store, name, stop=None):

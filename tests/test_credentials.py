@@ -51,5 +51,5 @@ def test_secrets_appear_nowhere_and_wrong_credentials_name_endpoint_and_bucket(s
     line = next(line for line in out.splitlines() if line.startswith("WRONG-CREDENTIALS"))
     assert "ObjectStoreAuthError" in line and s3_auth_server.endpoint in line and f"bucket {bucket}" in line, line
     assert "AWS_SECRET_ACCESS_KEY" in line  # says where credentials come from, not what they are
-    assert "multidc.plugins.object_store.ObjectStoreAuthError" in err.splitlines()[-1]
+    assert "multidc.plugins.checkpoint.object_store.ObjectStoreAuthError" in err.splitlines()[-1]
     assert not any("/wrong/" in p for p in objects)  # nothing written with the refused credentials

@@ -27,7 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 import tests._lightning_ckpt_script as script  # noqa: E402
 from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
-from multidc.plugins._checkpoint_format import decode_commit  # noqa: E402
+from multidc.plugins.checkpoint.format import decode_commit  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
 from multidc.strategies._checkpointing import LightningCheckpoints, locate  # noqa: E402
 from tests._tiny_models import loss_fn  # noqa: E402
@@ -329,7 +329,7 @@ def _stored_value(path) -> float:
 
 @pytest.mark.parametrize("new_step", [8, 4], ids=["same-step", "rewound"])
 def test_a_failed_save_over_a_path_leaves_its_previous_checkpoint_loadable(tmp_path, monkeypatch, new_step):
-    import multidc.plugins.checkpoint as checkpoint_module
+    import multidc.plugins.checkpoint.checkpointer as checkpoint_module
 
     path = tmp_path / "last.ckpt"
     writer = LightningCheckpoints()

@@ -1,4 +1,5 @@
-"""Crash and restart a :class:`multidc.hierarchical.tools.seaweed.SeaweedS3` server on the same ports and data, for outage tests."""
+"""Crash and restart a SeaweedFS server (``multidc.hierarchical.tools.seaweed.SeaweedS3``) on the same ports and
+data, for outage tests."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import uuid
 
-from multidc.plugins._checkpoint_format import COMMIT, checkpoint_name, parse_step
-from multidc.plugins.object_store import ObjectStore
+from multidc.plugins.checkpoint.format import COMMIT, checkpoint_name, parse_step
+from multidc.plugins.checkpoint.object_store import ObjectStore
 
 _log = logging.getLogger("multidc.plugins.checkpoint")
 

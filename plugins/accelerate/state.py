@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 
-from multidc.plugins._checkpoint_format import checkpoint_name
-from multidc.plugins._checkpoint_state import ModelState, RNGState
+from multidc.plugins.checkpoint.format import checkpoint_name
+from multidc.plugins.checkpoint.state import ModelState, RNGState
 from multidc.plugins.checkpoint import CheckpointInfo, Checkpointer, latest
 
 

@@ -1,6 +1,6 @@
 """``MultiDCPlugin``: the settings of ``MultiDCAccelerator`` (sites, WAN, parallel layout, checkpoints).
 
-Kept apart from ``accelerate.py`` because it needs nothing from Accelerate: it is plain validated configuration.
+Kept apart from ``accelerator.py`` because it needs nothing from Accelerate: it is plain validated configuration.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from multidc.hierarchical import _env
 from multidc.hierarchical.config import WanConfig
 
-if TYPE_CHECKING:  # multidc.strategies imports Lightning when installed: only the layout code path pays for it
-    from multidc.strategies import ParallelLayout, PipelineConfig
+if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
+    from multidc.strategies.parallel import ParallelLayout, PipelineConfig
 
 _SIZE_ENV = {"dp_replicate": _env.DP_REPLICATE, "dp_shard": _env.DP_SHARD,
              "pipeline_parallel_size": _env.PP_SIZE, "tensor_parallel_size": _env.TP_SIZE}
@@ -114,7 +114,7 @@ class MultiDCPlugin:
                     f"(or {_env.PP_SIZE}) > 1."
                 )
             return  # plain data parallelism: DDP + hierarchical hook, any site sizes
-        from multidc.strategies import ParallelLayout, PipelineConfig
+        from multidc.strategies.parallel import ParallelLayout, PipelineConfig
 
         self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
                                        split_points=self.split_points)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from multidc.strategies.layout import ALIASES, MESH_AXES
+from multidc.strategies.parallel.layout import ALIASES, MESH_AXES
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from multidc.plugins.checkpoint import CheckpointInfo
+    from multidc.plugins.checkpoint.checkpointer import CheckpointInfo
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
 

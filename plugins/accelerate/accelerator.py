@@ -37,12 +37,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Accelerate integration needs Accelerate: pip install 'multidc[accelerate]' (accelerate>=1.10)."
     ) from exc
 
-from multidc.plugins import _accelerate_parallel as _par
-from multidc.plugins._accelerate_plugin import MultiDCPlugin
-from multidc.plugins._accelerate_state import StateMixin
+from multidc.plugins.accelerate import parallel as _par
+from multidc.plugins.accelerate.plugin import MultiDCPlugin
+from multidc.plugins.accelerate.state import StateMixin
 
-if TYPE_CHECKING:  # multidc.strategies imports Lightning when installed: only the layout code path pays for it
-    from multidc.strategies import ParallelLayout, ParallelModel
+if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
+    from multidc.strategies.parallel import ParallelLayout, ParallelModel
 
 class MultiDCAccelerator(StateMixin, Accelerator):
     """An ``Accelerator`` that trains across sites: DDP with a hierarchical gradient hook, or a parallel layout.
@@ -72,7 +72,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
     directories with a layout or ``shard_local_checkpoints``) go through ``multidc.plugins.Checkpointer``: sharded,
     replicated state striped, atomic commit, ``async_save``; ``load_state(url)`` picks the newest committed
     checkpoint and reshards into this run's layout (other world size, sites, dp/pp/tp). Other local directories
-    keep Accelerate's own format. Details: ``multidc.plugins._accelerate_state``.
+    keep Accelerate's own format. Details: ``multidc.plugins.accelerate.state``.
 
     Args:
         *args: passed to ``Accelerator``.
@@ -170,7 +170,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         return super().prepare(*args, device_placement=device_placement)
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
-        from multidc.strategies import prepare_parallel
+        from multidc.strategies.parallel import prepare_parallel
 
         plugin = self.multidc_plugin
         if blocks is None and callable(getattr(model, "pipeline_blocks", None)):
@@ -209,7 +209,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if self.device_mesh is None or getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        from multidc.strategies import data_parallel_coordinate
+        from multidc.strategies.parallel import data_parallel_coordinate
 
         index, size = data_parallel_coordinate(self.device_mesh)
         placement = self.device_placement if device_placement is None else device_placement
@@ -277,7 +277,7 @@ class MultiDCAccelerator(StateMixin, Accelerator):
         stage (``multidc.strategies.clip_grad_norm_``), identical on every rank. Every rank must call it."""
         if self.device_mesh is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        from multidc.strategies import clip_grad_norm_
+        from multidc.strategies.parallel import clip_grad_norm_
 
         self.unscale_gradients()
         return clip_grad_norm_(list(parameters), max_norm, self.device_mesh, norm_type=norm_type)

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from multidc.plugins._s3_multipart import S3_MIN_PART, multipart_put
+from multidc.plugins.checkpoint.s3_multipart import S3_MIN_PART, multipart_put
 
 _T = TypeVar("_T")
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("multidc.plugins.object_store")  # the name users configure (module moved)
 _MIB = 1 << 20
 # ``s3:/bucket`` or ``s3:bucket`` (a scheme without ``//``) would otherwise become a local folder named "s3:".
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")

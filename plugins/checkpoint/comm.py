@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from multidc.hierarchical.errors import timed_out
-from multidc.plugins._checkpoint_format import CheckpointCorruptError
-from multidc.plugins.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+from multidc.plugins.checkpoint.format import CheckpointCorruptError
+from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
 
 _KNOWN = {cls.__name__: cls for cls in (
     ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,

@@ -16,11 +16,15 @@ import torch
 from torch import nn
 
 from multidc.hierarchical import Topology, WanConfig
-from multidc.strategies.data_parallel import apply_data_parallel, replicate_topology, set_requires_gradient_sync
-from multidc.strategies.grad_clip import clip_grad_norm_
-from multidc.strategies.layout import MESH_AXES, ParallelLayout, submesh
-from multidc.strategies.pipeline import Pipeline, PipelineConfig, build_pipeline, split_blocks, stage_modules
-from multidc.strategies.tensor_parallel import apply_tensor_parallel
+from multidc.strategies.parallel.data_parallel import (
+    apply_data_parallel,
+    replicate_topology,
+    set_requires_gradient_sync,
+)
+from multidc.strategies.parallel.grad_clip import clip_grad_norm_
+from multidc.strategies.parallel.layout import MESH_AXES, ParallelLayout, submesh
+from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, build_pipeline, split_blocks, stage_modules
+from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel
 
 
 class RemoteBlock(nn.Module):

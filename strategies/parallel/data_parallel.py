@@ -22,7 +22,7 @@ from torch import nn
 
 from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
 from multidc.hierarchical.all_reduce import residual_numel, submit
-from multidc.strategies.layout import submesh
+from multidc.strategies.parallel.layout import submesh
 
 
 class _MeshTopology(Topology):

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from multidc.plugins._checkpoint_format import (
+from multidc.plugins.checkpoint.format import (
     COMMIT,
     CheckpointCorruptError,
     ItemLocation,
@@ -41,7 +41,7 @@ from multidc.plugins._checkpoint_format import (
     parse_dtype,
     shard_file,
 )
-from multidc.plugins.object_store import ObjectStore
+from multidc.plugins.checkpoint.object_store import ObjectStore
 
 _ALIGN = 64
 _READ_BATCH_BYTES = 256 << 20
