@@ -17,8 +17,8 @@ from multidc.hierarchical._executor import SerialExecutor
 from multidc.hierarchical.tools.lab import Lab, lab_available
 from multidc.plugins import Checkpointer
 from multidc.hierarchical.tools.ranks import run_ranks
-from tests.faults.lab_job import LabJob, python_argv
-from tests.faults.train_job import reference_losses
+from benchmarks.fault_jobs.lab_job import LabJob, python_argv
+from benchmarks.fault_jobs.train_job import reference_losses
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
 
@@ -30,7 +30,7 @@ STEPS, EVERY, CUT_AFTER = 20, 5, 11
 
 
 def _argv(ckpt, *extra: str) -> list[str]:
-    return python_argv("tests.faults.train_job", "--ckpt", str(ckpt), "--timeout-s", f"{TIMEOUT_S:g}",
+    return python_argv("benchmarks.fault_jobs.train_job", "--ckpt", str(ckpt), "--timeout-s", f"{TIMEOUT_S:g}",
                        "--steps", str(STEPS), "--every", str(EVERY), *extra)
 
 
