@@ -36,9 +36,9 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from multidc.hierarchical.tools.lab import Lab, lab_available  # noqa: E402
 from benchmarks.fault_jobs.lab_job import LabJob, python_argv  # noqa: E402
 from benchmarks.fault_jobs.train_job import reference_losses  # noqa: E402
+from multidc.hierarchical.tools.lab import Lab, lab_available  # noqa: E402
 
 LAYOUTS = {"train": [2, 2], "offrail": [2, 1], "save": [2, 2]}
 

@@ -32,10 +32,10 @@ import torch
 
 from multidc.plugins.checkpoint.comm import Comm
 from multidc.plugins.checkpoint.format import COMMIT, decode_commit
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import SafeRebuildLoadPlanner, StripedSavePlanner, safe_load_bytes
 from multidc.plugins.checkpoint.retention import claim_folder, remove_replaced
 from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, byte_view, stage, upload
-from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

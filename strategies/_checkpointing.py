@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle, list_checkpoints
 from multidc.plugins.checkpoint.format import COMMIT, parse_step
+from multidc.plugins.checkpoint.object_store import ObjectStore
 from multidc.plugins.checkpoint.state import load_optimizer_state_dict
 from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_state_dict
-from multidc.plugins.checkpoint.object_store import ObjectStore
 
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -22,8 +22,8 @@ import sys
 import tempfile
 
 from multidc.hierarchical.config import COMPRESSIONS
-from multidc.hierarchical.tools.launch import SiteJob
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
+from multidc.hierarchical.tools.launch import SiteJob
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

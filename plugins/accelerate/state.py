@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 
+from multidc.plugins.checkpoint import CheckpointInfo, Checkpointer, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
 from multidc.plugins.checkpoint.state import ModelState, RNGState
-from multidc.plugins.checkpoint import CheckpointInfo, Checkpointer, latest
 
 
 class StateMixin:

@@ -74,11 +74,11 @@ from multidc.hierarchical.errors import wan_failure
 from multidc.plugins.checkpoint import retention as _retention
 from multidc.plugins.checkpoint.comm import Comm
 from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit
-from multidc.plugins.checkpoint.planner import SafeLoadPlanner, StripedSavePlanner
 from multidc.plugins.checkpoint.handle import UNWAITED, SaveHandle
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
+from multidc.plugins.checkpoint.planner import SafeLoadPlanner, StripedSavePlanner
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
 from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
-from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
