@@ -1,7 +1,8 @@
 """Bad configuration, table-driven: wrong layouts, environment values, URLs and arguments each raise a specific
 error whose message says what is wrong. The cases that involve ranks run on 4 real gloo ranks and check that every
 rank raises, quickly (before any collective that could hang). Plus hypothesis properties of site resolution
-(chunk planning and ParallelLayout arithmetic have theirs in test_layout.py / test_parallel_layout.py)."""
+(chunk planning and ParallelLayout arithmetic have theirs in hierarchical/test_layout.py and
+strategies/test_parallel_layout.py)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from multidc.plugins import (
     ObjectStoreNotFoundError,
     RetryPolicy,
 )
+from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
 from multidc.strategies.parallel.layout import ParallelLayout
 from multidc.strategies.parallel.pipeline import PipelineConfig
-from multidc.hierarchical.tools.ranks import run_ranks
 
 
 def _saved(tmp, state) -> Checkpointer:

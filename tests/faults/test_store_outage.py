@@ -13,9 +13,9 @@ import uuid
 import pytest
 import torch
 
+from multidc.hierarchical.tools.seaweed import SeaweedS3
 from multidc.plugins import Checkpointer, CheckpointSaveError, RetryPolicy
 from tests._resources import require_weed
-from multidc.hierarchical.tools.seaweed import SeaweedS3
 from tests.faults.seaweed import Outage, kill_when_parts_uploaded
 
 STATE_MB = 40  # 8 parts of 5 MiB sent one at a time: the crash lands between parts

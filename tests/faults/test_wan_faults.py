@@ -11,14 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from multidc.hierarchical import SiteLayout, WanError
-from multidc.hierarchical import errors
-from multidc.hierarchical._executor import SerialExecutor
-from multidc.hierarchical.tools.lab import Lab, lab_available
-from multidc.plugins import Checkpointer
-from multidc.hierarchical.tools.ranks import run_ranks
 from benchmarks.fault_jobs.lab_job import LabJob, python_argv
 from benchmarks.fault_jobs.train_job import reference_losses
+from multidc.hierarchical import SiteLayout, WanError, errors
+from multidc.hierarchical._executor import SerialExecutor
+from multidc.hierarchical.tools.lab import Lab, lab_available
+from multidc.hierarchical.tools.ranks import run_ranks
+from multidc.plugins import Checkpointer
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_accelerate_3d.py: a fresh ``MultiDCAccelerator`` per case on already-running gloo
+"""Rank functions for test_accelerate_3d.py: a fresh ``MultiDCAccelerator`` per case on already-running gloo
 ranks, and the save_state / load_state runs (train, save, keep training; elsewhere load and train on).
 
 Every run trains ``TinyGPT`` on the global batches of ``tests._tiny_models.batch`` (SGD with momentum, a LambdaLR

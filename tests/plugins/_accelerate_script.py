@@ -1,6 +1,6 @@
-"""An ordinary Accelerate training loop, run by tests/test_accelerate.py under a real ``accelerate launch``.
+"""An ordinary Accelerate training loop, run by tests/plugins/test_accelerate.py under a real ``accelerate launch``.
 
-    accelerate launch --config_file CONFIG tests/_accelerate_script.py --out DIR [--plain]
+    accelerate launch --config_file CONFIG tests/plugins/_accelerate_script.py --out DIR [--plain]
 
 ``--plain`` trains with ``accelerate.Accelerator``; otherwise the one changed line makes it
 ``multidc.plugins.MultiDCAccelerator`` (sites and WAN settings from ``MULTIDC_*`` env). Gradient accumulation 2

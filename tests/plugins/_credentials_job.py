@@ -1,4 +1,4 @@
-"""A run that uses S3 credentials end to end, every logger at DEBUG, for ``tests/test_credentials.py``.
+"""A run that uses S3 credentials end to end, every logger at DEBUG, for ``tests/plugins/test_credentials.py``.
 
 Credentials come from the standard places only, never from the command line: the AWS environment variables for
 the ``Checkpointer`` part (and Lightning's own listing of ``default_root_dir``), ``storage_options`` (built from
@@ -6,7 +6,7 @@ the ``Checkpointer`` part (and Lightning's own listing of ``default_root_dir``),
 ``ObjectStoreCheckpointIO``. The test greps everything this run prints, every object it
 stores and every local file it writes for the secrets. Usage::
 
-    python -m tests.faults.credentials_job ENDPOINT BUCKET OUTDIR
+    python -m tests.plugins._credentials_job ENDPOINT BUCKET OUTDIR
 """
 
 from __future__ import annotations

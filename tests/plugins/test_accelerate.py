@@ -27,8 +27,8 @@ require_module("accelerate", "accelerate")
 from multidc.hierarchical import WanConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-SCRIPT = os.path.join(ROOT, "tests", "_accelerate_script.py")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
+SCRIPT = os.path.join(ROOT, "tests", "plugins", "_accelerate_script.py")
 EXAMPLE = os.path.join(ROOT, "examples", "accelerate_hierarchical.py")
 CONFIG = os.path.join(ROOT, "examples", "accelerate_config.yaml")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")

@@ -15,13 +15,13 @@ import uuid
 import pytest
 import torch
 
-from tests._resources import require_module, require_weed
 from multidc.hierarchical.tools.seaweed import weed_binary
+from tests._resources import require_module, require_weed
 require_module("accelerate", "accelerate")
 
-from tests._accelerate_ckpt import resume_runs, save_runs  # noqa: E402
 from multidc.hierarchical.tools.ranks import run_ranks  # noqa: E402
 from tests._tiny_models import EVAL_ROWS, TinyGPT, _optimizer, assert_parity, batch, loss_fn  # noqa: E402
+from tests.plugins._accelerate_ckpt import resume_runs, save_runs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
@@ -301,7 +301,7 @@ def test_local_directories_keep_accelerates_format_unless_opted_in(checkpoints):
 
 def test_single_process_save_state_to_a_file_url_round_trips(tmp_path):
     """``python train.py`` (no launcher, no process group): save_state / load_state through multidc still work."""
-    from tests._accelerate_ckpt import fresh_accelerator, prepared, train
+    from tests.plugins._accelerate_ckpt import fresh_accelerator, prepared, train
 
     url = f"file://{tmp_path}/run"
     with fresh_accelerator(step_scheduler_with_optimizer=False) as acc:

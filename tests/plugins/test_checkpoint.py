@@ -31,11 +31,11 @@ from multidc.plugins import (
     latest,
     list_checkpoints,
 )
+from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins.checkpoint.format import CheckpointCorruptError as FormatError
 from multidc.plugins.checkpoint.format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins.checkpoint.planner import stripe_plans
 from tests._resources import require_module
-from multidc.hierarchical.tools.ranks import run_ranks
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
 
 pytestmark = pytest.mark.timeout(240)
@@ -512,7 +512,7 @@ def test_cleanup_failing_after_the_commit_is_logged_not_reported_as_a_failed_sav
 
 
 def _python(script: str, *args: str) -> subprocess.CompletedProcess:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
                           cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
+from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins import Checkpointer, latest, list_checkpoints
 from tests._resources import require_module
-from multidc.hierarchical.tools.ranks import run_ranks
 from tests._tiny_models import TinyGPT, batch, loss_fn
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,7 +76,7 @@ def _train_steps(accelerator, model, opt, sched, loader, first: int, on_step=Non
 
 
 def _pipeline_save_and_resume(rank, world, url):
-    from tests._accelerate_ckpt import fresh_accelerator
+    from tests.plugins._accelerate_ckpt import fresh_accelerator
 
     plugin = dict(pipeline_parallel_size=2, microbatches=2)
     out = {}

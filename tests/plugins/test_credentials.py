@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.conftest import AUTH_KEYS
 
 WRONG_SECRET = "mdc-wrong-secret-7c1e90ab"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(server, bucket: str, outdir: Path) -> subprocess.CompletedProcess:
@@ -22,7 +22,7 @@ def _run(server, bucket: str, outdir: Path) -> subprocess.CompletedProcess:
             "MDC_TEST_SECRET": AUTH_KEYS[1], "MDC_TEST_WRONG_SECRET": WRONG_SECRET, "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT), "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_ENDPOINT_URL": server.endpoint}  # Lightning lists default_root_dir with its own fsspec calls
-    return subprocess.run([sys.executable, "-m", "tests.faults.credentials_job", server.endpoint, bucket,
+    return subprocess.run([sys.executable, "-m", "tests.plugins._credentials_job", server.endpoint, bucket,
                            str(outdir)], capture_output=True, text=True, env=env, cwd=outdir, timeout=240)
 
 

@@ -1,8 +1,8 @@
-"""Lightning training that checkpoints through a multidc strategy, run by tests/test_lightning_checkpoint.py.
+"""Lightning training that checkpoints through a multidc strategy, run by tests/strategies/test_lightning_checkpoint.py.
 
-    python tests/_lightning_ckpt_script.py --strategy hierarchical_ddp --devices 4 --root s3://b/run \\
+    python tests/strategies/_lightning_ckpt_script.py --strategy hierarchical_ddp --devices 4 --root s3://b/run \\
         --max-steps 8 --every 4 --out DIR [--ckpt-path last] [--async]
-    python tests/_lightning_ckpt_script.py --strategy parallel_3d --devices 4 --pp 2 --root /tmp/run \\
+    python tests/strategies/_lightning_ckpt_script.py --strategy parallel_3d --devices 4 --pp 2 --root /tmp/run \\
         --max-steps 2 --out DIR [--ckpt-path last]
 
 ``hierarchical_ddp`` trains a small regressor (AdamW, per-step LR schedule) with ``ModelCheckpoint(dirpath=
@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
 from tests._tiny_models import TinyGPT, batch, loss_fn  # noqa: E402
 

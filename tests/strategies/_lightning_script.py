@@ -1,8 +1,8 @@
-"""An ordinary Lightning training script, run by tests/test_lightning_strategy.py with ``python`` (the strategy
+"""An ordinary Lightning training script, run by test_lightning_strategy.py with ``python`` (the strategy
 launches its own ranks). The only multidc lines are the import and the strategy name.
 
-    python tests/_lightning_script.py --strategy hierarchical_ddp --out DIR [--devices 4] [--accumulate 2]
-    python tests/_lightning_script.py --fabric --strategy hierarchical_ddp --out DIR --devices 2
+    python tests/strategies/_lightning_script.py --strategy hierarchical_ddp --out DIR [--devices 4] [--accumulate 2]
+    python tests/strategies/_lightning_script.py --fabric --strategy hierarchical_ddp --out DIR --devices 2
 
 Rank 0 writes DIR/weights.pt (final and initial parameters) and DIR/run.json (what the test checks); the CSV
 logger writes DIR/csv/.../metrics.csv. ``--fabric`` trains the same model with ``lightning.fabric.Fabric`` and also

@@ -1,8 +1,8 @@
 """A LightningModule written for Lightning's ``ModelParallelStrategy`` (TP plans and ``fully_shard`` in
 ``configure_model`` on ``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``), run unchanged with
-``strategy="parallel_3d"``. Run by tests/test_parallel_3d.py:
+``strategy="parallel_3d"``. Run by tests/strategies/test_parallel_3d.py:
 
-    python tests/_model_parallel_script.py --out DIR      # 4 ranks: MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
+    python tests/strategies/_model_parallel_script.py --out DIR      # 4 ranks: MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
 
 Every rank writes DIR/weights_rank{r}.pt (full values of its parameters); rank 0 writes DIR/run.json (losses).
 """
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 import multidc.strategies  # noqa: E402,F401  (registers "parallel_3d")
 from tests._tiny_models import TinyGPT, batch, loss_fn  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Lightning checkpoints through multidc's Checkpointer with both multidc strategies.
 
-Trainer runs (tests/_lightning_ckpt_script.py, CPU, gloo) save to a real SeaweedFS S3 server (hierarchical_ddp,
+Trainer runs (_lightning_ckpt_script.py, CPU, gloo) save to a real SeaweedFS S3 server (hierarchical_ddp,
 4 ranks / 2 sites, async, credentials from the AWS environment) and to a local path (parallel_3d, dp_shard 2 x
 pp 2), then resume with ``ckpt_path="last"`` on another layout (2 ranks / 1 site; dp_shard 2 without pipeline)
 past a planted half-written checkpoint. Losses and weights are compared with one process trained in this test
@@ -25,7 +25,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
-import tests._lightning_ckpt_script as script  # noqa: E402
+import tests.strategies._lightning_ckpt_script as script  # noqa: E402
 from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
 from multidc.plugins.checkpoint.format import decode_commit  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402

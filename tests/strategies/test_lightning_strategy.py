@@ -1,6 +1,6 @@
 """HierarchicalDDPStrategy end to end: Trainer runs with 4 CPU ranks in subprocesses, registry, env config, errors.
 
-The Trainer runs use tests/_lightning_script.py, an ordinary script whose only multidc lines are the import and
+The Trainer runs use _lightning_script.py, an ordinary script whose only multidc lines are the import and
 the strategy name; the strategy launches its own ranks, as for a user running ``python train.py``.
 """
 

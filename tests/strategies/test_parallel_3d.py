@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from tests._resources import require_module
 from multidc.hierarchical.tools.ranks import run_ranks
+from tests._resources import require_module
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
 FOUR_RANK_CASES = {
@@ -148,7 +148,7 @@ def test_eight_ranks_train_like_one_process_with_a_fraction_of_the_memory(eight_
 
 # ------------------------------------------------------------------------------------------------ Lightning
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt_3d.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "gpt_3d.py")
 LIGHTNING_ARGS = dict(devices=4, sites=2, pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, hidden=16,
                       batch_size=4, max_steps=3, clip=0.05)
 LIGHTNING_LAYOUTS = {"sites2xpp2": dict(pp=2, tp=1), "sites2xtp2": dict(pp=1, tp=2)}
@@ -255,9 +255,9 @@ MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel
 
 @pytest.mark.timeout(400)
 def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_warns_about_flat_wan(tmp_path):
-    """tests/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model."""
+    """_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model."""
     require_module("lightning", "lightning")
-    import tests._model_parallel_script as script
+    import tests.strategies._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
 
     env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"}
