@@ -15,7 +15,7 @@ Compares, in the same run and against the same server:
 Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file).
 Prints median and spread (min-max) of ``--repeats`` runs per figure, the bound above, and one JSON line.
 
-Then PASS / FAIL against the targets of the checkpoint issue, on the medians: multidc's sync save at least 3x
+Then PASS / FAIL against two targets, on the medians: multidc's sync save at least 3x
 faster than Lightning's single-file save to the same s3:// URL, and async saves blocking training for at most
 10% of the sync save time. The exit status is 1 when a target fails. The targets are about a model of at least
 200 MB (10^6 bytes) of state: a smaller ``--size-mb`` is refused unless ``--allow-small`` (a smoke run; its
@@ -36,11 +36,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 KEYS = ("BENCHKEY", "bench-secret-not-printed")
-MIN_STATE_BYTES = 200 * 10**6  # the issue: "a model of at least 200 MB of state"
+MIN_STATE_BYTES = 200 * 10**6  # the targets are about a model of at least 200 MB of state
 TARGET_SPEEDUP_VS_LIGHTNING = 3.0  # multidc sync save >= 3x faster than Lightning's single-file save
 TARGET_ASYNC_BLOCKED_SHARE = 0.10  # async blocking <= 10% of the multidc sync save time
 
@@ -121,7 +118,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
 
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # main() checked that it is installed
 
-    from multidc.plugins._checkpoint_storage import byte_view
+    from multidc.plugins.checkpoint.storage import byte_view
 
     raw = byte_view(torch.randint(0, 256, (state_bytes // world,), dtype=torch.uint8))
 
@@ -178,7 +175,7 @@ def _summary(values: list[float]) -> dict:
 
 
 def _verdicts(ratios: dict) -> dict:
-    """Each target of the issue: its figure, the bound and whether the figure meets it."""
+    """Each target: its figure, the bound and whether the figure meets it."""
     speedup, blocked = ratios["speedup_vs_lightning_save"], ratios["async_blocked_share_of_sync_save"]
     return {
         "multidc sync save >= 3x faster than Lightning single-file save": {
@@ -197,7 +194,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                      "to the same s3:// URL) cannot run. Install it: pip install 'multidc[lightning]'.")
     state = state_bytes_for(args.size_mb)
     if state < MIN_STATE_BYTES and not args.allow_small:
-        parser.error(f"--size-mb {args.size_mb:g} gives {state / 1e6:.0f} MB of model state; the issue's targets are "
+        parser.error(f"--size-mb {args.size_mb:g} gives {state / 1e6:.0f} MB of model state; the targets are "
                      f"for at least {MIN_STATE_BYTES / 1e6:.0f} MB. Use --size-mb 200 or more, or pass --allow-small "
                      "for a smoke run whose PASS/FAIL verdicts do not measure the targets.")
 
@@ -215,8 +212,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
 
-    from tests._dist import run_ranks
-    from tests._s3 import SeaweedS3
+    from multidc.hierarchical.tools.ranks import run_ranks
+    from multidc.hierarchical.tools.seaweed import SeaweedS3
 
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedS3.start(tmp, auth=KEYS)

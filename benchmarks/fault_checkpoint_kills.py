@@ -3,8 +3,8 @@
 
 Ranks (2 to 4, drawn per round, so most loads reshard) save back to back with ``keep_last_k=2`` (retention
 deletes while ranks die), to a local directory or to a real S3 server (SeaweedFS, started here, or an existing
-endpoint). See ``tests/faults/ckpt_kills.py`` for the procedure. Prints one line per kill, the counts, and a JSON
-line; exits 1 if any ``latest`` was corrupt or lost. Usage::
+endpoint). See ``benchmarks/fault_jobs/ckpt_kills.py`` for the procedure. Prints one line per kill, the counts,
+and a JSON line; exits 1 if any ``latest`` was corrupt or lost. Usage::
 
     python benchmarks/fault_checkpoint_kills.py [--kills 50] [--store local|s3|both] [--seed 0]
 """
@@ -21,7 +21,7 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.faults import ckpt_kills  # noqa: E402  (after the path fix, as in bench_checkpoint.py)
+from benchmarks.fault_jobs import ckpt_kills  # noqa: E402  (after the path fix)
 
 
 def _make_bucket(endpoint: str, name: str) -> None:
@@ -45,7 +45,7 @@ def _run(store: str, args, tmp: str) -> dict:
         else:
             endpoint = args.s3_endpoint
             if endpoint is None:
-                from tests._s3 import SeaweedS3
+                from multidc.hierarchical.tools.seaweed import SeaweedS3
 
                 server = SeaweedS3.start(os.path.join(tmp, "seaweed"))
                 endpoint = server.endpoint

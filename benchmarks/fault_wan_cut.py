@@ -1,7 +1,8 @@
 """Fault script: cut the lab WAN link in the middle of a DDP job, again and again, and measure how it fails.
 
-Needs root (network namespaces; see ``multidc.hierarchical.lab``). Each repetition runs ``tests/faults/train_job``
-(DDP + ``register_ddp_hook``, a checkpoint every ``--every`` steps) as 2 sites and cuts site 1's link:
+Needs root (network namespaces; see ``multidc.hierarchical.tools.lab``). Each repetition runs
+``benchmarks/fault_jobs/train_job`` (DDP + ``register_ddp_hook``, a checkpoint every ``--every`` steps) as 2 sites
+and cuts site 1's link:
 
 * ``train``  sites [2, 2]; cut after a random step between two checkpoints. Every rank must fail within
   ``--timeout-s`` + ``--margin-s`` of the cut with an error naming the sites and the link, exit non-zero; then the
@@ -35,15 +36,15 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from multidc.hierarchical.lab import Lab, lab_available  # noqa: E402
-from tests.faults.lab_job import LabJob, python_argv  # noqa: E402
-from tests.faults.train_job import reference_losses  # noqa: E402
+from benchmarks.fault_jobs.lab_job import LabJob, python_argv  # noqa: E402
+from benchmarks.fault_jobs.train_job import reference_losses  # noqa: E402
+from multidc.hierarchical.tools.lab import Lab, lab_available  # noqa: E402
 
 LAYOUTS = {"train": [2, 2], "offrail": [2, 1], "save": [2, 2]}
 
 
 def _argv(args, ckpt: Path, *extra: str) -> list[str]:
-    return python_argv("tests.faults.train_job", "--ckpt", str(ckpt), "--timeout-s", f"{args.timeout_s:g}",
+    return python_argv("benchmarks.fault_jobs.train_job", "--ckpt", str(ckpt), "--timeout-s", f"{args.timeout_s:g}",
                        "--steps", str(args.steps), "--every", str(args.every), *extra)
 
 

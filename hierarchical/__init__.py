@@ -10,11 +10,12 @@ Typical use, on every rank after ``init_process_group``::
     print(topo.wan_stats.snapshot())                        # bytes sent between sites
 """
 
-from multidc.hierarchical.all_reduce import WanError, all_reduce
+from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.chunking import Chunk, plan_chunks
 from multidc.hierarchical.compression import get_codec
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
 

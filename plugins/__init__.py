@@ -1,24 +1,30 @@
-"""Accelerate integration and object-store checkpoint I/O (see the project issues)."""
+"""Checkpoints to object storage, and the framework plugins that use them.
 
-from multidc.plugins._checkpoint_state import ModelState, RNGState
+* ``multidc.plugins.checkpoint``: the checkpoint engine (``Checkpointer``, ``ObjectStore``, ``ModelState``, ...).
+* ``multidc.plugins.accelerate``: ``MultiDCAccelerator`` and ``MultiDCPlugin`` for Hugging Face Accelerate.
+* ``multidc.plugins.lightning_checkpoint_io``: ``ObjectStoreCheckpointIO``, a Lightning ``CheckpointIO``.
+
+The Accelerate and Lightning names are imported when first used, so this package needs neither installed.
+"""
+
 from multidc.plugins.checkpoint import (
     CheckpointCorruptError,
     CheckpointInfo,
     Checkpointer,
     CheckpointSaveError,
+    ModelState,
+    ObjectStore,
+    ObjectStoreAuthError,
+    ObjectStoreError,
+    ObjectStoreNotFoundError,
+    RetryPolicy,
+    RNGState,
     SaveHandle,
     latest,
     list_checkpoints,
     load,
     save,
     wait,
-)
-from multidc.plugins.object_store import (
-    ObjectStore,
-    ObjectStoreAuthError,
-    ObjectStoreError,
-    ObjectStoreNotFoundError,
-    RetryPolicy,
 )
 
 __all__: list[str] = [

@@ -1,26 +1,36 @@
-"""Parallel layouts and Lightning strategies (see the project issues).
+"""The Lightning strategies, and the framework-free parallel layout they build on (``multidc.strategies.parallel``).
 
-Importing this package registers the multidc strategy names (``"hierarchical_ddp"``, ...) with Lightning's
-``StrategyRegistry`` and Fabric's registry when Lightning is installed. Without Lightning the package still
-imports (framework-agnostic parts work) and using a Lightning strategy class raises an ImportError that says what
-to install.
+* ``HierarchicalDDPStrategy`` (``"hierarchical_ddp"``, ``"hierarchical_ddp_spawn"``) and its Fabric twin
+  ``HierarchicalDDPFabricStrategy``: Lightning's DDP with every gradient bucket reduced inside its site first,
+  then across sites.
+* ``Parallel3DStrategy`` (``"parallel_3d"``): Lightning's ``ModelParallelStrategy`` extended to site x data x
+  pipeline x tensor parallelism.
+* The layout itself (``ParallelLayout``, ``parallelize``, ...), re-exported from ``multidc.strategies.parallel``.
+
+Importing this package registers the multidc strategy names with Lightning's ``StrategyRegistry`` and Fabric's
+registry when Lightning is installed. Without Lightning the package still imports (the parallel layout works) and
+using a Lightning strategy class raises an ImportError that says what to install.
 """
 
 import importlib
 import importlib.util
 
-from multidc.strategies.data_parallel import apply_data_parallel, replicate_topology
-from multidc.strategies.grad_clip import clip_grad_norm_
-from multidc.strategies.layout import ParallelLayout
-from multidc.strategies.parallelize import (
+from multidc.strategies.parallel import (
+    ParallelLayout,
     ParallelModel,
+    Pipeline,
+    PipelineConfig,
     RemoteBlock,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    clip_grad_norm_,
     data_parallel_coordinate,
     parallelize,
     prepare_parallel,
+    replicate_topology,
+    split_blocks,
+    transformer_block_plan,
 )
-from multidc.strategies.pipeline import Pipeline, PipelineConfig, split_blocks
-from multidc.strategies.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 
 # Public names that need Lightning -> the module defining them (without Lightning, __getattr__ raises its error).
 _LIGHTNING_EXPORTS = {

@@ -33,10 +33,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle
-from multidc.plugins._checkpoint_format import COMMIT, parse_step
-from multidc.plugins._checkpoint_retention import clear_file, delete_committed
-from multidc.plugins._checkpoint_state import load_optimizer_state_dict
-from multidc.plugins._checkpoint_state import optimizer_state_dict as _optimizer_state_dict
+from multidc.plugins.checkpoint.format import COMMIT, parse_step
+from multidc.plugins.checkpoint.retention import clear_file, delete_committed
+from multidc.plugins.checkpoint.state import load_optimizer_state_dict
+from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_state_dict
 
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -1,5 +1,5 @@
 """``Parallel3DStrategy``: Lightning's ``ModelParallelStrategy`` extended to site x data (FSDP2 / replicated) x
-pipeline x tensor parallelism, registered as ``"parallel_3d"``. A thin adapter over ``multidc.strategies.parallelize``.
+pipeline x tensor parallelism, registered as ``"parallel_3d"``. A thin adapter over ``parallel.parallelize``.
 
 What a LightningModule does with it:
 
@@ -12,7 +12,7 @@ What a LightningModule does with it:
   parallelism): that ``fully_shard`` shards inside each site instead and the strategy reduces the sites'
   replicas hierarchically (``data_parallel_within_sites``); ``fsdp_across_sites=True`` keeps it across sites,
   flat, with a warning.
-* ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks (see ``multidc.strategies.pipeline``).
+* ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks (see ``multidc.strategies.parallel.pipeline``).
   Required with ``pipeline_parallel_size > 1``; otherwise used as FSDP units when defined.
 * ``training_step``: with pipeline parallelism, ``self(x)`` is not available on any one rank. Instead write
   ``loss = self.trainer.strategy.pipeline_step(x, y, loss_fn)``: it runs the schedule (forward and backward of
@@ -37,15 +37,15 @@ import torch
 
 from multidc.hierarchical import WanConfig, _env
 from multidc.hierarchical._gradient_sync import GradientSync
-from multidc.strategies.data_parallel import (
+from multidc.strategies.parallel.data_parallel import (
     add_replica_reduction,
     data_parallel_within_sites,
     fsdp_mesh_crosses_sites,
     replicate_topology,
 )
-from multidc.strategies.layout import ParallelLayout, submesh
-from multidc.strategies.parallelize import ParallelModel, layout_of, parallelize
-from multidc.strategies.pipeline import PipelineConfig
+from multidc.strategies.parallel.layout import ParallelLayout, submesh
+from multidc.strategies.parallel.parallelize import ParallelModel, layout_of, parallelize
+from multidc.strategies.parallel.pipeline import PipelineConfig
 
 try:
     import lightning.pytorch as pl
@@ -313,7 +313,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        from multidc.strategies.grad_clip import clip_grad_norm_
+        from multidc.strategies.parallel.grad_clip import clip_grad_norm_
 
         clip_grad_norm_(params, clip_val, self.device_mesh)
 

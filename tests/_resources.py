@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests._s3 import weed_binary
+from multidc.hierarchical.tools.seaweed import weed_binary
 
 _REQUIRED = os.environ.get("MULTIDC_REQUIRE_TEST_RESOURCES") == "1"
 

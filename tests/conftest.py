@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
+from multidc.hierarchical.tools.seaweed import SeaweedS3
 from tests._resources import require_weed
-from tests._s3 import SeaweedS3
 
 AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")
 READONLY_KEYS = ("MDCREADONLYKEY", "mdc-readonly-secret-51b0e2aa")

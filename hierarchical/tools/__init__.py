@@ -1,1 +1,7 @@
-"""Command-line and lab tools around the core (never imported by it)."""
+"""Command-line tools, and the launchers that benchmarks and tests share. Never imported by a training job.
+
+``cli`` is the ``multidc`` command: ``doctor`` (check a multi-site layout), ``lab run`` (``launch``: a command run
+as several sites over a lab WAN built by ``lab``) and ``bench allreduce`` (``bench``, ranks in ``_bench_worker``).
+``ranks`` runs a function on N gloo ranks in spawned processes; ``seaweed`` starts a SeaweedFS S3 server on
+loopback.
+"""

@@ -1,3 +1,2 @@
-"""Fault-injection helpers: a small resumable training job, a per-rank launcher for the lab WAN, and the
-checkpoint-kill worker. Used by ``tests/test_wan_faults.py``, ``tests/faults/test_*.py`` and
-``benchmarks/fault_*.py``."""
+"""Fault tests and their helpers: ranks killed mid-save, S3 outages (``seaweed``), a credentials run
+(``credentials_job``), WAN cuts in the lab. The jobs the fault scripts run live in ``benchmarks/fault_jobs``."""

@@ -1,4 +1,5 @@
-"""Crash and restart a :class:`tests._s3.SeaweedS3` server on the same ports and data, for outage tests."""
+"""Crash and restart a SeaweedFS server (``multidc.hierarchical.tools.seaweed.SeaweedS3``) on the same ports and
+data, for outage tests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import threading
 import time
 
-from tests._s3 import SeaweedS3
+from multidc.hierarchical.tools.seaweed import SeaweedS3
 
 
 class Outage:

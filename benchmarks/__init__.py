@@ -1,0 +1,1 @@
+"""Benchmarks and fault scripts, each run from the repository root as ``python benchmarks/<name>.py``."""

@@ -1,0 +1,60 @@
+"""The ``multidc`` command: ``multidc bench allreduce``, ``multidc lab run``, ``multidc doctor``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
+only wires them up and imports just the module of the subcommand being run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand path -> (module, help)
+_COMMANDS = {
+    ("bench", "allreduce"): ("multidc.hierarchical.tools.bench", "time flat vs hierarchical all-reduce over a lab WAN"),
+    ("lab", "run"): ("multidc.hierarchical.tools.launch", "run a command as several sites over a lab WAN"),
+    ("doctor",): ("multidc.hierarchical.tools.doctor",
+                  "print the detected sites and measure intra/inter-site bandwidth"),
+}
+
+
+def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="multidc", description="multidc: train one model across datacenters.")
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module_name, help_text) in _COMMANDS.items():
+        if len(path) == 1:
+            sub = top.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            if path[0] not in groups:
+                groups[path[0]] = top.add_parser(path[0], help=f"{path[0]} commands").add_subparsers(
+                    dest="subcommand", required=True)
+            sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        if path == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
+    return parser
+
+
+def _selected(argv: list[str]) -> tuple[str, ...] | None:
+    words = [a for a in argv if not a.startswith("-")]
+    for path in _COMMANDS:
+        if tuple(words[: len(path)]) == path:
+            return path
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(_selected(argv)).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as exc:  # user mistakes: one clear line, not a traceback
+        print(f"multidc {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

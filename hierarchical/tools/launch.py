@@ -1,0 +1,140 @@
+"""Run a training command as several sites on one machine: ``multidc lab run`` and ``SiteJob``.
+
+Each rank gets the environment ``torchrun`` / ``accelerate launch`` / Lightning read (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) with one
+"node" per site, plus ``MULTIDC_SITE`` and ``GLOO_SOCKET_IFNAME``. As root the ranks of site ``i`` run inside the
+lab namespace of site ``i`` (see ``lab.Lab``), so every inter-site byte crosses a shaped link; otherwise they
+run on loopback, unshaped, and the job says so.
+
+Example::
+
+    multidc lab run --sites 2 --ranks-per-site 2 --wan-rate 400mbit -- python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+
+from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available, parse_rate
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the lab namespaces have their own, all free, port spaces)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SiteJob:
+    """``argv`` started as ``sites x ranks_per_site`` ranks; a context manager that always cleans up.
+
+    Args:
+        argv: the command every rank runs.
+        sites: number of sites (>= 1; the lab needs >= 2, one site runs on loopback).
+        ranks_per_site: ranks in each site.
+        wan_rate: per-direction WAN rate such as ``"400mbit"``, or ``None`` for an unshaped lab link.
+        loopback: run on loopback even when the lab is available.
+        env: extra environment for every rank.
+    """
+
+    def __init__(self, argv: list[str], *, sites: int, ranks_per_site: int, wan_rate: str | None = None,
+                 loopback: bool = False, env: dict[str, str] | None = None) -> None:
+        if sites < 1 or ranks_per_site < 1:
+            raise ValueError(f"sites={sites} and ranks_per_site={ranks_per_site} must both be at least 1.")
+        if wan_rate is not None:
+            parse_rate(wan_rate)
+        self.argv, self.sites, self.ranks_per_site = list(argv), sites, ranks_per_site
+        self.wan_rate, self.extra_env = wan_rate, dict(env or {})
+        self.reason = "--loopback was given" if loopback else "one site has no WAN" if sites < 2 else lab_available()
+        self.lab: Lab | None = None
+        self.procs: list[subprocess.Popen] = []
+        self._stack = ExitStack()
+
+    @property
+    def shaped(self) -> bool:
+        return self.lab is not None
+
+    def __enter__(self) -> SiteJob:
+        try:
+            if self.reason is None:
+                self.lab = self._stack.enter_context(Lab(self.sites, self.wan_rate))
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        self._stack.close()
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        site, local = divmod(rank, self.ranks_per_site)
+        return {
+            "MASTER_ADDR": self.lab.site_ip(0) if self.lab else "127.0.0.1", "MASTER_PORT": self._port,
+            "WORLD_SIZE": str(self.sites * self.ranks_per_site), "RANK": str(rank),
+            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_site),
+            "NODE_RANK": str(site), "GROUP_RANK": str(site), "MULTIDC_SITE": str(site),
+            "GLOO_SOCKET_IFNAME": SITE_IFACE if self.lab else "lo",
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        }
+
+    def _start(self) -> None:
+        self._port = str(free_port())
+        for rank in range(self.sites * self.ranks_per_site):
+            env = os.environ | self.extra_env | self.rank_env(rank)
+            argv = self.lab.wrap(rank // self.ranks_per_site, self.argv) if self.lab else self.argv
+            self.procs.append(subprocess.Popen(argv, env=env))
+
+    def wait(self, timeout_s: float | None = None) -> list[int]:
+        """Wait for every rank; return their exit codes. On the first failure the other ranks get
+        ``timeout_s`` (default 30 s) to exit on their own (a WAN error reaches them all), then are killed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.procs):
+            if any(p.returncode not in (None, 0) for p in self.procs):
+                grace = time.monotonic() + 30
+                deadline = grace if deadline is None else min(deadline, grace)
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return [p.returncode for p in self.procs]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sites", type=int, default=2, help="number of sites (default 2)")
+    parser.add_argument("--ranks-per-site", type=int, default=2, help="ranks in each site (default 2)")
+    parser.add_argument("--wan-rate", default="400mbit", help="per-direction WAN rate (default 400mbit)")
+    parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
+    parser.add_argument("--timeout-s", type=float, default=None, help="kill the job after this many seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("give the command to run after --, e.g. `multidc lab run -- python train.py`.")
+    with SiteJob(command, sites=args.sites, ranks_per_site=args.ranks_per_site, wan_rate=args.wan_rate,
+                 loopback=args.loopback) as job:
+        where = (f"lab WAN, {args.wan_rate} per direction between {args.sites} network namespaces"
+                 if job.shaped else f"loopback WITHOUT bandwidth shaping ({job.reason})")
+        print(f"[multidc lab] {args.sites} sites x {args.ranks_per_site} ranks on {where}", flush=True)
+        codes = job.wait(args.timeout_s)
+    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
+    if failed:
+        print(f"[multidc lab] ranks failed with exit codes {failed}", file=sys.stderr)
+        return 1
+    return 0

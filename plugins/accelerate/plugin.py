@@ -1,0 +1,126 @@
+"""``MultiDCPlugin``: the settings of ``MultiDCAccelerator`` (sites, WAN, parallel layout, checkpoints).
+
+Kept apart from ``accelerator.py`` because it needs nothing from Accelerate: it is plain validated configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.config import WanConfig
+
+if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
+    from multidc.strategies.parallel import ParallelLayout, PipelineConfig
+
+_SIZE_ENV = {"dp_replicate": _env.DP_REPLICATE, "dp_shard": _env.DP_SHARD,
+             "pipeline_parallel_size": _env.PP_SIZE, "tensor_parallel_size": _env.TP_SIZE}
+
+
+@dataclass(kw_only=True)
+class MultiDCPlugin:
+    """Where this process's site is, how gradients cross the WAN and (optionally) the parallel layout, for
+    ``MultiDCAccelerator``.
+
+    Every field left at ``None`` falls back to its ``MULTIDC_*`` environment variable, so ``accelerate launch``
+    plus env works without code changes. Validated at construction. With none of the four parallel sizes given
+    (argument or env) the layout is plain data parallelism: DDP with the hierarchical gradient hook, sites of any
+    sizes. Otherwise ``layout`` is a ``ParallelLayout`` with its defaults (``dp_shard`` inferred), as Lightning's
+    ``Parallel3DStrategy``.
+    """
+
+    num_sites: int | None = field(
+        default=None, metadata={"help": "Sites as contiguous equal blocks of ranks. Env MULTIDC_NUM_SITES."}
+    )
+    """Sites as contiguous equal blocks of ranks. Env ``MULTIDC_NUM_SITES``; unset = one site, or the sites
+    named by ``site`` / ``MULTIDC_SITE`` on each machine."""
+
+    site: int | str | None = field(
+        default=None, metadata={"help": "This process's site index or name, e.g. 'us-east'. Env MULTIDC_SITE."}
+    )
+    """This process's site index or name (e.g. ``"us-east"``). Env ``MULTIDC_SITE``, read at topology build.
+    With a parallel layout sites are contiguous blocks: name them with ``MULTIDC_SITE`` or count them."""
+
+    wan: WanConfig | None = field(
+        default=None, metadata={"help": "WAN settings; default WanConfig() (env MULTIDC_WAN_*)."}
+    )
+    """WAN settings for the inter-site hop; default ``WanConfig()``, which reads ``MULTIDC_WAN_*``."""
+
+    dp_replicate: int | str | None = field(default=None, metadata={"help": "Replicas/site. Env MULTIDC_DP_REPLICATE."})
+    """Data-parallel replicas inside each site. Env ``MULTIDC_DP_REPLICATE``."""
+    dp_shard: int | str | None = field(default=None, metadata={"help": "FSDP2 shard degree. Env MULTIDC_DP_SHARD."})
+    """FSDP2 shard degree inside a site (``-1``/``"auto"``: inferred). Env ``MULTIDC_DP_SHARD``."""
+    pipeline_parallel_size: int | str | None = field(default=None, metadata={"help": "Stages. Env MULTIDC_PP_SIZE."})
+    """Pipeline stages. Env ``MULTIDC_PP_SIZE``."""
+    tensor_parallel_size: int | str | None = field(default=None, metadata={"help": "TP degree. Env MULTIDC_TP_SIZE."})
+    """Tensor-parallel degree. Env ``MULTIDC_TP_SIZE``."""
+    pipeline_schedule: str | None = field(default=None, metadata={"help": "gpipe|1f1b|interleaved_1f1b."})
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``. Env ``MULTIDC_PP_SCHEDULE``; default ``"1f1b"``."""
+    microbatches: int | None = field(default=None, metadata={"help": "Microbatches. Env MULTIDC_PP_MICROBATCHES."})
+    """Microbatches per pipeline step. Env ``MULTIDC_PP_MICROBATCHES``; default ``2 * pipeline_parallel_size``."""
+    split_points: Sequence[int] | None = field(default=None, metadata={"help": "Block indices where stages start."})
+    """Block indices where stages ``1..n-1`` start; default balanced by block count."""
+    tensor_parallel: str | Callable | None = field(default=None, metadata={"help": "None | 'transformer' | fn."})
+    """``None`` (tp = 1 or applied by you before ``prepare``), ``"transformer"`` (the common block plan on the
+    blocks, see ``multidc.strategies.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
+
+    storage_options: dict | None = field(default=None, metadata={"help": "fsspec/s3fs options for save_state."})
+    """fsspec / s3fs options for ``save_state`` / ``load_state`` URLs (``endpoint_url``, ...); credentials
+    come from the standard places (AWS env / config) unless given here, and are never logged."""
+    async_save: bool = field(default=False, metadata={"help": "save_state uploads in the background."})
+    """``save_state`` returns after the snapshot to host memory; the upload runs in the background."""
+    keep_last_k: int | None = field(default=None, metadata={"help": "Committed checkpoints kept per root."})
+    """Keep only the newest ``k`` committed checkpoints under a root; default ``ProjectConfiguration.total_limit``."""
+    shard_local_checkpoints: bool = field(default=False, metadata={"help": "Local dirs through multidc too."})
+    """Also save / load plain local directories through multidc's sharded checkpoints in a data-parallel run
+    (URLs and parallel layouts always go through multidc; see ``MultiDCAccelerator.save_state``)."""
+
+    layout: ParallelLayout | None = field(default=None, init=False)
+    """The validated (not yet resolved) layout, or ``None`` for plain data parallelism."""
+    pipeline: PipelineConfig | None = field(default=None, init=False)
+    """The validated pipeline settings (used when ``pipeline_parallel_size > 1``)."""
+
+    def __post_init__(self) -> None:
+        source = "MultiDCPlugin.num_sites"
+        if self.num_sites is None:
+            self.num_sites, source = _env.read_int(_env.NUM_SITES), _env.NUM_SITES
+        n = self.num_sites
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{source}={n!r} must be a positive integer number of sites, e.g. 2.")
+        if self.site is not None and (isinstance(self.site, bool) or not isinstance(self.site, (int, str))):
+            raise ValueError(f"MultiDCPlugin.site={self.site!r} must be an int index or a name such as 'us-east'.")
+        if self.wan is None:
+            self.wan = WanConfig()
+        elif not isinstance(self.wan, WanConfig):
+            raise ValueError(f"MultiDCPlugin.wan must be a multidc.hierarchical.WanConfig, not {type(self.wan)}.")
+        k = self.keep_last_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"MultiDCPlugin.keep_last_k={k!r} must be a positive int or None (keep all).")
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(f"MultiDCPlugin.storage_options must be a dict of fsspec options, not "
+                             f"{type(self.storage_options).__name__}.")
+        tp = self.tensor_parallel
+        if tp is not None and tp != "transformer" and not callable(tp):
+            raise ValueError(f"MultiDCPlugin.tensor_parallel={tp!r}: use None, 'transformer' or fn(model, tp_mesh).")
+        sizes = {name: getattr(self, name) for name in _SIZE_ENV}
+        pipeline_args = (self.pipeline_schedule, self.microbatches, self.split_points)
+        if all(v is None and _env.read(_SIZE_ENV[name]) is None for name, v in sizes.items()):
+            if any(v is not None for v in pipeline_args):
+                raise ValueError(
+                    "MultiDCPlugin pipeline_schedule / microbatches / split_points need pipeline_parallel_size "
+                    f"(or {_env.PP_SIZE}) > 1."
+                )
+            return  # plain data parallelism: DDP + hierarchical hook, any site sizes
+        from multidc.strategies.parallel import ParallelLayout, PipelineConfig
+
+        self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
+                                       split_points=self.split_points)
+        if self.site is not None:
+            raise ValueError(
+                f"MultiDCPlugin.site={self.site!r} with a parallel layout: the layout's sites are contiguous blocks "
+                f"of ranks; give num_sites, or name each machine's site with {_env.SITE}."
+            )
+        self.layout = ParallelLayout(num_sites=self.num_sites, **sizes)

@@ -1,0 +1,165 @@
+"""``MultiDCAccelerator.save_state`` / ``load_state`` through ``multidc.plugins.Checkpointer``.
+
+Which path a call takes (the same rule for save and load):
+
+* a URL (anything with ``proto://``: ``s3://``, ``file://``, ``gs://`` ...) -> multidc;
+* a parallel layout (pipeline / tensor / FSDP shards) -> multidc, also for a local directory (Accelerate's own
+  format cannot hold a model split across ranks);
+* a local directory with ``MultiDCPlugin(shard_local_checkpoints=True)`` -> multidc;
+* ``load_state`` of a local directory that holds committed multidc checkpoints -> multidc;
+* otherwise (a local directory, or ``None`` with ``automatic_checkpoint_naming``) -> Accelerate's own.
+
+A multidc checkpoint lives under the given root as ``<root>/step_<10 digits>/`` (the step defaults to
+Accelerate's save iteration), holds model(s), optimizer(s), LR scheduler(s), the ``GradScaler``, objects from
+``register_for_checkpointing``, Accelerate's step counter and every rank's RNG streams, and loads into any layout.
+Private: the public face is ``multidc.plugins.MultiDCAccelerator``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from multidc.plugins.checkpoint import CheckpointInfo, Checkpointer, latest
+from multidc.plugins.checkpoint.format import checkpoint_name
+from multidc.plugins.checkpoint.state import ModelState, RNGState
+
+
+class StateMixin:
+    """``save_state`` / ``load_state`` / ``wait_for_checkpoint`` for ``MultiDCAccelerator`` (mixed in before
+    ``Accelerator``)."""
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, *, step: int | None = None,
+                   async_save: bool | None = None, replace: bool = False, **save_model_func_kwargs) -> str:
+        """Save the training state; every rank must call it. See ``MultiDCAccelerator`` for where it goes.
+
+        Args:
+            output_dir: ``s3://bucket/prefix``, ``file:///dir``, any fsspec URL, or a local directory.
+            safe_serialization: Accelerate's own format only.
+            step: names the checkpoint (``<root>/step_<step>``) and orders ``latest``; default Accelerate's save
+                iteration (``save_iteration``: 0, 1, 2, ... per ``save_state`` call). Through multidc it must be
+                higher than every committed checkpoint's under the root (``ValueError`` before any upload), unless
+                ``replace``.
+            async_save: return right after the snapshot to host memory and upload in the background (default
+                ``MultiDCPlugin.async_save``); the next save / load, ``wait_for_checkpoint`` or ``end_training``
+                waits for it and raises its error.
+            replace: supersede committed checkpoints of this and later steps (a run resumed from an older one):
+                they are deleted after this one committed (``multidc.plugins.Checkpointer.save``).
+            **save_model_func_kwargs: Accelerate's own format only.
+
+        Returns:
+            Where the checkpoint is (committed when this returns, unless async).
+        """
+        if not self._through_multidc(output_dir, loading=False):
+            if replace:
+                raise ValueError("save_state(replace=True) applies to multidc checkpoints only; this directory "
+                                 "keeps Accelerate's own format (see MultiDCAccelerator).")
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        _no_accelerate_kwargs(save_model_func_kwargs, "save_state")
+        ckpt = self._checkpointer(output_dir)
+        step = self.save_iteration if step is None else step
+        ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
+        self.project_configuration.iteration = step + 1
+        return f"{ckpt.url}/{checkpoint_name(step)}"
+
+    def load_state(self, input_dir=None, load_kwargs: dict | None = None, *, step: int | str | None = None,
+                   trusted: bool = False, **load_model_func_kwargs):
+        """Load a training state into the prepared objects, resharding to this run's layout; every rank must call
+        it. Through multidc: ``step=None`` picks the newest committed checkpoint under ``input_dir``; ``trusted``
+        lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control).
+
+        Returns:
+            A ``multidc.plugins.CheckpointInfo`` (multidc) or Accelerate's return value.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint matches.
+            multidc.plugins.CheckpointCorruptError: a shard fails its checksum (named).
+        """
+        if not self._through_multidc(input_dir, loading=True):
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        _no_accelerate_kwargs({**(load_kwargs or {}), **load_model_func_kwargs}, "load_state")
+        state = self._multidc_state(0)
+        info: CheckpointInfo = self._checkpointer(input_dir).load(state, "latest" if step is None else step,
+                                                                   trusted=trusted)
+        self.step = state["accelerator"]["step"]
+        self.project_configuration.iteration = info.step + 1
+        return info
+
+    def wait_for_checkpoint(self) -> list[CheckpointInfo]:
+        """Wait for every pending async ``save_state``; return what committed, or raise the first upload error."""
+        done = [ckpt.wait() for ckpt in getattr(self, "_checkpointers", {}).values()]
+        return [info for info in done if info is not None]
+
+    def _close_checkpointers(self) -> None:
+        """Wait for pending saves and free the checkpoint process groups; raise the first upload error."""
+        first = None
+        for ckpt in self.__dict__.pop("_checkpointers", {}).values():
+            try:
+                ckpt.close()
+            except BaseException as exc:  # noqa: BLE001 - close the others, then raise it
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _through_multidc(self, path, *, loading: bool) -> bool:
+        if path is None:
+            if self.device_mesh is not None:
+                raise ValueError(
+                    "with a parallel layout save_state / load_state need a URL or directory (the checkpoint is "
+                    "sharded across ranks; Accelerate's automatic checkpoint naming cannot hold it)."
+                )
+            return False
+        text = os.fspath(path)
+        if "://" in text or self.device_mesh is not None or self.multidc_plugin.shard_local_checkpoints:
+            return True
+        return loading and os.path.isdir(text) and latest(text) is not None
+
+    def _checkpointer(self, url) -> Checkpointer:
+        """One ``Checkpointer`` per root URL (constructing one is collective: every rank gets here together)."""
+        cache = self.__dict__.setdefault("_checkpointers", {})
+        key = os.fspath(url).rstrip("/")
+        if key not in cache:
+            plugin = self.multidc_plugin
+            keep = plugin.keep_last_k if plugin.keep_last_k is not None else self.project_configuration.total_limit
+            cache[key] = Checkpointer(key, storage_options=plugin.storage_options, keep_last_k=keep,
+                                      async_save=plugin.async_save, topology=getattr(self, "topology", None))
+        return cache[key]
+
+    def _multidc_state(self, step: int) -> dict:
+        """Everything ``save_state`` stores, as Stateful objects / plain values that ``load`` restores in place."""
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        state: dict = {}
+        for index, (model, owned) in enumerate(_pair_optimizers(self._models, optimizers)):
+            state[f"model{index}"] = ModelState(model, owned)
+        for index, scheduler in enumerate(self._schedulers):
+            state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)
+        for index, obj in enumerate(self._custom_objects):
+            state[f"custom{index}"] = obj
+        if self.scaler is not None:
+            state["scaler"] = self.scaler
+        state["rng"] = RNGState()
+        state["accelerator"] = {"step": self.step, "iteration": step}
+        return state
+
+
+def _pair_optimizers(models: list, optimizers: list) -> list[tuple]:
+    """``[(model, [its optimizers])]``: each optimizer goes with the one model that owns all its parameters."""
+    owners = [{id(p) for p in model.parameters()} for model in models]
+    pairs = [(model, []) for model in models]
+    for optimizer in optimizers:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        found = [i for i, owned in enumerate(owners) if params <= owned]
+        if len(found) != 1:
+            raise ValueError(
+                f"an optimizer's parameters belong to {len(found)} of the {len(models)} prepared models; "
+                f"save_state through multidc stores each optimizer with the one model that owns its parameters."
+            )
+        pairs[found[0]][1].append(optimizer)
+    return pairs
+
+
+def _no_accelerate_kwargs(kwargs: dict, what: str) -> None:
+    if kwargs:
+        raise ValueError(
+            f"{what}({', '.join(sorted(kwargs))}=...) are options of Accelerate's own checkpoint format; multidc's "
+            f"sharded checkpoints take step=, async_save= (save) / step=, trusted= (load)."
+        )

@@ -1,0 +1,55 @@
+"""The checkpoint engine: sharded, striped, async, atomic, verified checkpoints to any fsspec URL.
+
+``Checkpointer`` (``checkpointer``) is what a training loop uses; the Accelerate plugin and the Lightning
+strategies and ``CheckpointIO`` build on it. The private modules, one concern each:
+
+* ``object_store``: ``ObjectStore``, one fsspec location with retries and secret-free errors; ``s3_multipart``:
+  the parallel multipart upload of one S3 object.
+* ``format``: names and the JSON commit record; ``planner``: striped saving and unpickling-free loading;
+  ``storage``: DCP's writer and reader over the object store; ``retention``: listing, ``latest`` and deletion.
+* ``comm``: the checkpoint's collectives, raised on every rank; ``handle``: the outcome of an (async) save;
+  ``state``: ``ModelState`` and ``RNGState``.
+
+Messages go to the ``multidc.plugins.checkpoint`` and ``multidc.plugins.object_store`` loggers.
+"""
+
+from multidc.plugins.checkpoint.checkpointer import (
+    CheckpointCorruptError,
+    CheckpointInfo,
+    Checkpointer,
+    CheckpointSaveError,
+    SaveHandle,
+    latest,
+    list_checkpoints,
+    load,
+    save,
+    wait,
+)
+from multidc.plugins.checkpoint.object_store import (
+    ObjectStore,
+    ObjectStoreAuthError,
+    ObjectStoreError,
+    ObjectStoreNotFoundError,
+    RetryPolicy,
+)
+from multidc.plugins.checkpoint.state import ModelState, RNGState
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointInfo",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "ModelState",
+    "ObjectStore",
+    "ObjectStoreAuthError",
+    "ObjectStoreError",
+    "ObjectStoreNotFoundError",
+    "RNGState",
+    "RetryPolicy",
+    "SaveHandle",
+    "latest",
+    "list_checkpoints",
+    "load",
+    "save",
+    "wait",
+]

@@ -1,0 +1,418 @@
+"""Sharded, striped, async, atomic checkpoints to any fsspec URL (``s3://bucket/prefix``, ``file://``, a path).
+
+Typical use (every rank calls every function here, after ``init_process_group`` if distributed)::
+
+    from multidc.plugins import Checkpointer, ModelState, RNGState
+
+    ckpt = Checkpointer("s3://bucket/run1", keep_last_k=3, async_save=True)
+    state = {"model": ModelState(model, optimizer), "sched": scheduler, "rng": RNGState(), "trainer": {"step": 0}}
+    info = ckpt.load(state)                       # newest committed checkpoint; None-safe: see ``latest()``
+    for step in ...:
+        ...
+        if step % 100 == 0:
+            state["trainer"]["step"] = step
+            ckpt.save(state, step=step)           # blocks only for the host-memory snapshot
+    ckpt.close()                                  # waits for the last upload and raises its error
+
+On storage, under the root URL::
+
+    <root>/step_0000000100/                     one checkpoint, named by its step (10+ digits, sorts by step)
+        data/rank00000.distcp                    bytes written by rank 0: its items back to back, each item
+        data/rank00001.distcp                    the raw bytes of one tensor chunk, or a torch.save'd value
+        ...
+        COMMIT.json                              written last; its presence is what makes the folder a checkpoint
+
+``COMMIT.json`` (plain JSON) records the format version, step, world size, creation time, every tensor's
+dtype / global size / chunks (DCP metadata, so any later layout can reshard), where each chunk and value lives
+(object, byte range), its CRC-32, the size of every shard object, and ``extra`` user data.
+
+Guarantees:
+
+* **Sharded and striped.** Each rank writes its own shard object in parallel (S3: multipart, parts sent
+  concurrently). Replicated tensors (DDP, HSDP replicas) are cut into row ranges across the replicas holding
+  them, so every replica uploads an equal share and exactly one copy is stored.
+* **Atomic.** After every rank reported success (a collective on a dedicated gloo group: the barrier), rank
+  0 writes ``COMMIT.json`` in one atomic PUT (rename on local filesystems). ``latest``, ``list_checkpoints``,
+  ``load`` and retention only ever see committed checkpoints. A crash mid-save leaves the previous checkpoint
+  untouched; the half-written folder is ignored and deleted by the next successful save. Nothing committed is
+  deleted before the new checkpoint commits.
+* **Ordered by step.** ``latest`` is the committed checkpoint with the highest step, and ``keep_last_k`` keeps the
+  ``k`` highest steps. So a save must be newer than every committed checkpoint under the URL: saving a step <=
+  the newest committed step raises ValueError on every rank before anything is uploaded (it would not become
+  ``latest``, and retention could delete it right away). A rewound run either deletes the newer checkpoints,
+  saves under another URL, or passes ``replace=True``: the save then supersedes the committed checkpoints of
+  its step and later ones, which are deleted only after it committed.
+* **Cleanup never fails a save.** Once ``COMMIT.json`` is written the save has succeeded; if deleting older or
+  half-written checkpoints then fails, a warning on the ``multidc.plugins.checkpoint`` logger names what was
+  left behind (the next save tries again).
+* **Async.** ``async_save=True`` blocks only to copy this rank's share into host memory; a background thread
+  checksums, uploads and commits. The next ``save``, ``load``, ``wait`` or ``close`` waits for it and raises
+  its error.
+* **Waits only for unresponsive peers.** ``timeout_s`` bounds how long a rank waits for a peer that stopped
+  answering (a cut link, a hung or dead process); uploads, downloads and the commit run under a heartbeat
+  between the ranks, so they may take as long as they need.
+* **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
+  a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor.
+* **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
+  number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
+  :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
+* **Safe loading.** Tensors are read as raw bytes; the commit record is JSON; other values are loaded with
+  ``torch.load(weights_only=True)`` only (``trusted=True`` lifts that for stores you fully control).
+
+Only one training job may write under a root URL at a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import threading
+
+import torch.distributed as dist
+
+from multidc.hierarchical.errors import wan_failure
+from multidc.plugins.checkpoint import retention as _retention
+from multidc.plugins.checkpoint.comm import Comm
+from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Commit, checkpoint_name, decode_commit
+from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
+from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
+from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
+from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
+
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
+
+
+class Checkpointer:
+    """Saves and loads checkpoints under one root URL for one group of ranks.
+
+    Constructing it is collective when a process group exists (it creates a dedicated gloo group for
+    checkpoint traffic, so background uploads never interleave with training collectives): every rank of the
+    default group must construct it, in the same order.
+
+    Args:
+        url: root URL (``s3://bucket/prefix``, ``file:///dir``, local path, any fsspec URL).
+        process_group: the ranks that save together (default: the default group; none: single process).
+        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); never logged.
+        keep_last_k: after each commit keep only the ``k`` newest committed checkpoints (``None``: keep all).
+        async_save: default for ``save(async_save=...)``.
+        stripe_min_mb: replicated tensors of at least this many MiB are striped across replicas.
+        part_size_mb: multipart part size for S3, MiB (>= 5). ``max_concurrency``: parallel requests per rank.
+        retry: retry policy for transient storage errors.
+        timeout_s: how long a rank waits for an unresponsive peer in a checkpoint collective, in seconds (default:
+            the topology's ``WanConfig.timeout_s`` when ``topology`` is given, else 1800). Long work does not
+            count against it: during uploads, downloads and the commit the ranks exchange a heartbeat every
+            ``min(1, timeout_s / 10)`` s, so a slow upload never times out, while a cut link, a hung or a dead
+            peer fails every rank within ``timeout_s`` plus one beat. ``state_dict()`` / ``load_state_dict()``
+            and the copy into host memory run outside the heartbeat: the ranks must finish them within
+            ``timeout_s`` of each other. After such a failure this Checkpointer refuses further use (its
+            group is broken), and work abandoned on this rank writes nothing more.
+        topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
+            times out or loses its connection raises ``WanError`` naming the sites and this end of the link
+            (e.g. the WAN was cut during a save) instead of gloo's bare error.
+    """
+
+    def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
+                 keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
+                 part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
+                 timeout_s: float | None = None, topology=None) -> None:
+        if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
+            raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
+        if stripe_min_mb < 0:
+            raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
+        if timeout_s is None:
+            timeout_s = topology.wan.timeout_s if topology is not None else _DEFAULT_TIMEOUT_S
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
+        self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
+                                 max_concurrency=max_concurrency)
+        self.keep_last_k, self.async_save = keep_last_k, async_save
+        self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
+        self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
+        if topology is not None and getattr(topology, "num_sites", 1) > 1:
+            self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
+        self._pending: SaveHandle | None = None
+        self._access_checked = False
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a rank waits for an unresponsive peer in a checkpoint collective, seconds."""
+        return self.comm.timeout_s
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # ------------------------------------------------------------------ save
+    def save(self, state: dict, *, step: int, async_save: bool | None = None, extra: dict | None = None,
+             replace: bool = False) -> SaveHandle:
+        """Save ``state`` as checkpoint ``step``. Every rank must call this with the same ``step``.
+
+        ``step`` must be higher than every committed checkpoint's under the URL (``latest`` and ``keep_last_k``
+        go by step), unless ``replace=True``.
+
+        Args:
+            state: name -> Stateful (``ModelState``, scheduler, ``RNGState``), tensor, or nested dict/list of
+                tensors and plain values.
+            step: training step (int >= 0); names the checkpoint and orders ``latest``.
+            async_save: override the constructor default. Async returns right after the snapshot.
+            extra: small JSON-serialisable data stored in the commit record.
+            replace: this save supersedes the committed checkpoints of step ``step`` and later ones (a rewound
+                run; a root that holds one checkpoint, like Lightning's ``last.ckpt``). They stay loadable until
+                this one committed and are deleted after; a checkpoint of the same step is replaced in place
+                (new shard objects, then a new ``COMMIT.json``), so a crash mid-save leaves the old one intact.
+
+        Raises:
+            ValueError: bad ``step``; ranks passed different steps; without ``replace``, a committed checkpoint
+                of this or a later step exists (on every rank, before any upload).
+            ObjectStoreAuthError / ObjectStoreNotFoundError: credentials refused / bucket missing (before any
+                upload, on every rank).
+            CheckpointSaveError: an upload or the commit failed (sync; async: from the next call that waits).
+            Any error of a ``state_dict()`` or of local planning on one rank: raised on every rank (the others
+                name the failing rank), before any upload.
+        """
+        self._ready()
+        _check_state(state)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0.")
+        steps = self.comm.all_gather(step)
+        if len(set(steps)) > 1:  # each rank would write into another folder and the commit would miss shards
+            raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
+                             "save the same step.")
+        name = checkpoint_name(step)
+        clean = functools.partial(_retention.clean_after_commit, keep_last_k=self.keep_last_k, supersede=replace)
+        return self._write(state, name, step, lambda: _retention.claim(self.store, name, step, replace=replace),
+                           clean, extra=extra, async_save=async_save)
+
+    def _save_folder(self, state: dict, name: str, *, step: int) -> SaveHandle:
+        """``save`` into folder ``name``, any name (``ObjectStoreCheckpointIO``'s are Lightning's), replacing it in
+        place; a plain file there goes first. Other folders are left alone: no step order, no retention."""
+        self._ready()
+        _check_state(state)
+
+        def claim():
+            _retention.clear_file(self.store, name)  # a checkpoint in another format: the folder cannot coexist
+            return _retention.claim_folder(self.store, name)
+
+        return self._write(state, name, step, claim, _retention.remove_replaced)
+
+    def _write(self, state: dict, name: str, step: int, claim, clean, *, extra: dict | None = None,
+               async_save: bool | None = None) -> SaveHandle:
+        """Save into folder ``name``: ``claim()`` on rank 0 prepares it and returns its shard tag; after the commit
+        rank 0 runs ``clean(store, name, files the commit references)``."""
+        self.comm.raise_if_any(self._check_access, what="checking access")
+        tag = self.comm.from_rank0(claim, what=f"preparing {name}", error_type=None)
+        writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
+        # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): settle
+        # that on every rank before the planning collective, where the others would wait for it until timeout_s.
+        planner, local = self.comm.raise_if_any(self._local_plan, state, writer)
+        plan = self.comm.plan(local, lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
+        plan = planner.finish_plan(plan)
+        staged, stage_error = None, None
+        try:
+            staged = stage(plan, planner, plan.storage_data)
+        except Exception as exc:  # reported to every rank at the commit barrier, never dropped
+            stage_error = exc
+        handle = SaveHandle()
+        args = (handle, writer, planner, staged, stage_error, name, step, clean)
+        if async_save if async_save is not None else self.async_save:
+            self._pending = handle
+            UNWAITED[handle] = self.store.where(name)
+            threading.Thread(target=self._upload_and_commit, args=args, name=f"multidc-ckpt-{name}",
+                             daemon=True).start()
+            return handle
+        self._upload_and_commit(*args)
+        handle.wait()
+        return handle
+
+    def _ready(self) -> None:
+        """Wait for the pending save; refuse further use after a failed collective."""
+        self.wait()
+        self.comm.check_usable()
+
+    def _check_access(self) -> None:
+        if not self._access_checked:  # once per Checkpointer: later credential failures surface from the upload
+            self.store.check_access()
+            self._access_checked = True
+
+    def _local_plan(self, state: dict, writer: ObjectStoreWriter):
+        state_dict = state_dicts(state)
+        planner = StripedSavePlanner(stripe_min_bytes=self.stripe_min_bytes)
+        planner.set_up_planner(state_dict, is_coordinator=self.comm.rank == 0)
+        writer.set_up_storage_writer(self.comm.rank == 0)
+        return planner, writer.prepare_local_plan(planner.create_local_plan())
+
+    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, clean) -> None:
+        info, failure = None, None
+        try:
+            # every rank joins the heartbeat, also one whose staging failed (it has nothing to upload)
+            results, upload_error = self.comm.alive_outcome(upload if error is None else None, staged, self.store,
+                                                            name, self.comm.stopped, what="upload")
+            error = error or upload_error
+            all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
+                                                    error_type=CheckpointSaveError)
+            info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),
+                                        what=f"committing {self.store.where(name)}",
+                                        error_type=CheckpointSaveError)
+        except BaseException as exc:  # noqa: BLE001 - handed to the SaveHandle, raised by wait()
+            failure = exc
+        handle._finish(info, failure)
+        if failure is None:
+            UNWAITED.pop(handle, None)
+
+    def _commit(self, writer, planner, results, name, step, clean) -> CheckpointInfo:
+        check_stop(self.comm.stopped, f"committing {name}")
+        writer.finish(planner.metadata, results)  # the save has succeeded once this returns
+        if not self.comm.stopped.is_set():  # else the collective already failed: the next save cleans up
+            clean(self.store, name, {result.storage_data.file for rank_results in results for result in rank_results})
+        return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
+
+    def wait(self) -> CheckpointInfo | None:
+        """Wait for a pending async save; return its info or raise its error. ``None`` if none was pending.
+
+        An error already raised by the save's own ``SaveHandle.wait()`` is not raised a second time, so a caller
+        who handled a failed upload (an object-store outage) can go on loading or saving.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending._done.wait()
+        return None if pending._raised else pending.wait()
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error) and release the checkpoint process group."""
+        try:
+            self.wait()
+        finally:
+            self.comm.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ load / list
+    def load(self, state: dict, which: str | int | CheckpointInfo = "latest", *, trusted: bool = False,
+             allow_partial: bool = False) -> CheckpointInfo:
+        """Load a committed checkpoint into ``state`` in place (resharding to this layout). Collective.
+
+        Args:
+            state: same structure as saved (Stateful objects get ``load_state_dict``; plain values replaced).
+            which: ``"latest"``, a step number, a checkpoint name (``step_0000000100``) or a CheckpointInfo.
+            trusted: unpickle non-tensor values without ``weights_only`` (only for stores you control).
+            allow_partial: allow keys of ``state`` missing from the checkpoint (they keep their values).
+
+        Raises:
+            FileNotFoundError: no committed checkpoint matches ``which``.
+            CheckpointCorruptError: a checksum or the commit record does not match (names the shard).
+        """
+        self._ready()
+        _check_state(state)
+        name, commit = self._open(lambda: _retention.resolve(self.store, which), what=f"resolving {which!r}")
+        for value in state.values():
+            if isinstance(value, RNGState):
+                value.select_source(commit.world_size)
+        # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
+        # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
+        plain = self.comm.raise_if_any(state_dicts, state)
+        self._read(name, commit, plain, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
+        self.comm.raise_if_any(restore, state, plain)
+        return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
+                              world_size=commit.world_size, created_unix=commit.created_unix)
+
+    def _load_folder(self, name: str, *, trusted: bool = False) -> dict:
+        """The state saved by ``_save_folder(state, name)``, its structure rebuilt from the commit record."""
+        self._ready()
+        name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}")
+        planner = SafeRebuildLoadPlanner(trusted=trusted)
+        self._read(name, commit, {}, planner)
+        return planner.original_state_dict
+
+    def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
+        """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank."""
+        self.comm.raise_if_any(self.store.check_access, what="checking access")
+
+        def read_commit() -> tuple[str, bytes]:
+            name = resolve()
+            return name, self.store.get(f"{name}/{COMMIT}")
+
+        name, raw = self.comm.from_rank0(read_commit, what=what, error_type=None)
+        return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
+
+    def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:
+        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
+        self.comm.dcp_load(state_dict, reader, planner)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first. Not collective (any rank, any process may call it)."""
+        return _committed(self.store)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or ``None``. Not collective."""
+        return next(reversed(self.list()), None)
+
+
+def _committed(store: ObjectStore) -> list[CheckpointInfo]:
+    return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
+            for step, name in _retention.committed(store)]
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be a dict of name -> ModelState / Stateful / tensor / value, not "
+                         f"{type(state).__name__}; e.g. {{'model': ModelState(model, optimizer)}}.")
+
+
+# ---------------------------------------------------------------------- one-call API
+_BY_URL: dict[tuple[str, int], Checkpointer] = {}
+
+
+def _checkpointer(url: str, process_group, storage_options, **kwargs) -> Checkpointer:
+    key = (str(url).rstrip("/"), id(process_group))
+    ckpt = _BY_URL.get(key)
+    if ckpt is None or ckpt.comm.group is None and dist.is_available() and dist.is_initialized():
+        ckpt = _BY_URL[key] = Checkpointer(url, process_group=process_group, storage_options=storage_options,
+                                           **kwargs)
+    return ckpt
+
+
+def save(url: str, state: dict, *, step: int, process_group=None, async_save: bool = False,
+         keep_last_k: int | None = None, storage_options: dict | None = None, extra: dict | None = None
+         ) -> SaveHandle:
+    """Save ``state`` under ``url`` as checkpoint ``step``; see :class:`Checkpointer`. Collective.
+
+    Reuses one :class:`Checkpointer` per ``(url, process_group)``, so an async save is awaited (and its error
+    raised) by the next ``save`` / ``load`` of the same URL, by ``wait(url)``, or at interpreter exit.
+    """
+    ckpt = _checkpointer(url, process_group, storage_options)
+    ckpt.keep_last_k = keep_last_k
+    return ckpt.save(state, step=step, async_save=async_save, extra=extra)
+
+
+def load(url: str, state: dict, which: str | int | CheckpointInfo = "latest", *, process_group=None,
+         storage_options: dict | None = None, trusted: bool = False, allow_partial: bool = False
+         ) -> CheckpointInfo:
+    """Load checkpoint ``which`` (default the newest committed one) under ``url`` into ``state``. Collective."""
+    ckpt = _checkpointer(url, process_group, storage_options)
+    return ckpt.load(state, which, trusted=trusted, allow_partial=allow_partial)
+
+
+def wait(url: str, *, process_group=None) -> CheckpointInfo | None:
+    """Wait for the pending async save to ``url`` started by :func:`save`; raise its error."""
+    ckpt = _BY_URL.get((str(url).rstrip("/"), id(process_group)))
+    return ckpt.wait() if ckpt is not None else None
+
+
+def list_checkpoints(url: str, *, storage_options: dict | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``url``, oldest first. Not collective; half-written ones are not listed."""
+    return _committed(ObjectStore(url, storage_options=storage_options))
+
+
+def latest(url: str, *, storage_options: dict | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint under ``url``, or ``None``. Not collective."""
+    return next(reversed(list_checkpoints(url, storage_options=storage_options)), None)
+
+
+__all__ = ["CheckpointCorruptError", "CheckpointInfo", "CheckpointSaveError", "Checkpointer", "SaveHandle",
+           "latest", "list_checkpoints", "load", "save", "wait"]

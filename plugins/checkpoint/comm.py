@@ -1,0 +1,274 @@
+"""The few collectives a checkpoint needs, on a dedicated gloo group, with errors raised on every rank.
+
+Every helper here is called by every rank of the group. A failure on one rank is gathered and re-raised on all
+ranks (the failing rank raises its own exception; the others an exception of the same kind naming the rank), so
+no rank is left waiting in a later collective.
+
+Work that can take long (uploads, downloads, the commit, retries against a store that is down) runs in
+:meth:`Comm.alive`: a worker thread does it while the calling thread exchanges a tiny heartbeat all-reduce with the
+other ranks every ``heartbeat_s``. So the group's timeout bounds only how long a rank waits for an *unresponsive*
+peer (a cut link, a hung or dead process), never how long a healthy peer's upload may take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from multidc.hierarchical.errors import timed_out
+from multidc.plugins.checkpoint.format import CheckpointCorruptError
+from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+
+_KNOWN = {cls.__name__: cls for cls in (
+    ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,
+    ObjectStoreAuthError, ObjectStoreNotFoundError)}
+
+
+def _describe(error: BaseException | None):
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _rebuild(rank: int, described, error_type=None) -> BaseException:
+    name, message = described
+    cls = error_type or _KNOWN.get(name, RuntimeError)
+    return cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+
+
+def _transport_error(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is gloo failing to reach a peer (timeout, reset, closed connection)."""
+    text = str(exc).lower()
+    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or timed_out(exc) or any(
+        word in text for word in ("gloo", "connection"))
+
+
+# ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one
+# rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
+THIS_PROCESS = object()
+
+
+class Comm:
+    """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
+
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+        self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
+        self.global_rank = dist.get_rank() if group is not None else 0
+        # The first failed collective: the group is unusable from then on. Workers of ``alive`` that outlive the
+        # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
+        self.failure: BaseException | None = None
+        self.stopped = threading.Event()
+        # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
+        self.heartbeat_s = min(1.0, timeout_s / 10)
+        # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
+        # with one that names the sites and the link.
+        self.describe_failure = self._peer_failure
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """Turn a failed gloo collective (timeout, lost connection) into ``describe_failure``'s error."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not _transport_error(exc):  # e.g. a planning error raised inside dcp.load: not about the link
+                raise
+            self._fail(self.describe_failure(what, exc))
+            raise self.failure from exc
+
+    def _fail(self, error: BaseException) -> None:
+        """Remember the first failure (what later errors of this group, e.g. DCP's own collective after a failed
+        heartbeat inside its read step, are reported as) and stop the workers."""
+        if self.failure is None:
+            self.failure = error
+            self.stopped.set()
+
+    def check_usable(self) -> None:
+        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's)."""
+        if self.failure is not None:
+            raise RuntimeError(f"this Checkpointer cannot be used again: an earlier checkpoint collective failed "
+                               f"({self.failure}). Restart the job; it resumes from the last committed checkpoint.")
+
+    def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
+        me = f"rank {self.global_rank}"
+        if timed_out(exc):
+            happened = (f"timed out after {self.timeout_s:g} s: {me} got no answer from the other ranks of the "
+                        "checkpoint group (one of them hung or stopped, or the network between them failed)")
+        else:
+            happened = f"failed: {me} lost the connection to another rank (it died, or the network failed)"
+        return dist.DistBackendError(
+            f"{what} {happened}. A save in flight is abandoned (it commits only if rank 0 was already writing its "
+            f"commit record); restart the job with the same command: it resumes from the last committed "
+            f"checkpoint. [gloo: {exc}]")
+
+    @classmethod
+    def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
+        """A Comm over ``process_group`` (``None``: the default group), on a new gloo group: collective. Without a
+        process group, or with ``THIS_PROCESS``, a Comm of this process alone (no group, nothing collective)."""
+        if process_group is THIS_PROCESS or not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None and process_group is not THIS_PROCESS:
+                raise ValueError("process_group was given but torch.distributed is not initialized.")
+            return cls(None, 0, 1, timeout_s=timeout.total_seconds())
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
+        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds())
+
+    def alive(self, fn, *args, what: str):
+        """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
+        its error (this rank's own: nothing is gathered). Every rank must call it, also those with nothing to do
+        (``fn=None``).
+
+        ``fn`` runs in a worker thread and must not use this group. The calling thread all-reduces "still
+        working" flags every ``heartbeat_s`` until no rank is, so a peer is never waited on for longer than one
+        beat plus the group's timeout, however long its own ``fn`` takes. A beat that times out or loses its
+        connection raises ``describe_failure``'s error (the WAN cut during a save) and sets ``stopped``; ``fn``
+        is then abandoned (its daemon thread must check ``stopped`` before each write).
+        """
+        value, error = self.alive_outcome(fn, *args, what=what)
+        if error is not None:
+            raise error
+        return value
+
+    def alive_outcome(self, fn, *args, what: str) -> tuple:
+        """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
+        outcome = {"value": None, "error": None}
+        done = threading.Event()
+
+        def work():
+            try:
+                outcome["value"] = fn(*args) if fn is not None else None
+            except Exception as exc:  # returned to the caller, which decides whom to tell
+                outcome["error"] = exc
+            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt / SystemExit: re-raised below
+                outcome["fatal"] = exc
+            finally:
+                done.set()
+
+        if self.group is None:
+            work()
+        else:
+            threading.Thread(target=work, name=f"multidc-ckpt-{what}", daemon=True).start()
+            working = torch.ones(1, dtype=torch.int32)
+            while working.item():
+                working.fill_(0 if done.wait(self.heartbeat_s) else 1)
+                with self._collective(f"checkpoint heartbeat ({what})"):
+                    dist.all_reduce(working, group=self.group)
+        if "fatal" in outcome:
+            raise outcome["fatal"]
+        return outcome["value"], outcome["error"]
+
+    def all_gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world_size
+        with self._collective("checkpoint collective (all_gather)"):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj):
+        if self.group is None:
+            return obj
+        box = [obj]
+        with self._collective("checkpoint collective (broadcast)"):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def raise_if_any(self, fn, *args, what: str | None = None):
+        """Run ``fn(*args)`` here and return its value; if it failed on any rank, raise on every rank (the failing
+        rank its own exception, the others one of the same kind naming that rank). With ``what``, ``fn`` runs
+        under :meth:`alive` (for work that may take long, e.g. a request that retries)."""
+        if what is not None:
+            value, error = self.alive_outcome(fn, *args, what=what)
+        else:
+            value, error = None, None
+            try:
+                value = fn(*args)
+            except Exception as exc:
+                error = exc
+        self._raise_gathered(self.all_gather(_describe(error)), error)
+        return value
+
+    def _raise_gathered(self, described: list, own: BaseException | None, error_type=None, what=None) -> None:
+        failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
+        if not failed:
+            return
+        if error_type is not None:
+            detail = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failed)
+            raise error_type(f"{what} failed: {detail}") from own
+        if own is not None:
+            raise own
+        raise _rebuild(*failed[0])
+
+    def plan(self, local, make_global):
+        """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""
+        if self.group is None:
+            return make_global([local])[0]
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        with self._collective("checkpoint planning (gather)"):
+            dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        outgoing, error = None, None
+        if self.rank == 0:
+            try:
+                outgoing = [(plan, None) for plan in make_global(gathered)]
+            except Exception as exc:
+                error = exc
+                outgoing = [(None, _describe(exc))] * self.world_size
+        box = [None]
+        with self._collective("checkpoint planning (scatter)"):
+            dist.scatter_object_list(box, outgoing, src=dist.get_global_rank(self.group, 0), group=self.group)
+        plan, described = box[0]
+        if described is not None:
+            raise error if error is not None else _rebuild(0, described)
+        return plan
+
+    def gather_outcomes(self, result, error, *, what: str, error_type) -> list:
+        """All ranks' ``result``; if any rank had an ``error``, raise ``error_type`` on every rank."""
+        gathered = self.all_gather((result, _describe(error)))
+        self._raise_gathered([d for _, d in gathered], error, error_type, what)
+        return [r for r, _ in gathered]
+
+    def from_rank0(self, fn, *, what: str, error_type):
+        """Run ``fn()`` on rank 0 (under :meth:`alive`) and return its value on every rank, or raise its error on
+        every rank."""
+        value, error = self.alive_outcome(fn if self.rank == 0 else None, what=what)
+        value, described = self._broadcast((value, _describe(error)))
+        if described is None:
+            return value
+        if error is not None:
+            if error_type is None:
+                raise error
+            raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}") from error
+        if error_type is None:
+            raise _rebuild(0, described)
+        raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}")
+
+    def dcp_load(self, state: dict, reader, planner) -> None:
+        """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error, and a
+        failed heartbeat inside DCP's read step is what this raises (not DCP's own collective failing after it)."""
+        try:
+            with warnings.catch_warnings(), self._collective("checkpoint load (DCP collective)"):
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group,
+                         no_dist=self.group is None)
+        except CheckpointException as exc:
+            if self.failure is not None:
+                raise self.failure from None
+            rank, (error, _trace) = min(exc.failures.items(), key=lambda kv: kv[0])
+            if rank == self.rank or self.group is None:
+                raise error from None
+            raise _rebuild(rank, (type(error).__name__, str(error))) from None
+        except Exception as exc:
+            if self.failure is not None and exc is not self.failure:
+                raise self.failure from exc
+            raise
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None

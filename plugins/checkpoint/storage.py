@@ -1,0 +1,282 @@
+"""DCP ``StorageWriter`` / ``StorageReader`` over :class:`ObjectStore`, with per-item CRC-32 and a JSON commit.
+
+Writing is split in two so async saves block training only for the first part:
+
+* :func:`stage` copies this rank's share of the plan into one host buffer (the snapshot), laid out exactly as
+  the shard object will be stored;
+* :func:`upload` checksums the buffer's items and uploads it (multipart, in parallel), with no collectives.
+
+``ObjectStoreWriter.finish`` (coordinator, after every rank's results are in) writes ``COMMIT.json`` last.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from multidc.plugins.checkpoint.format import (
+    COMMIT,
+    CheckpointCorruptError,
+    ItemLocation,
+    decode_commit,
+    dtype_name,
+    encode_commit,
+    parse_dtype,
+    shard_file,
+)
+from multidc.plugins.checkpoint.object_store import ObjectStore
+
+_ALIGN = 64
+_READ_BATCH_BYTES = 256 << 20
+
+
+@dataclass
+class Staged:
+    """One rank's snapshot: ``buffer`` holds every item of ``plan`` back to back (the future shard object)."""
+
+    file: str
+    buffer: torch.Tensor
+    entries: list  # (WriteItem, offset, length, dtype name or None, sizes or None)
+
+
+def stage(plan: SavePlan, planner: SavePlanner, file: str) -> Staged:
+    """Copy this rank's items into one new host buffer. After it returns, training may change the state."""
+    blobs, layout, total = {}, [], 0
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            blobs[item.index] = planner.resolve_data(item).getvalue()
+            length, dtype, sizes = len(blobs[item.index]), None, None
+        else:
+            props, sizes = item.tensor_data.properties, tuple(item.tensor_data.chunk.sizes)
+            length = _numel(sizes) * torch.empty((), dtype=props.dtype).element_size()
+            dtype = dtype_name(props.dtype)
+        total = -(-total // _ALIGN) * _ALIGN
+        layout.append((item, total, length, dtype, sizes))
+        total += length
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for item, offset, length, dtype, sizes in layout:
+        target = buffer[offset:offset + length]
+        if dtype is None:
+            target.copy_(torch.frombuffer(bytearray(blobs[item.index]), dtype=torch.uint8))
+            continue
+        tensor = planner.resolve_data(item).detach()
+        if tuple(tensor.shape) != sizes:
+            raise AssertionError(f"{item.index.fqn}: resolved shape {tuple(tensor.shape)} != planned {sizes}")
+        if length:
+            target.view(tensor.dtype).view(sizes).copy_(tensor)
+    return Staged(file=file, buffer=buffer, entries=layout)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A read-only, zero-copy memoryview of a contiguous CPU uint8 tensor's bytes (no NumPy needed).
+
+    The view keeps ``tensor`` alive.
+    """
+    if tensor.dtype != torch.uint8 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise AssertionError(f"byte_view needs a contiguous CPU uint8 tensor, got {tensor.dtype} on {tensor.device}")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    array = (ctypes.c_uint8 * tensor.numel()).from_address(tensor.data_ptr())
+    array._keep_alive = tensor  # the memory belongs to the tensor
+    return memoryview(array).cast("B").toreadonly()
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> list[WriteResult]:
+    """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`.
+
+    ``stop``: an optional ``threading.Event``; once set (the save was abandoned), nothing more is written.
+    """
+    if not staged.entries:
+        return []
+    view = byte_view(staged.buffer)
+    results = []
+    for item, offset, length, dtype, sizes in staged.entries:
+        crc = zlib.crc32(view[offset:offset + length])
+        location = ItemLocation(file=staged.file, offset=offset, length=length, crc32=crc, dtype=dtype, sizes=sizes)
+        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=location))
+    check_stop(stop, f"uploading {staged.file}")
+    store.put(f"{checkpoint}/{staged.file}", view)
+    return results
+
+
+class Abandoned(RuntimeError):
+    """Work of a checkpoint collective that already failed on this rank: stopped before writing anything more."""
+
+
+def check_stop(stop, what: str) -> None:
+    if stop is not None and stop.is_set():
+        raise Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
+
+
+def commit_bytes(metadata: Metadata, results: list[list[WriteResult]], *, step: int, world_size: int,
+                 extra: dict | None = None) -> bytes:
+    locations, files = {}, {}
+    for rank_results in results:
+        for result in rank_results:
+            loc: ItemLocation = result.storage_data
+            locations[result.index] = loc
+            files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+    metadata.storage_data = locations
+    return encode_commit(metadata, locations, step=step, world_size=world_size, files=files, extra=extra)
+
+
+class ObjectStoreWriter(StorageWriter):
+    """DCP storage writer for one checkpoint folder ``checkpoint`` under ``store`` (also usable with ``dcp.save``).
+
+    Every rank writes one shard object; the coordinator writes ``COMMIT.json`` in ``finish``, which DCP calls
+    only after every rank's writes succeeded. ``step`` and ``extra`` go into the commit record.
+    """
+
+    def __init__(self, store: ObjectStore, checkpoint: str, *, step: int = 0, extra: dict | None = None,
+                 shard_tag: str | None = None) -> None:
+        super().__init__()
+        self.store, self.checkpoint, self.step, self.extra = store, checkpoint, step, extra
+        self.shard_tag = shard_tag  # see shard_file: set when replacing a committed checkpoint in place
+        self.world_size = 1
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.checkpoint:
+            raise ValueError("ObjectStoreWriter is bound to one checkpoint; create a new writer for another.")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.world_size = len(plans)
+        return [_with_file(plan, shard_file(rank, self.shard_tag)) for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(upload(stage(plan, planner, plan.storage_data), self.store, self.checkpoint))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        data = commit_bytes(metadata, results, step=self.step, world_size=self.world_size, extra=self.extra)
+        self.store.put(f"{self.checkpoint}/{COMMIT}", data, atomic=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never picked implicitly by dcp.save: construct it explicitly
+
+
+def _with_file(plan: SavePlan, file: str) -> SavePlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, storage_data=file)
+
+
+class ObjectStoreReader(StorageReader):
+    """DCP storage reader for one committed checkpoint; verifies each item's CRC-32 as it is read.
+
+    ``alive``: optional ``Comm.alive``, under which ``read_data`` runs its reads (every rank calls ``read_data``
+    once per load, so every rank joins its heartbeat). ``stop``: optional ``threading.Event``; once set (the load
+    failed), nothing more is copied into the caller's tensors.
+    """
+
+    def __init__(self, store: ObjectStore, checkpoint: str, commit=None, *, alive=None, stop=None) -> None:
+        super().__init__()
+        self.store, self.checkpoint, self.commit, self.alive, self.stop = store, checkpoint, commit, alive, stop
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.commit is None:
+            where = self.store.where(f"{self.checkpoint}/{COMMIT}")
+            self.commit = decode_commit(self.store.get(f"{self.checkpoint}/{COMMIT}"), where)
+        return self.commit.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.locations: dict[MetadataIndex, ItemLocation] = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.alive is None:
+            self._read_all(plan, planner)
+        else:
+            self.alive(self._read_all, plan, planner, what="download")
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        by_location: dict[ItemLocation, list] = {}
+        for item in plan.items:
+            by_location.setdefault(self.locations[item.storage_index], []).append(item)
+        batch, size = [], 0
+        for location in sorted(by_location, key=lambda l: (l.file, l.offset)):
+            batch.append(location)
+            size += location.length
+            if size >= _READ_BATCH_BYTES:
+                self._read_batch(batch, by_location, planner)
+                batch, size = [], 0
+        self._read_batch(batch, by_location, planner)
+
+    def _read_batch(self, batch: list[ItemLocation], by_location: dict, planner: LoadPlanner) -> None:
+        if not batch:
+            return
+        keys = [(f"{self.checkpoint}/{loc.file}", loc.offset, loc.offset + loc.length) for loc in batch]
+        for loc, data in zip(batch, self.store.get_ranges(keys)):
+            self._verify(loc, data, by_location[loc][0].storage_index)
+            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
+            for item in by_location[loc]:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(data))
+                    continue
+                saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+                    0, dtype=torch.uint8)
+                saved = saved.view(parse_dtype(loc.dtype)).view(loc.sizes)
+                saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != saved.size():
+                    raise CheckpointCorruptError(
+                        f"{item.dest_index.fqn}: stored chunk {tuple(saved.size())} does not fit the requested "
+                        f"{tuple(target.size())} in {self.store.where(self.checkpoint)}")
+                target.copy_(saved)
+                planner.commit_tensor(item, target)
+
+    def _verify(self, loc: ItemLocation, data: bytes, index: MetadataIndex) -> None:
+        crc = zlib.crc32(data)
+        if len(data) != loc.length or crc != loc.crc32:
+            what = index.fqn + (f" (chunk at offset {list(index.offset)})" if index.offset is not None else "")
+            raise CheckpointCorruptError(
+                f"corrupt shard {loc.file} of checkpoint {self.store.where(self.checkpoint)}: bytes "
+                f"[{loc.offset}, {loc.offset + loc.length}) holding {what} have crc32 {crc:08x} and length "
+                f"{len(data)}, the commit record says crc32 {loc.crc32:08x} and length {loc.length}. The object was "
+                "changed or damaged after it was committed; load an older checkpoint (list_checkpoints) instead.")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False

@@ -1,0 +1,42 @@
+"""The parallel layout, framework-free: site x data (FSDP2 / replicated) x pipeline x tensor parallelism.
+
+Uses only ``torch`` and ``multidc.hierarchical``; never Lightning or Accelerate. The Lightning strategy
+(``multidc.strategies.Parallel3DStrategy``) and the Accelerate plugin (``multidc.plugins.MultiDCAccelerator``) are
+thin adapters over it.
+
+* ``layout``: ``ParallelLayout``, the sizes and the one ``DeviceMesh`` with axes
+  ``("site", "pp", "dp_replicate", "dp_shard", "tp")``.
+* ``parallelize``: put a model into a layout (tensor -> pipeline split -> data parallel) and run its steps.
+* ``tensor_parallel``, ``pipeline``, ``data_parallel``: one parallel dimension each.
+* ``grad_clip``: clipping by the global norm over every shard and stage.
+"""
+
+from multidc.strategies.parallel.data_parallel import apply_data_parallel, replicate_topology
+from multidc.strategies.parallel.grad_clip import clip_grad_norm_
+from multidc.strategies.parallel.layout import ParallelLayout
+from multidc.strategies.parallel.parallelize import (
+    ParallelModel,
+    RemoteBlock,
+    data_parallel_coordinate,
+    parallelize,
+    prepare_parallel,
+)
+from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, split_blocks
+from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel, transformer_block_plan
+
+__all__ = [
+    "ParallelLayout",
+    "ParallelModel",
+    "Pipeline",
+    "PipelineConfig",
+    "RemoteBlock",
+    "apply_data_parallel",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "data_parallel_coordinate",
+    "parallelize",
+    "prepare_parallel",
+    "replicate_topology",
+    "split_blocks",
+    "transformer_block_plan",
+]

@@ -1,0 +1,181 @@
+"""Multi-process gloo tests of the hierarchical all-reduce against an exact reference and torch's own."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical import Topology, WanConfig, all_reduce, get_codec
+from multidc.hierarchical.tools.ranks import run_ranks
+
+SIZES = (1, 7, 4097, 1_000_003)
+COMPRESSIONS = ("none", "bf16", "fp16", "int8")
+LAYOUTS = {
+    "2x2": [0, 0, 1, 1],
+    "3+1": [0, 0, 0, 1],
+    "4x1": [0, 1, 2, 3],
+    "1x4": [0, 0, 0, 0],
+    "interleaved": [0, 1, 0, 1],
+}
+
+
+def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + n)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * (1 + rank)).to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _bound(inputs, parts, compression: str, dtype: torch.dtype, avg: bool) -> torch.Tensor:
+    """Elementwise error bound: each site's partial is rounded once by the codec, then float32/dtype sums."""
+    codec = get_codec(compression)
+    absum = sum(x.double().abs() for x in inputs)
+    bound = absum * 8 * torch.finfo(dtype).eps  # reduction-order rounding in the input dtype, generous
+    if codec is not None:
+        bound = bound + sum(codec.max_abs_error(p.float()).double() for p in parts)
+        if compression == "int8":  # per-chunk scale <= the scale of the whole partial
+            bound = bound + sum(p.abs().max() / 254 for p in parts)
+    world = len(inputs)
+    return bound / (world if avg else 1) + 1e-30
+
+
+def _case_results(rank, world, sites):
+    topo = Topology.build(site=sites[rank])
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in SIZES:
+            inputs = [_inputs(r, n, dtype) for r in range(world)]
+            exact = sum(x.double() for x in inputs)
+            site_parts = [
+                sum(inputs[r].double() for r in range(world) if sites[r] == s) for s in sorted(set(sites))
+            ]
+            flat = inputs[rank].clone()
+            dist.all_reduce(flat)
+            for compression in COMPRESSIONS:
+                for op in ("sum", "avg"):
+                    y = inputs[rank].clone()
+                    all_reduce(y, topo, wan=WanConfig(compression=compression, chunk_mb=0.25), op=op)
+                    ref = exact / world if op == "avg" else exact
+                    bound = _bound(inputs, site_parts, compression, dtype, op == "avg")
+                    excess = ((y.double() - ref).abs() - bound).max().item()
+                    flat_ref = flat.double() / (world if op == "avg" else 1)
+                    flat_diff = (y.double() - flat_ref).abs().max().item()
+                    out[(str(dtype), n, compression, op)] = (excess, flat_diff, _digest(y))
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_exact_sum_and_flat_all_reduce_on_every_rank(layout):
+    sites = LAYOUTS[layout]
+    results = run_ranks(_case_results, len(sites), sites, timeout=240)
+    for key, (excess, flat_diff, digest) in results[0].items():
+        assert excess <= 0, f"{layout} {key}: error exceeds the stated bound by {excess:g}"
+        if key[2] == "none" and key[0] == "torch.float32":
+            assert flat_diff < 1e-4 * max(1, key[1]) ** 0.5, f"{layout} {key}: differs from torch all_reduce"
+        for rank, other in enumerate(results[1:], start=1):
+            assert other[key][2] == digest, f"{layout} {key}: rank {rank} differs bitwise from rank 0"
+
+
+def _bytes_over_wan(rank, world, compression):
+    topo = Topology.build(num_sites=2)
+    x = torch.ones(1 << 16)
+    all_reduce(x, topo, wan=WanConfig(compression=compression))
+    return topo.wan_stats.snapshot()
+
+
+@pytest.mark.parametrize("compression,per_element", [("none", 4), ("bf16", 2), ("int8", 1)])
+def test_wan_bytes_counted_per_rank_shrink_with_compression(compression, per_element):
+    stats = run_ranks(_bytes_over_wan, 4, compression)
+    # 2 sites x 2 ranks: each rank owns half of the tensor and exchanges it once with the other site.
+    expected = (1 << 15) * per_element
+    for s in stats:
+        assert s["calls"] == 1
+        assert expected <= s["bytes_sent"] <= expected + 64, s
+
+
+def _async_and_views(rank, world):
+    topo = Topology.build(num_sites=2)
+    a = torch.full((3, 5), float(rank + 1))
+    b = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # not contiguous
+    fa = all_reduce(a, topo, async_op=True)
+    fb = all_reduce(b, topo, op="avg", async_op=True)
+    assert fb.wait() is b and fa.wait() is a
+    return a, b
+
+
+def test_async_op_returns_future_and_handles_non_contiguous_tensors():
+    a, b = run_ranks(_async_and_views, 4)[0]
+    assert torch.equal(a, torch.full((3, 5), 10.0))
+    assert torch.equal(b, torch.arange(12, dtype=torch.float32).reshape(3, 4).t())
+
+
+def _layout_error(rank, world, kwargs_per_rank, env_per_rank):
+    import os
+
+    os.environ.update(env_per_rank[rank])
+    try:
+        Topology.build(**kwargs_per_rank[rank])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "kwargs,env,match",
+    [
+        ([{}] * 4, [{"MULTIDC_NUM_SITES": "3"}] * 4, "cannot be split into num_sites=3"),
+        ([{"num_sites": 2}, {"num_sites": 2}, {"num_sites": 2}, {"num_sites": 4}], [{}] * 4, "disagree"),
+        ([{"site": 0}, {"site": 0}, {"site": 2}, {"site": 2}], [{}] * 4, r"\['1'\] have no ranks"),
+        ([{"site": 0}, {"site": 0}, {"site": 1}, {}], [{}] * 4, "ranks \\[3\\] have no site"),
+        ([{"site": "a"}, {"site": 1}, {"site": "a"}, {"site": 1}], [{}] * 4, "mix indices and names"),
+        ([{}] * 4, [{"MULTIDC_NUM_SITES": "two"}] * 4, "MULTIDC_NUM_SITES='two' is not an integer"),
+        ([{}, {}, {}, {}], [{}, {}, {}, {"MULTIDC_NUM_SITES": "x"}], "rank 3: MULTIDC_NUM_SITES"),
+        ([{"site": "eu", "num_sites": 3}] * 2 + [{"site": "us", "num_sites": 3}] * 2, [{}] * 4, "name 2 sites"),
+    ],
+)
+def test_bad_layout_raises_same_value_error_on_every_rank(kwargs, env, match):
+    import re
+
+    messages = run_ranks(_layout_error, 4, kwargs, env)
+    assert all(m is not None and re.search(match, m) for m in messages), messages
+    assert len(set(messages)) == 1, messages
+
+
+def _named_sites(rank, world):
+    topo = Topology.build(site=["us-east", "eu-west", "us-east", "eu-west"][rank])
+    return topo.site, topo.site_name, topo.num_sites, topo.site_size, topo.local_rank_in_site, topo.rail
+
+
+def test_named_interleaved_sites_are_ordered_by_lowest_rank():
+    assert run_ranks(_named_sites, 4) == [
+        (0, "us-east", 2, 2, 0, 0),
+        (1, "eu-west", 2, 2, 0, 0),
+        (0, "us-east", 2, 2, 1, 1),
+        (1, "eu-west", 2, 2, 1, 1),
+    ]
+
+
+def _int8_residual(rank, world, sites):
+    from multidc.hierarchical.all_reduce import residual_numel, submit
+
+    topo = Topology.build(site=sites[rank])
+    wan = WanConfig(compression="int8", chunk_mb=0.25)
+    scale = 100.0 if topo.site == 1 else 1.0  # the sites differ in scale: another site's row is far off
+    x = _inputs(rank, 70_001, torch.float32) * scale
+    site_sum = sum(_inputs(r, 70_001, torch.float32) * scale for r in range(world) if sites[r] == sites[rank])
+    residual = torch.zeros(residual_numel(x.numel(), 4, topo, wan))
+    submit(x, topo, wan, op="sum", residual=residual).wait()
+    # int8 rounding of this site's partial: |error| <= max|shard| / 254 per chunk, <= max|site sum| / 254.
+    return residual.abs().max().item(), site_sum.abs().max().item() / 254, torch.count_nonzero(residual).item()
+
+
+@pytest.mark.parametrize("sites", [[1, 1, 0, 0], ["a", "b", "b", "a"]], ids=["site1-first", "named-crossed"])
+def test_int8_residual_is_this_ranks_own_rounding_when_rails_list_sites_out_of_rank_order(sites):
+    # The rail group orders its ranks by rank, not by site: the residual must use this rank's own row.
+    for rank, (worst, bound, nonzero) in enumerate(run_ranks(_int8_residual, 4, sites)):
+        assert nonzero > 0 and worst <= bound * 1.01, (rank, worst, bound)

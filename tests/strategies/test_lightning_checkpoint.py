@@ -1,0 +1,447 @@
+"""Lightning checkpoints through multidc's Checkpointer with both multidc strategies.
+
+Trainer runs (_lightning_ckpt_script.py, CPU, gloo) save to a real SeaweedFS S3 server (hierarchical_ddp,
+4 ranks / 2 sites, async, credentials from the AWS environment) and to a local path (parallel_3d, dp_shard 2 x
+pp 2), then resume with ``ckpt_path="last"`` on another layout (2 ranks / 1 site; dp_shard 2 without pipeline)
+past a planted half-written checkpoint. Losses and weights are compared with one process trained in this test
+on the same global batches (rtol 1e-5 / 1e-4); RNG streams with the ones saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._resources import require_module
+require_module("lightning", "lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+
+import tests.strategies._lightning_ckpt_script as script  # noqa: E402
+from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
+from multidc.plugins.checkpoint.format import decode_commit  # noqa: E402
+from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
+from multidc.strategies._checkpointing import LightningCheckpoints, locate  # noqa: E402
+from tests._tiny_models import loss_fn  # noqa: E402
+from tests.conftest import AUTH_KEYS, READONLY_KEYS  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _run(out_dir, args: list[str], env: dict[str, str], timeout: float = 240) -> dict:
+    """Run the script (it launches its own ranks); return its output and every rank's report and weights."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "AWS_")) and k not in _LAUNCH}
+    proc = subprocess.Popen(
+        [sys.executable, script.__file__, *args, "--out", str(out_dir)], text=True, start_new_session=True,
+        env={**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"training run timed out after {timeout}s:\n{log[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed run left behind
+        except ProcessLookupError:
+            pass
+    run = {"log": log, "code": proc.returncode, "ranks": [], "weights": {}}
+    for rank in range(8):
+        if (out_dir / f"rank{rank}.json").exists():
+            run["ranks"].append(json.loads((out_dir / f"rank{rank}.json").read_text()))
+            run["weights"].update(torch.load(out_dir / f"weights_rank{rank}.pt"))
+    return run
+
+
+def _reference(module_cls, data, rows: int, steps: int) -> tuple[list[float], dict]:
+    """One process, same seed, model, optimizer and schedule; global batch t is what Lightning's
+    DistributedSampler(shuffle=True, seed=0) hands the replicas together: block t of randperm(seed=epoch)."""
+    pl.seed_everything(0)
+    module = module_cls()
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    per_epoch, losses = len(data) // rows, []
+    for step in range(steps):
+        epoch, k = divmod(step, per_epoch)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
+        x, y = data[order[k * rows : (k + 1) * rows]]
+        if module_cls is script.Regressor:
+            loss = torch.nn.functional.mse_loss(module.net(x), y)
+        else:
+            loss = loss_fn(module.model(x), y)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in module.named_parameters()}
+
+
+def _plant_half_written(store: ObjectStore, *names: str) -> None:
+    """What a crash mid-save leaves: shard data, no COMMIT.json."""
+    for name in names:
+        store.put(f"{name}/data/rank00000.distcp", b"half-written")
+
+
+def _assert_parity(run: dict, first_step: int, losses: list[float], params: dict, rtol: float, atol: float):
+    for rank in run["ranks"]:
+        got = [rank["losses"][str(s)] for s in range(first_step, len(losses) + 1)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[first_step - 1 :]), rtol=rtol, atol=atol)
+    assert set(run["weights"]) == set(params)
+    for name, value in run["weights"].items():
+        torch.testing.assert_close(value, params[name], rtol=rtol, atol=atol, msg=name)
+
+
+# ----------------------------------------------------------------------------- hierarchical_ddp on S3
+@pytest.fixture(scope="module")
+def ddp_runs(s3_auth_server, tmp_path_factory):
+    """4 ranks / 2 sites, 8 steps, async saves every 4 steps to S3; then "last" on 2 ranks / 1 site to step 12."""
+    bucket = s3_auth_server.make_bucket("lightning-ckpt")
+    root = f"{bucket}/run"
+    env = {"AWS_ENDPOINT_URL": s3_auth_server.endpoint, "AWS_ACCESS_KEY_ID": AUTH_KEYS[0],
+           "AWS_SECRET_ACCESS_KEY": AUTH_KEYS[1], "AWS_DEFAULT_REGION": "us-east-1"}
+    tmp = tmp_path_factory.mktemp("ddp")
+    common = ["--strategy", "hierarchical_ddp", "--root", root, "--every", "4"]
+    first = _run(tmp / "first", [*common, "--devices", "4", "--max-steps", "8", "--async"],
+                 {**env, "MULTIDC_NUM_SITES": "2"})
+    assert first["code"] == 0, first["log"][-6000:]
+    fs = s3_auth_server.filesystem()
+    listing = sorted(p.split("/ckpts/", 1)[1] for p in fs.find(f"{root}/ckpts"))
+    store = ObjectStore(f"{root}/ckpts", storage_options=s3_auth_server.storage_options())
+    commit = decode_commit(store.get(f"last.ckpt/step_0000000008/COMMIT.json"), "last.ckpt")
+    _plant_half_written(store, "last.ckpt/step_0000000012", "epoch=2-step=12.ckpt/step_0000000012")
+    resumed = _run(tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env)
+    assert resumed["code"] == 0, resumed["log"][-6000:]
+    reference = _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)
+    return {"first": first, "resumed": resumed, "listing": listing, "commit": commit, "reference": reference}
+
+
+def test_ddp_resumes_last_from_s3_on_another_layout_like_an_unbroken_run(ddp_runs):
+    losses, params = ddp_runs["reference"]
+    first, resumed = ddp_runs["first"], ddp_runs["resumed"]
+    assert [r["world_size"] for r in first["ranks"]] == [4] * 4 and len(resumed["ranks"]) == 2
+    for rank in first["ranks"]:
+        got = [rank["losses"][str(s)] for s in range(1, 9)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[:8]), rtol=1e-5, atol=1e-6)
+    _assert_parity(resumed, 9, losses, params, rtol=1e-5, atol=1e-6)  # model, AdamW state, LR schedule
+    for rank in resumed["ranks"]:
+        assert rank["global_step"] == 12 and rank["epoch"] == 3  # loop state
+        assert rank["lr"] == pytest.approx(0.02 / (1 + 0.1 * 12))
+
+
+def test_last_skips_half_written_checkpoints_and_rng_resumes_from_the_saved_rank(ddp_runs):
+    first, resumed = ddp_runs["first"], ddp_runs["resumed"]
+    for rank, report in enumerate(resumed["ranks"]):
+        # last.ckpt and epoch=1-step=8.ckpt hold step 8, committed within S3's 1 s timestamp resolution
+        assert report["ckpt_path"].endswith("/step_0000000008/COMMIT.json"), report["ckpt_path"]
+        assert report["loaded_rng"] == first["ranks"][rank]["saved_rng"]["8"]  # rank r <- saved rank r % 4
+    assert resumed["ranks"][0]["loaded_rng"] != resumed["ranks"][1]["loaded_rng"]
+
+
+def test_model_checkpoint_naming_last_and_top_k_removal_on_s3(ddp_runs):
+    files = ddp_runs["listing"]
+    committed = sorted(f for f in files if f.endswith("COMMIT.json"))
+    # save_top_k=1 removed epoch=0-step=4 once epoch=1-step=8 committed; last.ckpt kept only its newest step
+    assert committed == ["epoch=1-step=8.ckpt/step_0000000008/COMMIT.json",
+                         "last.ckpt/step_0000000008/COMMIT.json"]
+    assert sorted(f for f in files if f.startswith("last.ckpt/")) == [
+        "last.ckpt/step_0000000008/COMMIT.json", *(f"last.ckpt/step_0000000008/data/rank0000{r}.distcp"
+                                                   for r in range(4))]
+
+
+def test_every_rank_writes_a_share_and_one_copy_of_the_replicated_state_is_stored(ddp_runs):
+    commit = ddp_runs["commit"]
+    writers = set()
+    for fqn, meta in commit.metadata.state_dict_metadata.items():
+        if not fqn.startswith(("state_dict.", "optimizer_states.")) or not hasattr(meta, "chunks"):
+            continue
+        assert sum(c.sizes.numel() for c in meta.chunks) == meta.size.numel(), fqn  # one copy, no overlap
+        writers |= {commit.locations[idx].file for idx in commit.locations if idx.fqn == fqn}
+    assert writers == {f"data/rank0000{r}.distcp" for r in range(4)}
+
+
+def test_credentials_never_reach_the_output(ddp_runs):
+    for run in (ddp_runs["first"], ddp_runs["resumed"]):
+        assert AUTH_KEYS[1] not in run["log"]
+
+
+# ----------------------------------------------------------------------------- parallel_3d on a local path
+@pytest.fixture(scope="module")
+def parallel_3d_runs(tmp_path_factory):
+    """dp_shard 2 x pp 2 on 4 ranks, 2 steps, default_root_dir local; then "last" on 2 ranks (dp_shard 2, no pp)."""
+    tmp = tmp_path_factory.mktemp("p3d")
+    common = ["--strategy", "parallel_3d", "--root", str(tmp / "run"), "--every", "2"]
+    first = _run(tmp / "first", [*common, "--devices", "4", "--pp", "2", "--max-steps", "2"], {})
+    assert first["code"] == 0, first["log"][-6000:]
+    _plant_half_written(ObjectStore(tmp / "run" / "checkpoints"), "epoch=9-step=99.ckpt/step_0000000099")
+    resumed = _run(tmp / "resumed", [*common, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {})
+    assert resumed["code"] == 0, resumed["log"][-6000:]
+    reference = _reference(script.GPT, script.gpt_data(), script.GPT_ROWS, 4)
+    return {"first": first, "resumed": resumed, "reference": reference, "root": tmp / "run"}
+
+
+def test_parallel_3d_pipeline_checkpoint_resumes_without_pipeline_like_an_unbroken_run(parallel_3d_runs):
+    losses, params = parallel_3d_runs["reference"]
+    first, resumed = parallel_3d_runs["first"], parallel_3d_runs["resumed"]
+    for rank in first["ranks"]:
+        got = [rank["losses"][str(s)] for s in (1, 2)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[:2]), rtol=1e-4, atol=2e-5)
+    _assert_parity(resumed, 3, losses, params, rtol=1e-4, atol=2e-5)
+    for report in resumed["ranks"]:
+        assert report["ckpt_path"].endswith("/checkpoints/epoch=0-step=2.ckpt/step_0000000002/COMMIT.json")
+        assert report["global_step"] == 4
+    committed = sorted(str(p.relative_to(parallel_3d_runs["root"])) for p in
+                       parallel_3d_runs["root"].rglob("COMMIT.json"))
+    assert committed == ["checkpoints/epoch=1-step=4.ckpt/step_0000000004/COMMIT.json"]
+
+
+# ----------------------------------------------------------------------------- in-process
+def _lightning_dict(step: int, value: float) -> dict:
+    return {"state_dict": {"w": torch.full((64, 4), value)}, "optimizer_states": [], "global_step": step,
+            "epoch": 0, "loops": {"fit_loop": {}}}
+
+
+def test_last_is_the_newest_committed_checkpoint_then_the_highest_step(tmp_path):
+    for name, step in (("a.ckpt", 3), ("b.ckpt", 5)):
+        Checkpointer(tmp_path / name).save({"x": torch.ones(2)}, step=step)
+    _plant_half_written(ObjectStore(tmp_path), "c.ckpt/step_0000000009")
+    commit = {n: tmp_path / n / f"step_000000000{s}" / "COMMIT.json" for n, s in (("a.ckpt", 3), ("b.ckpt", 5))}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalDDPStrategy(), logger=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+
+    def last():
+        return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
+                                                                model_connected=False)
+
+    os.utime(commit["a.ckpt"], (1000, 1000))
+    os.utime(commit["b.ckpt"], (2000, 2000))
+    assert last() == str(commit["b.ckpt"])
+    os.utime(commit["a.ckpt"], (3000, 3000))  # a run rewound to step 3 committed after step 5: newest wins
+    assert last() == str(commit["a.ckpt"])
+    os.utime(commit["b.ckpt"], (3000, 3000))
+    assert last() == str(commit["b.ckpt"])
+    ddp = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                     callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    with pytest.warns(UserWarning, match="no last checkpoint"):  # other strategies: Lightning's rule, unchanged
+        assert ddp._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
+
+
+def test_async_upload_error_surfaces_at_close_and_keeps_the_previous_checkpoint(s3_auth_server):
+    root = s3_auth_server.make_bucket("lightning-async") + "/ckpts"
+    writer = LightningCheckpoints(storage_options=s3_auth_server.storage_options())
+    writer.save(_lightning_dict(2, 1.0), f"{root}/previous.ckpt")
+    readonly = s3_auth_server.storage_options(key=READONLY_KEYS[0], secret=READONLY_KEYS[1])
+    failing = LightningCheckpoints(async_save=True, storage_options=readonly)
+    failing.save(_lightning_dict(4, 2.0), f"{root}/next.ckpt")  # returns after the snapshot
+    failing.remove(f"{root}/previous.ckpt")  # top-k removal waits for the pending save to commit
+    with pytest.raises(CheckpointSaveError, match="lightning-async") as info:
+        failing.close()
+    assert READONLY_KEYS[1] not in str(info.value)
+    assert writer.find_last(root) == {f"{root}/previous.ckpt/step_0000000002/COMMIT.json"}
+    writer.close()
+
+
+def test_deferred_removal_runs_once_the_next_checkpoint_committed(tmp_path):
+    writer = LightningCheckpoints(async_save=True)
+    writer.save(_lightning_dict(2, 1.0), tmp_path / "old.ckpt")
+    writer.save(_lightning_dict(4, 2.0), tmp_path / "new.ckpt")  # waits for old's upload first
+    writer.remove(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt" / "step_0000000002" / "COMMIT.json").exists()  # new one still uploading
+    writer.close()
+    assert not (tmp_path / "old.ckpt").exists()
+    assert writer.find_last(tmp_path) == {f"{tmp_path}/new.ckpt/step_0000000004/COMMIT.json"}
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("s3://b/run/last.ckpt", ("s3://b/run/last.ckpt", "latest")),
+    ("s3://b/run/last.ckpt/step_0000000008", ("s3://b/run/last.ckpt", "step_0000000008")),
+    ("/x/last.ckpt/step_0000000008/COMMIT.json", ("/x/last.ckpt", "step_0000000008")),
+    ("/x/epoch=0-step=4.ckpt/", ("/x/epoch=0-step=4.ckpt", "latest")),
+])
+def test_paths_map_to_a_checkpointer_root_and_a_checkpoint(path, expected):
+    assert locate(path) == expected
+
+
+def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="checkpoint_async='yes' must be True or False"):
+        HierarchicalDDPStrategy(checkpoint_async="yes")
+    with pytest.raises(ValueError, match="checkpoint_storage_options must be a dict"):
+        Parallel3DStrategy(checkpoint_storage_options=["endpoint"])
+    with pytest.raises(TypeError, match="checkpoint_storage_options=..., not per save"):
+        HierarchicalDDPStrategy().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"anon": True})
+
+
+def test_a_users_checkpoint_io_brings_back_lightnings_files_and_last_finds_its_commits(tmp_path):
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    strategy = HierarchicalDDPStrategy()
+    strategy.checkpoint_io  # noqa: B018 - Lightning's getter (also run at teardown) installs a default CheckpointIO
+    assert strategy.multidc_checkpoints is not None
+    io = ObjectStoreCheckpointIO()
+    for name, step in (("epoch=0-step=4.ckpt", 4), ("last.ckpt", 8)):
+        io.save_checkpoint(_lightning_dict(step, float(step)), tmp_path / name)
+    _plant_half_written(ObjectStore(tmp_path), "epoch=9-step=99.ckpt")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalDDPStrategy(), plugins=[io],
+                         logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    assert trainer.strategy.multidc_checkpoints is None
+    for commit, stamp in (("epoch=0-step=4.ckpt", 2000), ("last.ckpt", 1000)):
+        os.utime(tmp_path / commit / "COMMIT.json", (stamp, stamp))
+    found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    assert found == f"{tmp_path}/epoch=0-step=4.ckpt/COMMIT.json"
+    assert io.load_checkpoint(found)["global_step"] == 4
+
+
+def test_loading_a_single_file_or_an_uncommitted_path_says_what_is_wrong(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "model.ckpt")
+    reader = LightningCheckpoints()
+    with pytest.raises(ValueError, match="model.ckpt is a single-file Lightning checkpoint"):
+        reader.load(tmp_path / "model.ckpt", module=torch.nn.Linear(2, 2), optimizers=[], fitting=False)
+    _plant_half_written(ObjectStore(tmp_path), "half.ckpt/step_0000000004")
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint under .*half.ckpt"):
+        reader.load(tmp_path / "half.ckpt", module=torch.nn.Linear(2, 2), optimizers=[], fitting=False)
+    reader.close()
+
+
+# ----------------------------------------------------------------------------- overwriting a path
+def _upload_part_then_fail(staged, store, name, stop=None):
+    """Stands in for ``upload``: part of the shard reaches storage, then the upload fails."""
+    store.put(f"{name}/{staged.file}", b"partial shard")
+    raise OSError("injected upload failure")
+
+
+def _stored_value(path) -> float:
+    target = {"state_dict": {"w": torch.zeros(64, 4)}}
+    Checkpointer(path).load(target)
+    return float(target["state_dict"]["w"][0, 0])
+
+
+@pytest.mark.parametrize("new_step", [8, 4], ids=["same-step", "rewound"])
+def test_a_failed_save_over_a_path_leaves_its_previous_checkpoint_loadable(tmp_path, monkeypatch, new_step):
+    import multidc.plugins.checkpoint.checkpointer as checkpoint_module
+
+    path = tmp_path / "last.ckpt"
+    writer = LightningCheckpoints()
+    writer.save(_lightning_dict(8, 1.0), path)
+    real_upload = checkpoint_module.upload
+    monkeypatch.setattr(checkpoint_module, "upload", _upload_part_then_fail)
+    with pytest.raises(CheckpointSaveError, match="injected upload failure"):
+        writer.save(_lightning_dict(new_step, 2.0), path)
+    assert _stored_value(path) == 1.0
+    assert writer.find_last(tmp_path) == {f"{tmp_path}/last.ckpt/step_0000000008/COMMIT.json"}
+    monkeypatch.setattr(checkpoint_module, "upload", real_upload)
+    writer.save(_lightning_dict(new_step, 3.0), path)  # replaces it: the path holds this one only
+    assert _stored_value(path) == 3.0
+    assert [c.step for c in list_checkpoints(path)] == [new_step]
+    assert sorted(p.name for p in path.iterdir()) == [f"step_000000000{new_step}"]
+    assert len(list((path / f"step_000000000{new_step}" / "data").iterdir())) == 1  # no stale shards
+    writer.close()
+
+
+def test_checkpoint_io_overwrite_that_fails_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    import multidc.plugins.checkpoint as checkpoint_module
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    io, path = ObjectStoreCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint(_lightning_dict(4, 1.0), path)
+    real_upload = checkpoint_module.upload  # the IO saves through the Checkpointer
+    monkeypatch.setattr(checkpoint_module, "upload", _upload_part_then_fail)
+    with pytest.raises(CheckpointSaveError, match="OSError: injected upload failure"):
+        io.save_checkpoint(_lightning_dict(8, 2.0), path)
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.0
+    monkeypatch.setattr(checkpoint_module, "upload", real_upload)
+    io.save_checkpoint(_lightning_dict(8, 3.0), path)
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 8 and float(loaded["state_dict"]["w"][0, 0]) == 3.0
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    assert len(files) == 2 and files[0] == "COMMIT.json" and files[1].startswith("data/rank00000-"), files
+
+
+def test_checkpoint_io_round_trip_needs_no_numpy(tmp_path, monkeypatch):
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    def unavailable(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")  # what torch raises when NumPy is not installed
+
+    monkeypatch.setattr(torch.Tensor, "numpy", unavailable)
+    io = ObjectStoreCheckpointIO()
+    io.save_checkpoint(_lightning_dict(4, 1.5), tmp_path / "m.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "m.ckpt")
+    assert loaded["global_step"] == 4 and float(loaded["state_dict"]["w"][0, 0]) == 1.5
+
+
+# ----------------------------------------------------------------------------- a peer stops during a save
+WAN_TIMEOUT_S = 2.0
+
+
+def _lightning_save_with_a_stopped_peer(rank, world, root):
+    """A 2-site ``hierarchical_ddp`` Trainer in ranks started by torchelastic's rules (the process group exists);
+    rank 1 stops (SIGSTOP) while uploading its shard of the step-1 checkpoint. Returns what rank 0's ``fit`` raised
+    and how long after the save began."""
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    import torch.distributed as dist
+    from multidc.hierarchical import WanConfig, WanError
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    original = ObjectStore.put
+
+    def stop_in_upload(self, key, *args, **kwargs):
+        if rank == 1 and key.endswith(".distcp"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a hung host
+        return original(self, key, *args, **kwargs)
+
+    ObjectStore.put = stop_in_upload
+    started = {}
+
+    class SaveClock(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            started.setdefault("at", time.monotonic())
+
+    strategy = HierarchicalDDPStrategy(num_sites=2, wan=WanConfig(timeout_s=WAN_TIMEOUT_S))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SaveClock(), ModelCheckpoint(dirpath=root, every_n_train_steps=1)])
+    try:
+        trainer.fit(script.Regressor(), DataLoader(script.regressor_data(), batch_size=8))
+        outcome = "no error"
+    except WanError as exc:
+        outcome = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == 0:
+            os.kill(pids[1], signal.SIGCONT)  # rank 1 resumes, finds rank 0 gone and fails too
+    return outcome, time.monotonic() - started.get("at", time.monotonic())
+
+
+def test_a_peer_stopped_during_a_lightning_save_fails_the_others_with_a_wan_error_within_the_wan_timeout(tmp_path):
+    from multidc.hierarchical.tools.ranks import run_ranks
+
+    env = {rank: {"TORCHELASTIC_RUN_ID": "multidc-test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                  "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "1"} for rank in range(2)}  # read by Lightning; the group already exists
+    results = run_ranks(_lightning_save_with_a_stopped_peer, 2, str(tmp_path / "ckpts"), env=env, timeout=90)
+    message, seconds = results[0]
+    # the strategy's Checkpointer waits the topology's WanConfig.timeout_s and names the sites
+    assert message.startswith("checkpoint heartbeat (upload) between site '0' and site '1' timed out after "
+                              f"{WAN_TIMEOUT_S:g} s"), message
+    assert seconds < WAN_TIMEOUT_S + 1 + 5, seconds  # timeout + one beat + margin for a loaded machine
+    assert results[1][0] != "no error"
+    assert list_checkpoints(tmp_path / "ckpts" / "epoch=0-step=1.ckpt") == []  # the abandoned save committed nothing
