@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +24,16 @@ from tests._resources import require_module
 require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import WanConfig  # noqa: E402
+from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
+from tests._launch import finish  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+# Cold start (first run after `make clean`, 2 cores): one batch of two 4-rank launches took {COLD} s; the limit keeps
+# a margin over it. The module fixture runs its 3 batches inside the first test's timeout.
+LAUNCH_TIMEOUT_S = 300
+pytestmark = pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 120)
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 SCRIPT = os.path.join(ROOT, "tests", "plugins", "_accelerate_script.py")
+EXIT_SCRIPT = os.path.join(ROOT, "tests", "plugins", "_exit_script.py")
 EXAMPLE = os.path.join(ROOT, "examples", "accelerate_hierarchical.py")
 CONFIG = os.path.join(ROOT, "examples", "accelerate_config.yaml")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -36,30 +41,13 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"
                 "ACCELERATE_USE_CPU")
 
 
-def launch(args: list[str], env: dict[str, str], tmp_path, timeout: float = 150) -> subprocess.Popen:
-    """Start ``accelerate launch --config_file CONFIG ARGS`` in its own session, with a clean environment."""
+def launch(args: list[str], env: dict[str, str], tmp_path) -> ProcessTree:
+    """Start ``accelerate launch --config_file CONFIG ARGS`` with a clean environment, as a ``ProcessTree``."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "ACCELERATE_"))
              and k not in _LAUNCH_VARS}
     # HF_HOME: no default accelerate config of this machine may leak into the run.
     env = {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HOME": str(tmp_path / "hf"), **env}
-    return subprocess.Popen([ACCELERATE, "launch", "--config_file", CONFIG, *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
-    """Wait for a launch; on timeout kill it and every rank it started."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"accelerate launch timed out after {timeout}s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed launch left behind
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out
+    return ProcessTree([ACCELERATE, "launch", "--config_file", CONFIG, *args], env=env)
 
 
 def read_run(out_dir) -> dict:
@@ -75,10 +63,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Every launch of this file, started together (they mostly wait on process start-up), then awaited:
+    """Every training launch of this file, two at a time (8 ranks on 2 cores), each batch awaited before the next:
 
-    plain Accelerator; MultiDCAccelerator with MULTIDC_NUM_SITES=2; MultiDCAccelerator as two machines of 2
-    processes, each naming its site with MULTIDC_SITE; the example; MULTIDC_NUM_SITES=3 (must fail).
+    plain Accelerator with MultiDCAccelerator and MULTIDC_NUM_SITES=2; the example with MULTIDC_NUM_SITES=3 (must
+    fail); MultiDCAccelerator as two machines of 2 processes, each naming its site with MULTIDC_SITE.
     Returns ``{name: (exit code, output, out dir)}``.
     """
     tmp = tmp_path_factory.mktemp("accelerate")
@@ -86,21 +74,28 @@ def launches(tmp_path_factory):
     for d in dirs.values():
         d.mkdir()
     wan = {"MULTIDC_WAN_CHUNK_MB": "0.0005", "MULTIDC_WAN_STREAMS": "3"}
-    procs = {
-        "plain": launch([SCRIPT, "--out", str(dirs["plain"]), "--plain"], {"ACCELERATE_USE_CPU": "1"}, tmp),
-        "sites_env": launch([SCRIPT, "--out", str(dirs["sites_env"])], {"MULTIDC_NUM_SITES": "2", **wan}, tmp),
-        "example": launch([EXAMPLE, "--steps", "15"], {}, tmp),
-        # monitor interval 2 s: torchrun lets every failing rank report before it stops the rest
-        "bad_sites": launch(["--monitor_interval", "2", SCRIPT, "--out", str(dirs["bad_sites"])],
-                            {"MULTIDC_NUM_SITES": "3"}, tmp),
-    }
     port = _free_port()
-    for machine, site in enumerate(("us-east", "eu-west")):
-        machine_args = ["--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
+
+    def machine(index: int, site: str) -> ProcessTree:
+        machine_args = ["--num_machines", "2", "--machine_rank", str(index), "--main_process_ip", "127.0.0.1",
                         "--main_process_port", str(port)]
-        procs[f"machine{machine}"] = launch([*machine_args, SCRIPT, "--out", str(dirs["site_per_machine"])],
-                                            {"MULTIDC_SITE": site, **wan}, tmp)
-    outputs = {name: finish(proc) for name, proc in procs.items()}
+        return launch([*machine_args, SCRIPT, "--out", str(dirs["site_per_machine"])], {"MULTIDC_SITE": site, **wan},
+                      tmp)
+
+    batches = [
+        {"plain": lambda: launch([SCRIPT, "--out", str(dirs["plain"]), "--plain"], {"ACCELERATE_USE_CPU": "1"}, tmp),
+         "sites_env": lambda: launch([SCRIPT, "--out", str(dirs["sites_env"])], {"MULTIDC_NUM_SITES": "2", **wan},
+                                     tmp)},
+        {"example": lambda: launch([EXAMPLE, "--steps", "15"], {}, tmp),
+         # monitor interval 2 s: torchrun lets every failing rank report before it stops the rest
+         "bad_sites": lambda: launch(["--monitor_interval", "2", SCRIPT, "--out", str(dirs["bad_sites"])],
+                                     {"MULTIDC_NUM_SITES": "3"}, tmp)},
+        {"machine0": lambda: machine(0, "us-east"), "machine1": lambda: machine(1, "eu-west")},
+    ]
+    outputs = {}
+    for batch in batches:
+        trees = {name: start() for name, start in batch.items()}
+        outputs.update({name: finish(tree, LAUNCH_TIMEOUT_S) for name, tree in trees.items()})
     outputs["site_per_machine"] = outputs.pop("machine0")
     code, out = outputs.pop("machine1")
     assert code == 0, f"machine 1 failed:\n{out[-6000:]}"
@@ -180,6 +175,18 @@ def test_example_prints_falling_loss_and_wan_metrics(launches):
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], lines
     assert all("kB sent" in line and "MB/s" in line for line in lines)
     assert "site_sizes=[2, 2]" in out
+
+
+def test_ranks_exit_together_when_their_group_still_holds_work_at_end_training(tmp_path):
+    """tests/plugins/_exit_script.py: rank 1 joins the last all-gather 3 s late, so rank 0's gloo worker still holds
+    it when ``end_training`` destroys the group. Before ``end_training`` freed the DDP reducers first, rank 0 hung
+    at exit forever: ~Reducer -> ~ProcessGroupGloo joined the worker under the GIL while the worker waited for the
+    GIL in ~AsyncAllgatherWork. Both ranks must leave ``main`` and exit 0, and no process of the launch remain."""
+    tree = launch(["--num_processes", "2", EXIT_SCRIPT], {}, tmp_path)
+    code, out = finish(tree, timeout=180)
+    assert code == 0, out[-6000:]
+    assert sorted(re.findall(r"^exited (\d)$", out, flags=re.MULTILINE)) == ["0", "1"], out[-6000:]
+    assert not tree.members()
 
 
 def test_bad_num_sites_fails_every_rank_of_the_launch_before_training(launches):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import _launch
 from tests._resources import require_module
 require_module("lightning", "lightning")
 
@@ -41,23 +41,9 @@ def _run(out_dir, args: list[str], env: dict[str, str], timeout: float = 240) ->
     """Run the script (it launches its own ranks); return its output and every rank's report and weights."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "AWS_")) and k not in _LAUNCH}
-    proc = subprocess.Popen(
-        [sys.executable, script.__file__, *args, "--out", str(out_dir)], text=True, start_new_session=True,
-        env={**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"training run timed out after {timeout}s:\n{log[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed run left behind
-        except ProcessLookupError:
-            pass
-    run = {"log": log, "code": proc.returncode, "ranks": [], "weights": {}}
+    code, log = _launch.run_script([sys.executable, script.__file__, *args, "--out", str(out_dir)],
+                                   {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}, timeout)
+    run = {"log": log, "code": code, "ranks": [], "weights": {}}
     for rank in range(8):
         if (out_dir / f"rank{rank}.json").exists():
             run["ranks"].append(json.loads((out_dir / f"rank{rank}.json").read_text()))
@@ -120,7 +106,7 @@ def ddp_runs(s3_auth_server, tmp_path_factory):
     fs = s3_auth_server.filesystem()
     listing = sorted(p.split("/ckpts/", 1)[1] for p in fs.find(f"{root}/ckpts"))
     store = ObjectStore(f"{root}/ckpts", storage_options=s3_auth_server.storage_options())
-    commit = decode_commit(store.get(f"last.ckpt/step_0000000008/COMMIT.json"), "last.ckpt")
+    commit = decode_commit(store.get("last.ckpt/step_0000000008/COMMIT.json"), "last.ckpt")
     _plant_half_written(store, "last.ckpt/step_0000000012", "epoch=2-step=12.ckpt/step_0000000012")
     resumed = _run(tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env)
     assert resumed["code"] == 0, resumed["log"][-6000:]

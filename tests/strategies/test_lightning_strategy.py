@@ -7,16 +7,15 @@ the strategy name; the strategy launches its own ranks, as for a user running ``
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import _launch
 from tests._resources import require_module
 require_module("lightning", "lightning")
 
@@ -24,7 +23,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY  # 
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-import multidc.strategies  # noqa: E402
+import multidc.strategies  # noqa: E402,F401  (registers the strategy names)
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.strategies import HierarchicalDDPFabricStrategy, HierarchicalDDPStrategy  # noqa: E402
 
@@ -34,28 +33,10 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"
 
 
 def run_script(args: list[str], env: dict[str, str], timeout: float = 180) -> tuple[int, str]:
-    """Run the training script in its own session; on timeout kill it and every rank it launched."""
+    """Run the training script; afterwards (also on timeout) kill every rank it launched."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH_VARS}
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, *args],
-        env={**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training script timed out after {timeout}s:\n{out[-4000:]}")
-    finally:
-        try:  # ranks left behind by a failed run
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out
+    return _launch.run_script([sys.executable, SCRIPT, *args],
+                              {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ import importlib.util
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from multidc.hierarchical.tools.ranks import run_ranks
+from tests import _launch
 from tests._resources import require_module
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
@@ -162,25 +161,12 @@ def _load_example():
 
 
 def _run_script(script: str, args: list[str], env: dict | None = None, timeout: float = 300) -> str:
-    """Run a training script that launches its own ranks; kill its whole session on timeout or failure."""
+    """Run a training script that launches its own ranks; afterwards (also on timeout) kill every rank it started."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in ("RANK", "WORLD_SIZE",
              "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
-    proc = subprocess.Popen(
-        [sys.executable, script, *args], env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} timed out after {timeout}s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks a failed run left behind
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out[-6000:]
+    code, out = _launch.run_script([sys.executable, script, *args], {**clean, "OMP_NUM_THREADS": "1", **(env or {})},
+                                   timeout)
+    assert code == 0, out[-6000:]
     return out
 
 
