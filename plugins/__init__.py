@@ -7,48 +7,11 @@
 The Accelerate and Lightning names are imported when first used, so this package needs neither installed.
 """
 
-from multidc.plugins.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointInfo,
-    Checkpointer,
-    CheckpointSaveError,
-    ModelState,
-    ObjectStore,
-    ObjectStoreAuthError,
-    ObjectStoreError,
-    ObjectStoreNotFoundError,
-    RetryPolicy,
-    RNGState,
-    SaveHandle,
-    latest,
-    list_checkpoints,
-    load,
-    save,
-    wait,
-)
+from multidc.plugins import checkpoint as _checkpoint
+from multidc.plugins.checkpoint import *  # noqa: F403  (re-exports its __all__)
 
-__all__: list[str] = [
-    "CheckpointCorruptError",
-    "CheckpointInfo",
-    "CheckpointSaveError",
-    "Checkpointer",
-    "ModelState",
-    "MultiDCAccelerator",
-    "MultiDCPlugin",
-    "ObjectStore",
-    "ObjectStoreAuthError",
-    "ObjectStoreCheckpointIO",
-    "ObjectStoreError",
-    "ObjectStoreNotFoundError",
-    "RNGState",
-    "RetryPolicy",
-    "SaveHandle",
-    "latest",
-    "list_checkpoints",
-    "load",
-    "save",
-    "wait",
-]
+# The checkpoint engine's names, and the framework plugins' (imported when first used, see __getattr__).
+__all__: list[str] = sorted([*_checkpoint.__all__, "MultiDCAccelerator", "MultiDCPlugin", "ObjectStoreCheckpointIO"])
 
 
 def __getattr__(name: str):

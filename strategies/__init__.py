@@ -15,48 +15,17 @@ using a Lightning strategy class raises an ImportError that says what to install
 import importlib
 import importlib.util
 
-from multidc.strategies.parallel import (
-    ParallelLayout,
-    ParallelModel,
-    Pipeline,
-    PipelineConfig,
-    RemoteBlock,
-    apply_data_parallel,
-    apply_tensor_parallel,
-    clip_grad_norm_,
-    data_parallel_coordinate,
-    parallelize,
-    prepare_parallel,
-    replicate_topology,
-    split_blocks,
-    transformer_block_plan,
-)
+from multidc.strategies import parallel as _parallel
+from multidc.strategies.parallel import *  # noqa: F403  (re-exports its __all__)
 
 # Public names that need Lightning -> the module defining them (without Lightning, __getattr__ raises its error).
 _LIGHTNING_EXPORTS = {
     "HierarchicalDDPStrategy": "multidc.strategies.hierarchical_ddp",
     "HierarchicalDDPFabricStrategy": "multidc.strategies.hierarchical_ddp",
+    "Parallel3DStrategy": "multidc.strategies.parallel_3d",
 }
-_LIGHTNING_EXPORTS["Parallel3DStrategy"] = "multidc.strategies.parallel_3d"
 
-__all__: list[str] = ["HierarchicalDDPFabricStrategy", "HierarchicalDDPStrategy"]
-__all__ += [
-    "ParallelLayout",
-    "ParallelModel",
-    "Parallel3DStrategy",
-    "Pipeline",
-    "PipelineConfig",
-    "RemoteBlock",
-    "apply_data_parallel",
-    "apply_tensor_parallel",
-    "clip_grad_norm_",
-    "data_parallel_coordinate",
-    "parallelize",
-    "prepare_parallel",
-    "replicate_topology",
-    "split_blocks",
-    "transformer_block_plan",
-]
+__all__: list[str] = [*_LIGHTNING_EXPORTS, *_parallel.__all__]  # and the layout's names, re-exported
 
 
 def __getattr__(name: str):
