@@ -202,7 +202,13 @@ def _last_finder(strategy):
 def install_last_resolution() -> None:
     """Make ``ckpt_path="last"`` find committed multidc checkpoints when the Trainer writes them (a multidc
     strategy, or ``ObjectStoreCheckpointIO``): the newest commit under each ``ModelCheckpoint`` directory, any
-    name, never a half-written one. Other Trainers keep Lightning's rule. Idempotent."""
+    name, never a half-written one. Other Trainers keep Lightning's rule (the original method runs). Idempotent.
+
+    Why a patch: Lightning 2.6 resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` by asking each
+    ``ModelCheckpoint`` for ``_find_last_checkpoints``, which lists the directory with ``os.path.normpath`` paths and
+    keeps ``last*.ckpt`` names: an ``s3://`` URL is mangled and a half-written folder would match. Neither the
+    strategy nor the ``CheckpointIO`` is consulted, so there is no hook to answer instead; the wrapper decides per
+    Trainer (``_last_finder``) and changes nothing for Trainers without a multidc strategy or checkpoint IO."""
     current = ModelCheckpoint._find_last_checkpoints
     original = getattr(current, "__multidc_original__", current)
 
