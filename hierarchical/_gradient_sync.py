@@ -43,6 +43,14 @@ class GradientSync:
         self._reduced_in_backward = False
         self._ddp_models: weakref.WeakSet = weakref.WeakSet()
 
+    def __getstate__(self) -> dict:
+        # Lightning pickles the strategy for spawn launches: the live DDP models stay behind (a WeakSet cannot
+        # be pickled, and the spawned ranks attach their own).
+        return {**self.__dict__, "_ddp_models": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _ddp_models=weakref.WeakSet())
+
     def build_topology(self, *, num_sites: int | None = None, site: int | str | None = None) -> Topology:
         """The job's topology over the default group, built on the first call (collective: every rank calls it)
         and kept for later fits (``close`` stops only its worker thread)."""

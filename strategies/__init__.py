@@ -13,9 +13,9 @@ using a Lightning strategy class raises an ImportError that says what to install
 """
 
 import importlib
-import importlib.util
 
 from multidc.strategies import parallel as _parallel
+from multidc.strategies._registry import register_when_lightning_loads
 from multidc.strategies.parallel import *  # noqa: F403  (re-exports its __all__)
 
 # Public names that need Lightning -> the module defining them (without Lightning, __getattr__ raises its error).
@@ -35,7 +35,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)  # without Lightning: its clear ImportError
 
 
-if importlib.util.find_spec("lightning") is not None:
-    from multidc.strategies._registry import register_all
-
-    register_all()  # Trainer(strategy="hierarchical_ddp") etc. work once multidc.strategies is imported
+register_when_lightning_loads()  # Trainer(strategy="hierarchical_ddp") etc. work once multidc.strategies is imported

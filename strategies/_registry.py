@@ -1,11 +1,18 @@
 """The multidc strategy names in Lightning's ``StrategyRegistry`` (Trainer) and Fabric's ``STRATEGY_REGISTRY``.
 
-Registered in one place: :func:`register_all`, which importing ``multidc.strategies`` calls when Lightning is
-installed. Each strategy class lists its own names in a ``register_strategies`` classmethod, as Lightning's do.
+Registered in one place: :func:`register_all`. Importing ``multidc.strategies`` calls
+:func:`register_when_lightning_loads`: at once when Lightning is already imported, else right after Lightning's
+first import, so that importing the framework-free ``multidc.strategies.parallel`` (the Accelerate plugin does)
+never imports Lightning itself. Each strategy class lists its own names in a ``register_strategies`` classmethod,
+as Lightning's do.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 
@@ -26,18 +33,63 @@ def register(registry, name: str, cls: type, start_method: str | None = None, *,
     registry.register(name, cls, description=description, override=True, **init_params)
 
 
+# Strategy module -> the classes it defines that register names.
+_STRATEGIES = {
+    "multidc.strategies.hierarchical_ddp": ("HierarchicalDDPStrategy", "HierarchicalDDPFabricStrategy"),
+    "multidc.strategies.parallel_3d": ("Parallel3DStrategy",),
+}
+
+
 def register_all() -> None:
-    """Register every multidc strategy name with both registries (imports Lightning)."""
+    """Register every multidc strategy name with both registries (imports Lightning and the strategy modules).
+
+    A strategy module still being imported (it imported Lightning, whose import calls this) is skipped: it calls
+    ``register_all`` again as its last statement.
+    """
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from multidc.strategies.hierarchical_ddp import HierarchicalDDPFabricStrategy, HierarchicalDDPStrategy
-    from multidc.strategies.parallel_3d import Parallel3DStrategy
-
-    HierarchicalDDPStrategy.register_strategies(StrategyRegistry)
-    Parallel3DStrategy.register_strategies(StrategyRegistry)
-    HierarchicalDDPFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    for module_name, names in _STRATEGIES.items():
+        module = sys.modules.get(module_name)
+        if module is not None and not all(hasattr(module, name) for name in names):
+            continue
+        module = importlib.import_module(module_name)
+        for name in names:
+            cls = getattr(module, name)
+            cls.register_strategies(STRATEGY_REGISTRY if "Fabric" in name else StrategyRegistry)
 
 
 def _qualified(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def register_when_lightning_loads() -> None:
+    """``register_all`` now if ``lightning.pytorch`` is imported, else once its import finishes (``import lightning``
+    and ``import lightning.fabric`` import it too); nothing when Lightning is not installed."""
+    if "lightning.pytorch" in sys.modules:
+        register_all()
+    elif importlib.util.find_spec("lightning") is not None and not any(
+        isinstance(finder, _AfterLightning) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterLightning())
+
+
+class _AfterLightning(importlib.abc.MetaPathFinder):
+    """Finds ``lightning.pytorch`` through the other finders and runs ``register_all`` after its module executed;
+    removes itself on first use."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            execute(module)
+            register_all()
+
+        spec.loader.exec_module = exec_module
+        return spec

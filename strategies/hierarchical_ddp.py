@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from multidc.strategies._checkpointing import CheckpointingMixin
 from multidc.strategies._registry import register as _register
+from multidc.strategies._registry import register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 # DDPStrategy arguments that would install a second comm hook; DDP accepts only one per model.
@@ -221,3 +222,6 @@ def _register_ddp_names(registry, cls: type) -> None:
     for name, start_method in (("hierarchical_ddp", "popen"), ("hierarchical_ddp_spawn", "spawn")):
         description = f"multidc hierarchical (site-first, then WAN) DDP with start_method={start_method!r}"
         _register(registry, name, cls, description=description, start_method=start_method)
+
+
+register_all()  # the names, also when this module's own import of Lightning came first (see _registry)

@@ -61,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
-from multidc.strategies._registry import register
+from multidc.strategies._registry import register, register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
 
@@ -326,3 +326,6 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         register(strategy_registry, cls.strategy_name, cls,
                  description="multidc site x FSDP2 x pipeline x tensor parallelism")
+
+
+register_all()  # the names, also when this module's own import of Lightning came first (see _registry)

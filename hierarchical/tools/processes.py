@@ -5,7 +5,7 @@ so killing the launcher's process group misses them, and a rank whose launcher d
 Every process of a tree therefore carries one environment variable, ``MULTIDC_PROCESS_TREE=<token>``, which
 children inherit; ``ProcessTree.kill`` finds them by it in ``/proc`` and kills them until none is left.
 
-Used by the tests, the benchmarks and the fault scripts::
+Used by the tests that start launchers::
 
     with ProcessTree([accelerate, "launch", script], env=env) as tree:
         code, output = tree.wait(timeout=300)   # on timeout: every process of the tree killed, then TimeoutError
@@ -36,6 +36,8 @@ class ProcessTree:
         env = {**(os.environ if env is None else env), TOKEN_VAR: self.token}
         popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
         self.process = subprocess.Popen(argv, env=env, start_new_session=True, **popen)
+        self.survivors: list[int] = []
+        """Pids of the tree still alive when ``wait`` saw the launcher end (before it killed them)."""
 
     def wait(self, timeout: float) -> tuple[int, str]:
         """Wait up to ``timeout`` seconds for the launcher; then kill whatever of the tree is left (a rank that
@@ -46,6 +48,7 @@ class ProcessTree:
         """
         try:
             output, _ = self.process.communicate(timeout=timeout)
+            self.survivors = self.members()  # ranks still running after their launcher ended
         except subprocess.TimeoutExpired:
             self.kill()
             output, _ = self.process.communicate()
@@ -65,10 +68,11 @@ class ProcessTree:
         Raises:
             RuntimeError: processes of the tree still alive after ``deadline_s`` (unkillable: stuck in the kernel).
         """
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.process.returncode is None:  # once reaped, its pid (and group id) may belong to someone else
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + deadline_s
         while pids := self.members():
             for pid in pids:

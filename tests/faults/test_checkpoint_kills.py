@@ -4,18 +4,20 @@ directory and to the session's SeaweedFS server; after each kill ``latest`` load
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 import uuid
 from pathlib import Path
+
+from tests._launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_checkpoint_kills.py"
 
 
 def _kills(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith('{"benchmark"'))
+    code, output = run_script([sys.executable, str(SCRIPT), *args], dict(os.environ), timeout=240)
+    assert code == 0, output[-6000:]
+    line = next(line for line in output.splitlines() if line.startswith('{"benchmark"'))
     return json.loads(line)["results"][0]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from multidc.hierarchical.tools import cli
 from multidc.hierarchical.tools.lab import lab_available
+from tests._launch import run_script
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
 MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
@@ -19,11 +20,11 @@ MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
 def _doctor(tmp_path, *lab_args: str, env: dict | None = None, sites: int = 2, per_site: int = 2):
     out = tmp_path / "doctor.json"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_")}
-    proc = subprocess.run(
-        [*MULTIDC, "lab", "run", "--sites", str(sites), "--ranks-per-site", str(per_site), "--timeout-s", "90",
-         *lab_args, "--", *MULTIDC, "doctor", "--size-mb", "1", "--repeats", "2", "--json", str(out)],
-        env={**clean, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True, timeout=120,
-    )
+    argv = [*MULTIDC, "lab", "run", "--sites", str(sites), "--ranks-per-site", str(per_site), "--timeout-s", "90",
+            *lab_args, "--", *MULTIDC, "doctor", "--size-mb", "1", "--repeats", "2", "--json", str(out)]
+    # Every rank the lab launcher starts is killed with it (ProcessTree); stdout and stderr come back together.
+    code, output = run_script(argv, {**clean, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=120)
+    proc = subprocess.CompletedProcess(argv, code, stdout=output, stderr=output)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 

@@ -10,6 +10,7 @@ processes together (a silent one-process run cannot pass).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -94,8 +95,9 @@ def launches(tmp_path_factory):
     ]
     outputs = {}
     for batch in batches:
-        trees = {name: start() for name, start in batch.items()}
-        outputs.update({name: finish(tree, LAUNCH_TIMEOUT_S) for name, tree in trees.items()})
+        with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every tree of the batch
+            trees = {name: stack.enter_context(start()) for name, start in batch.items()}
+            outputs.update({name: finish(tree, LAUNCH_TIMEOUT_S) for name, tree in trees.items()})
     outputs["site_per_machine"] = outputs.pop("machine0")
     code, out = outputs.pop("machine1")
     assert code == 0, f"machine 1 failed:\n{out[-6000:]}"
@@ -186,7 +188,7 @@ def test_ranks_exit_together_when_their_group_still_holds_work_at_end_training(t
     code, out = finish(tree, timeout=180)
     assert code == 0, out[-6000:]
     assert sorted(re.findall(r"^exited (\d)$", out, flags=re.MULTILINE)) == ["0", "1"], out[-6000:]
-    assert not tree.members()
+    assert tree.survivors == [], "processes of the launch outlived it"
 
 
 def test_bad_num_sites_fails_every_rank_of_the_launch_before_training(launches):

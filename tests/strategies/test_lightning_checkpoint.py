@@ -336,7 +336,7 @@ def test_a_failed_save_over_a_path_leaves_its_previous_checkpoint_loadable(tmp_p
 
 
 def test_checkpoint_io_overwrite_that_fails_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
-    import multidc.plugins.checkpoint as checkpoint_module
+    import multidc.plugins.checkpoint.checkpointer as checkpoint_module
     from multidc.plugins import ObjectStoreCheckpointIO
 
     io, path = ObjectStoreCheckpointIO(), tmp_path / "last.ckpt"
