@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test bench bench-allreduce bench-checkpoint bench-pipeline faults clean
+.PHONY: demo test test-fast lint bench bench-allreduce bench-checkpoint bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q --durations=20
+
+# The inner loop: tests that start no process (tests/conftest.py marks the others `dist`).
+test-fast: $(STAMP)
+	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q -m "not dist"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Benchmarks (figures in README.md): all of them, or one at a time.
 bench: bench-allreduce bench-checkpoint bench-pipeline

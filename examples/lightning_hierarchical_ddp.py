@@ -97,7 +97,8 @@ def main() -> None:
     if trainer.is_global_zero:
         topology = trainer.strategy.topology
         sizes = [len(r) for r in topology.layout.site_ranks]
-        print(f"done: {trainer.world_size} ranks in {topology.num_sites} sites {sizes}, WAN settings {trainer.strategy.wan}")
+        print(f"done: {trainer.world_size} ranks in {topology.num_sites} sites {sizes}, "
+              f"WAN settings {trainer.strategy.wan}")
 
 
 if __name__ == "__main__":

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
+from multidc.plugins.checkpoint import Checkpointer
 from multidc.plugins.checkpoint.comm import THIS_PROCESS
 from multidc.plugins.checkpoint.format import COMMIT, decode_commit, parse_step
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import safe_load_bytes
 from multidc.plugins.checkpoint.retention import committed, delete_committed
 from multidc.plugins.checkpoint.storage import byte_view
-from multidc.plugins.checkpoint import Checkpointer
-from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

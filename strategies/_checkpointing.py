@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
-from multidc.plugins.lightning_checkpoint_io import find_last  # noqa: E402  (needs Lightning, checked above)
+from multidc.plugins.lightning_checkpoint_io import find_last  # needs Lightning, checked above
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
@@ -176,7 +176,7 @@ class LightningCheckpoints:
         for root in roots:  # collective: every rank removes the same roots in the same order
             ckpt = self._checkpointer(root)
             try:
-                ckpt.comm.from_rank0(lambda: delete_committed(ckpt.store), what=f"removing {ckpt.url}",
+                ckpt.comm.from_rank0(lambda: delete_committed(ckpt.store), what=f"removing {ckpt.url}",  # noqa: B023
                                      error_type=None)
             finally:
                 del self._open[root]

@@ -12,7 +12,8 @@ What a LightningModule does with it:
   parallelism): that ``fully_shard`` shards inside each site instead and the strategy reduces the sites'
   replicas hierarchically (``data_parallel_within_sites``); ``fsdp_across_sites=True`` keeps it across sites,
   flat, with a warning.
-* ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks (see ``multidc.strategies.parallel.pipeline``).
+* ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks
+  (see ``multidc.strategies.parallel.pipeline``).
   Required with ``pipeline_parallel_size > 1``; otherwise used as FSDP units when defined.
 * ``training_step``: with pipeline parallelism, ``self(x)`` is not available on any one rank. Instead write
   ``loss = self.trainer.strategy.pipeline_step(x, y, loss_fn)``: it runs the schedule (forward and backward of
@@ -63,7 +64,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from multidc.strategies._checkpointing import CheckpointingMixin
 from multidc.strategies._registry import register, register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
-
 
 _FLAT_WAN_WARNING = (
     "configure_model applied fully_shard over a mesh that spans sites, and {why}: that module's gradients cross "

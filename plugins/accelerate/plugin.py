@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
 from multidc.hierarchical import _env
 from multidc.hierarchical.config import WanConfig
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from multidc.plugins.checkpoint import CheckpointInfo, Checkpointer, latest
+from multidc.plugins.checkpoint import Checkpointer, CheckpointInfo, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
 from multidc.plugins.checkpoint.state import ModelState, RNGState
 
@@ -95,7 +95,7 @@ class StateMixin:
         for ckpt in self.__dict__.pop("_checkpointers", {}).values():
             try:
                 ckpt.close()
-            except BaseException as exc:  # noqa: BLE001 - close the others, then raise it
+            except BaseException as exc:  # close the others, then raise it
                 first = first or exc
         if first is not None:
             raise first

@@ -15,8 +15,8 @@ Messages go to the ``multidc.plugins.checkpoint`` and ``multidc.plugins.object_s
 
 from multidc.plugins.checkpoint.checkpointer import (
     CheckpointCorruptError,
-    CheckpointInfo,
     Checkpointer,
+    CheckpointInfo,
     CheckpointSaveError,
     SaveHandle,
     latest,

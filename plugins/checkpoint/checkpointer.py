@@ -74,11 +74,11 @@ from multidc.hierarchical.errors import wan_failure
 from multidc.plugins.checkpoint import retention as _retention
 from multidc.plugins.checkpoint.comm import Comm
 from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Commit, checkpoint_name, decode_commit
-from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
 from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
+from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
+from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
 from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
-from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -254,7 +254,7 @@ class Checkpointer:
             info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),
                                         what=f"committing {self.store.where(name)}",
                                         error_type=CheckpointSaveError)
-        except BaseException as exc:  # noqa: BLE001 - handed to the SaveHandle, raised by wait()
+        except BaseException as exc:  # handed to the SaveHandle, raised by wait()
             failure = exc
         handle._finish(info, failure)
         if failure is None:

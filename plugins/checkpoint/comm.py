@@ -145,7 +145,7 @@ class Comm:
                 outcome["value"] = fn(*args) if fn is not None else None
             except Exception as exc:  # returned to the caller, which decides whom to tell
                 outcome["error"] = exc
-            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt / SystemExit: re-raised below
+            except BaseException as exc:  # KeyboardInterrupt / SystemExit: re-raised below
                 outcome["fatal"] = exc
             finally:
                 done.set()

@@ -291,7 +291,7 @@ class ObjectStore:
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 return fn()
-            except BaseException as exc:  # noqa: BLE001 - classified below, never swallowed
+            except BaseException as exc:  # classified below, never swallowed
                 error = self._classify(exc, key, attempt, started)
                 if error is None:
                     time.sleep(self._retry_delay(exc, key, attempt))
@@ -304,7 +304,7 @@ class ObjectStore:
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 return await fn()
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 error = self._classify(exc, key, attempt, started)
                 if error is None:
                     await asyncio.sleep(self._retry_delay(exc, key, attempt))

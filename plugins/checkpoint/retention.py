@@ -124,7 +124,7 @@ def remove_replaced(store: ObjectStore, name: str, files: set[str]) -> None:
 def _attempt(left: list[str], what: str, fn, *args) -> None:
     try:
         fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the save succeeded; reported by _report, not raised
+    except Exception as exc:  # the save succeeded; reported by _report, not raised
         left.append(f"{what} ({type(exc).__name__}: {exc})")
 
 
@@ -149,7 +149,7 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     _attempt(left, f"replaced shard objects of {store.where(name)}", _remove_unreferenced, store, name, files)
     try:
         candidates = _candidates(store)
-    except Exception as exc:  # noqa: BLE001 - as above
+    except Exception as exc:  # as above
         candidates = []
         left.append(f"every older or half-written checkpoint under {store.where()} (listing failed: "
                     f"{type(exc).__name__}: {exc})")
@@ -159,7 +159,7 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     for s, n in others:
         try:
             (done if store.exists(f"{n}/{COMMIT}") else half).append((s, n))
-        except Exception as exc:  # noqa: BLE001 - as above
+        except Exception as exc:  # as above
             left.append(f"{store.where(n)} (could not tell whether it is committed: {type(exc).__name__}: {exc})")
     superseded = [n for s, n in done if supersede and s > step]
     # A superseded checkpoint that stays committed would still be `latest` (it has the higher step): a commit
@@ -168,7 +168,7 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     for n in superseded:
         try:
             store.delete(f"{n}/{COMMIT}")
-        except Exception as exc:  # noqa: BLE001 - raised below, after the rest of the clean-up
+        except Exception as exc:  # raised below, after the rest of the clean-up
             stuck.append(f"{store.where(n)} ({type(exc).__name__}: {exc})")
             continue
         _attempt(left, store.where(n), store.delete_tree, n)  # uncommitted: its shards go like a half-written one's

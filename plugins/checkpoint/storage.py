@@ -236,7 +236,7 @@ class ObjectStoreReader(StorageReader):
         for item in plan.items:
             by_location.setdefault(self.locations[item.storage_index], []).append(item)
         batch, size = [], 0
-        for location in sorted(by_location, key=lambda l: (l.file, l.offset)):
+        for location in sorted(by_location, key=lambda loc: (loc.file, loc.offset)):
             batch.append(location)
             size += location.length
             if size >= _READ_BATCH_BYTES:

@@ -40,7 +40,7 @@ class _MeshTopology(Topology):
     Sets exactly the attributes ``Topology.__init__`` sets, so every hierarchical collective accepts it.
     """
 
-    def __init__(self, mesh, wan: WanConfig) -> None:  # noqa: D107 - see class docstring
+    def __init__(self, mesh, wan: WanConfig) -> None:  # see class docstring
         num_sites, per_site = submesh(mesh, "site").size(), submesh(mesh, "dp_replicate").size()
         self.layout = SiteLayout(
             site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),

@@ -18,6 +18,7 @@ from multidc.hierarchical import WanConfig, all_reduce, plan_chunks, resolve_sit
 from multidc.hierarchical.tools import cli
 from multidc.hierarchical.tools.lab import Lab, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
+from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.hierarchical.topology import _Claim
 from multidc.plugins import (
     Checkpointer,
@@ -27,7 +28,6 @@ from multidc.plugins import (
     ObjectStoreNotFoundError,
     RetryPolicy,
 )
-from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
 from multidc.strategies.parallel.layout import ParallelLayout
 from multidc.strategies.parallel.pipeline import PipelineConfig
@@ -323,7 +323,7 @@ def _differing_wan_settings(rank, world):
 def test_wan_settings_that_differ_between_sites_raise_on_every_rank_before_any_group():
     # Valid on each site, but different: the collectives would not match (streams: different group counts).
     per_rank = run_ranks(_differing_wan_settings, 4, timeout=60)
-    for case, (variable, value) in enumerate(_DIFFERING_WAN):
+    for case, (variable, _value) in enumerate(_DIFFERING_WAN):
         results = [rank_results[case] for rank_results in per_rank]
         for name, message in results:
             assert name == "ValueError" and "ranks disagree on the WAN settings" in message, (variable, message)

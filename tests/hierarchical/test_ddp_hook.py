@@ -6,7 +6,6 @@ then checks one behaviour of the returned per-rank results.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -171,7 +170,7 @@ def test_hook_trains_to_same_weights_as_plain_ddp(results, variant):
         for a, b in zip(r["parity"]["plain"], r["parity"][variant]):
             diff = (a - b).abs().max().item()
             assert diff <= PARITY_ATOL, f"rank {rank} {variant}: max |plain - hooked| = {diff:g}"
-    for rank, r in enumerate(results[1:], start=1):  # replicas never drift
+    for r in results[1:]:  # replicas never drift
         assert all(torch.equal(a, b) for a, b in zip(results[0]["parity"][variant], r["parity"][variant]))
 
 

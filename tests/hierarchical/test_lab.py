@@ -122,6 +122,7 @@ def _bench(tmp_path, *extra) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.dist  # cli.main starts the ranks
 def test_bench_on_loopback_compares_flat_and_hierarchical_in_one_run(tmp_path, capsys):
     result = _bench(tmp_path, "--loopback")
     printed = capsys.readouterr().out
@@ -182,6 +183,7 @@ def _lab_run(tmp_path, capfd, *extra, env=None):
     return code, capfd.readouterr()
 
 
+@pytest.mark.dist  # cli.main starts the ranks
 def test_lab_run_gives_each_rank_its_site_and_torchrun_env(tmp_path, capfd):
     code, out = _lab_run(tmp_path, capfd)
     assert code == 0, out.err
@@ -190,6 +192,7 @@ def test_lab_run_gives_each_rank_its_site_and_torchrun_env(tmp_path, capfd):
     assert lines == [f"rank={r} site={r // 2} local={r % 2} lab={in_lab} sum=6.0" for r in range(4)]
 
 
+@pytest.mark.dist  # cli.main starts the ranks
 def test_lab_run_reports_a_failed_rank(tmp_path, capfd):
     code, out = _lab_run(tmp_path, capfd, env={"FAIL_RANK": "2"})
     assert code == 1

@@ -17,6 +17,7 @@ import torch
 
 from multidc.hierarchical.tools.seaweed import weed_binary
 from tests._resources import require_module, require_weed
+
 require_module("accelerate", "accelerate")
 
 from multidc.hierarchical.tools.ranks import run_ranks  # noqa: E402

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.planner import SavePlan
 
+from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins import (
     CheckpointCorruptError,
     Checkpointer,
@@ -31,7 +32,6 @@ from multidc.plugins import (
     latest,
     list_checkpoints,
 )
-from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins.checkpoint.format import CheckpointCorruptError as FormatError
 from multidc.plugins.checkpoint.format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins.checkpoint.planner import stripe_plans
@@ -150,7 +150,7 @@ def _round_trip(rank, world, url):
 def test_round_trip_to_a_file_url_restores_tensors_and_plain_values(tmp_path):
     url = f"file://{tmp_path}/ckpts"
     out = run_ranks(_round_trip, 2, url, timeout=120)
-    for rank, (saved, loaded, step, name) in enumerate(out):
+    for saved, loaded, step, name in out:
         assert (step, name) == (11, "step_0000000011")
         torch.testing.assert_close(loaded["w"], out[0][0]["w"])  # same key on all ranks: rank 0's copy
         torch.testing.assert_close(loaded["per_rank"], saved["per_rank"])

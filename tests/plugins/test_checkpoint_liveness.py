@@ -94,7 +94,7 @@ def _peer_stops_mid_transfer(rank, world, url, phase, sites):
         else:
             ckpt.load({"w": torch.zeros(4096)})
         outcome = "no error"
-    except (WanError if sites == 2 else RuntimeError) as exc:
+    except (WanError if sites == 2 else RuntimeError) as exc:  # noqa: B030 - the expected class depends on the case
         outcome = str(exc)
     finally:
         if rank == 0:

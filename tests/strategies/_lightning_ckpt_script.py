@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
-from tests._tiny_models import TinyGPT, batch, loss_fn  # noqa: E402
+from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
+from tests._tiny_models import TinyGPT, batch, loss_fn
 
 REGRESSOR_ROWS, GPT_ROWS = 16, 8  # global batch per step
 

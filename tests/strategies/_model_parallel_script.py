@@ -2,8 +2,10 @@
 ``configure_model`` on ``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``, asserting, as Lightning's
 tensor-parallel example does, that the data-parallel mesh is 1-D), run unchanged under any of:
 
-    python tests/strategies/_model_parallel_script.py --out DIR     # "parallel_3d" from MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
-    python tests/strategies/_model_parallel_script.py --out DIR --strategy model_parallel   # ModelParallelStrategy(dp 2, tp 2)
+    python tests/strategies/_model_parallel_script.py --out DIR
+                                    # "parallel_3d" from MULTIDC_NUM_SITES=2, MULTIDC_TP_SIZE=2
+    python tests/strategies/_model_parallel_script.py --out DIR --strategy model_parallel
+                                    # ModelParallelStrategy(dp 2, tp 2)
     python tests/strategies/_model_parallel_script.py --out DIR --strategy parallel_3d [--fsdp-across-sites]
                                                           # Parallel3DStrategy(num_sites=2, dp 2, tp 2)
 
@@ -33,8 +35,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-from multidc.strategies import Parallel3DStrategy  # noqa: E402  (importing it registers "parallel_3d")
-from tests._tiny_models import TinyGPT, batch, loss_fn  # noqa: E402
+from multidc.strategies import Parallel3DStrategy  # importing it registers "parallel_3d"
+from tests._tiny_models import TinyGPT, batch, loss_fn
 
 STEPS, ROWS_PER_REPLICA, CLIP = 3, 4, 0.5
 

@@ -3,8 +3,8 @@ their meaning (``data_parallel_size`` = data-parallel ranks over all sites), and
 (TP over ``device_mesh["tensor_parallel"]``, ``fully_shard`` over the 1-D ``device_mesh["data_parallel"]``),
 unchanged, training across two sites like ``ModelParallelStrategy`` with only site-reduced gradients on the WAN.
 
-The Lightning runs (tests/strategies/_model_parallel_script.py, 4 CPU ranks, tp 2 x data-parallel 2, 3 steps, no clipping:
-``ModelParallelStrategy`` cannot clip a model that mixes TP and non-TP parameters) are compared with
+The Lightning runs (tests/strategies/_model_parallel_script.py, 4 CPU ranks, tp 2 x data-parallel 2, 3 steps, no
+clipping: ``ModelParallelStrategy`` cannot clip a model that mixes TP and non-TP parameters) are compared with
 ``ModelParallelStrategy``'s own run of the same module, not with numbers from an earlier run.
 """
 
