@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests._resources import require_module
+
 require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import WanConfig  # noqa: E402

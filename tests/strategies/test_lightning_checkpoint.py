@@ -19,6 +19,7 @@ import torch
 
 from tests import _launch
 from tests._resources import require_module
+
 require_module("lightning", "lightning")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -378,10 +379,10 @@ def _lightning_save_with_a_stopped_peer(rank, world, root):
     and how long after the save began."""
     import time
 
+    import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
-    import torch.distributed as dist
     from multidc.hierarchical import WanConfig, WanError
 
     pids = [None] * world
@@ -409,7 +410,7 @@ def _lightning_save_with_a_stopped_peer(rank, world, root):
         outcome = "no error"
     except WanError as exc:
         outcome = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
         if rank == 0:

@@ -17,6 +17,7 @@ import torch
 
 from tests import _launch
 from tests._resources import require_module
+
 require_module("lightning", "lightning")
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY  # noqa: E402

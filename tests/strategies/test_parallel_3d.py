@@ -241,8 +241,8 @@ MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel
 
 @pytest.mark.timeout(400)
 def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_them_hierarchically(tmp_path):
-    """tests/strategies/_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model; its
-    FSDP stays inside each site (tests/strategies/test_model_parallel_dropin.py compares it with ModelParallelStrategy)."""
+    """_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model; its FSDP
+    stays inside each site (test_model_parallel_dropin.py compares it with ModelParallelStrategy)."""
     require_module("lightning", "lightning")
     import tests.strategies._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
