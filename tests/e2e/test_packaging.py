@@ -158,3 +158,20 @@ def test_parallel_layout_and_checkpoint_engine_import_without_lightning_or_accel
     )
     assert "multidc.strategies.parallel.parallelize" in loaded and "multidc.plugins.checkpoint.checkpointer" in loaded
     assert "multidc.plugins.accelerate" not in loaded and "multidc.strategies.hierarchical_ddp" not in loaded
+
+
+def test_the_accelerate_plugins_layout_path_leaves_lightning_unimported_and_unpatched(tmp_path):
+    """Lightning installed but not imported: the parallel layout the Accelerate plugin uses must not import it (nor
+    patch ``ModelCheckpoint``); the strategy names register once Lightning is imported later."""
+    out = _fresh_python(
+        "import sys\n"
+        "from multidc.plugins.accelerate.plugin import MultiDCPlugin\n"
+        "import multidc.strategies.parallel\n"
+        "MultiDCPlugin(tensor_parallel_size=2)\n"
+        "print('loaded', sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))))\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print('registered', sorted(n for n in StrategyRegistry if n in ('hierarchical_ddp', 'parallel_3d')))\n",
+        tmp_path,
+    )
+    assert "loaded []" in out, out
+    assert "registered ['hierarchical_ddp', 'parallel_3d']" in out, out

@@ -144,6 +144,18 @@ def test_importing_twice_and_reloading_keeps_one_working_registration():
     assert result.returncode == 0, result.stderr
 
 
+def test_strategies_pickle_for_spawn_launches():
+    """Lightning pickles the strategy for ``hierarchical_ddp_spawn`` (and the Fabric twin): every attribute must."""
+    import pickle
+
+    from multidc.strategies import Parallel3DStrategy
+
+    for strategy in (HierarchicalDDPStrategy(num_sites=2), HierarchicalDDPFabricStrategy(num_sites=2),
+                     Parallel3DStrategy(num_sites=2)):
+        restored = pickle.loads(pickle.dumps(strategy))
+        assert type(restored) is type(strategy) and restored.wan == strategy.wan
+
+
 def test_package_imports_without_lightning_and_the_strategy_says_what_to_install():
     result = _python(
         "import sys; sys.modules['lightning'] = None\n"
