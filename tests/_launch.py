@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from multidc.hierarchical.tools.processes import ProcessTree, run
+from multidc.hierarchical.tools.processes import ProcessTree
 
 
 def run_script(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     """``(exit code, output)`` of ``argv``; every process it started is killed once it ends, wherever torchrun put
     it. A run past ``timeout`` seconds fails the test with its output."""
-    try:
-        return run(argv, env=env, timeout=timeout)
-    except TimeoutError as exc:
-        pytest.fail(str(exc))
+    return finish(ProcessTree(argv, env=env), timeout)
 
 
 def finish(tree: ProcessTree, timeout: float) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from tests._resources import require_weed
 
 # Modules and objects whose use means: this test starts processes (ranks, launchers, S3 servers, namespaces).
 _SPAWNERS = {id(o) for o in (subprocess, multiprocessing, torch.multiprocessing, processes, _launch, ranks.run_ranks,
-                              processes.ProcessTree, processes.run, SeaweedS3, Lab, SiteJob)}
+                              processes.ProcessTree, SeaweedS3, Lab, SiteJob)}
 _OUR_PREFIXES = ("tests.", "benchmarks.")
 
 AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")

@@ -112,11 +112,3 @@ def find_tree(token: str) -> list[int]:
         found.append(int(name))
     return found
 
-
-def run(argv: list[str], *, env: dict[str, str] | None = None, timeout: float) -> tuple[int, str]:
-    """Run ``argv`` as a ``ProcessTree`` to its end and kill whatever of it is left; ``(exit code, output)``.
-
-    Raises:
-        TimeoutError: it ran past ``timeout`` seconds (every process of the tree killed).
-    """
-    return ProcessTree(argv, env=env).wait(timeout)
