@@ -8,19 +8,29 @@ Typical use, on every rank after ``init_process_group``::
     all_reduce(tensor, topo, wan=WanConfig(compression="bf16"))
     register_ddp_hook(ddp_model, topo)                      # gradients go site-first, then over the WAN
     print(topo.wan_stats.snapshot())                        # bytes sent between sites
+
+Low-bandwidth sites (DiLoCo: sites train alone, pseudo-gradients cross the WAN every ``sync_every`` steps)::
+
+    register_site_ddp_hook(ddp_model, topo)                 # DDP averages inside the site only
+    diloco = DiLoCo(ddp_model, optimizer, topo, DiLoCoConfig(sync_every=50, fragments=4, overlap_steps=1))
+    # ... the usual loop: every optimizer.step() is followed by diloco.step() (a hook on the optimizer)
 """
 
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.chunking import Chunk, plan_chunks
 from multidc.hierarchical.compression import get_codec
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook
+from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, register_site_ddp_hook
+from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig, DiLoCoStats
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
 
 __all__ = [
     "Chunk",
+    "DiLoCo",
+    "DiLoCoConfig",
+    "DiLoCoStats",
     "HierarchicalHookState",
     "SiteLayout",
     "Topology",
@@ -31,5 +41,6 @@ __all__ = [
     "get_codec",
     "plan_chunks",
     "register_ddp_hook",
+    "register_site_ddp_hook",
     "resolve_sites",
 ]

@@ -54,3 +54,55 @@ PP_SIZE = "MULTIDC_PP_SIZE"
 TP_SIZE = "MULTIDC_TP_SIZE"
 PP_SCHEDULE = "MULTIDC_PP_SCHEDULE"
 PP_MICROBATCHES = "MULTIDC_PP_MICROBATCHES"
+
+# DiLoCo (multidc.hierarchical.DiLoCoConfig).
+DILOCO_SYNC_EVERY = "MULTIDC_DILOCO_SYNC_EVERY"
+DILOCO_FRAGMENTS = "MULTIDC_DILOCO_FRAGMENTS"
+DILOCO_OVERLAP_STEPS = "MULTIDC_DILOCO_OVERLAP_STEPS"
+DILOCO_ALPHA = "MULTIDC_DILOCO_ALPHA"
+DILOCO_OUTER_LR = "MULTIDC_DILOCO_OUTER_LR"
+DILOCO_OUTER_MOMENTUM = "MULTIDC_DILOCO_OUTER_MOMENTUM"
+DILOCO_NESTEROV = "MULTIDC_DILOCO_NESTEROV"
+DILOCO_COMPRESSION = "MULTIDC_DILOCO_COMPRESSION"
+
+
+def read_bool(name: str) -> bool | None:
+    """Return ``name`` parsed as a boolean (1/0, true/false, yes/no, on/off), ``None`` when unset."""
+    value = read(name)
+    if value is None:
+        return None
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; set it to 1 or 0 (true/false) or unset it.")
+
+
+def fill_fields(config, table) -> dict[str, str]:
+    """Set every ``None`` field of ``config`` from its variable, else its default; return ``{field: variable}``
+    for the fields that came from the environment, so an error can name the variable the user actually set.
+
+    ``table``: ``(field, variable, reader, default)`` rows. An explicit argument wins; its variable is not read.
+    """
+    from_env: dict[str, str] = {}
+    for name, variable, reader, default in table:
+        if getattr(config, name) is not None:
+            continue
+        value = reader(variable)
+        if value is not None:
+            from_env[name] = variable
+        # Not ``value or default``: an explicit 0 from the environment must reach validation, not vanish.
+        setattr(config, name, default if value is None else value)
+    return from_env
+
+
+def describe(config, name: str, from_env: dict[str, str], variables: dict[str, str]) -> str:
+    """``MULTIDC_X=value (Config.x)`` when the value came from the environment, else ``Config.x=value (also
+    settable via MULTIDC_X)``: the start of a ValueError message about field ``name``."""
+    value = getattr(config, name)
+    cls = type(config).__name__
+    variable = from_env.get(name)
+    if variable is not None:
+        return f"{variable}={value!r} ({cls}.{name})"
+    return f"{cls}.{name}={value!r} (also settable via {variables[name]})"

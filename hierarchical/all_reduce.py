@@ -32,6 +32,7 @@ def all_reduce(
     wan: WanConfig | None = None,
     op: str = "sum",
     async_op: bool = False,
+    replicated: bool = False,
 ) -> torch.futures.Future | None:
     """Sum (or average) ``tensor`` over every rank of ``topology``, in place. Every rank must call it.
 
@@ -46,13 +47,16 @@ def all_reduce(
             streams the topology was built with.
         op: ``"sum"`` or ``"avg"`` (the sum divided by the number of ranks).
         async_op: return a ``torch.futures.Future`` at once; ``wait()`` returns ``tensor`` or raises.
+        replicated: every rank of a site holds the same values (DiLoCo's pseudo-gradients): the site reduction
+            is skipped, each rank sends only its ``1/site_size`` share over its rail, and the result is the sum
+            (``op="sum"``) or mean (``op="avg"``) over *sites*, not ranks.
 
     Returns:
         ``None``, or the future when ``async_op``.
     """
     wan = _check(tensor, topology, wan, op)
     # The executor's own future: ``wait()`` raises the WanError itself (``submit`` wraps it for C++ callers).
-    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, None))
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, None, replicated))
     if async_op:
         return future
     future.wait()
@@ -106,16 +110,16 @@ def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: 
     return wan
 
 
-def _all_reduce(tensor, topology, wan, op, residual):
+def _all_reduce(tensor, topology, wan, op, residual, replicated=False):
     started = time.perf_counter()
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     if flat.numel():
-        if topology.num_sites == 1:
+        if topology.num_sites > 1:
+            _Pipeline(flat, topology, wan, residual, replicated=replicated).run()
+        elif not replicated:
             dist.all_reduce(flat, group=topology.intra_group)
-        else:
-            _Pipeline(flat, topology, wan, residual).run()
         if op == "avg":
-            flat.div_(topology.size)
+            flat.div_(topology.num_sites if replicated else topology.size)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     topology.wan_stats.add(calls=1, seconds=time.perf_counter() - started)
@@ -143,8 +147,17 @@ class _ChunkState:
 class _Pipeline:
     """One hierarchical all-reduce of a flat tensor. Issues operations in a fixed order on every rank."""
 
-    def __init__(self, flat: torch.Tensor, topology: Topology, wan: WanConfig, residual: torch.Tensor | None):
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        topology: Topology,
+        wan: WanConfig,
+        residual: torch.Tensor | None,
+        *,
+        replicated: bool = False,
+    ):
         self.flat = flat
+        self.replicated = replicated  # the site's ranks hold equal values: no reduction inside the site
         self.topo = topology
         self.codec = get_codec(wan.compression)
         self.streams = wan.streams
@@ -234,6 +247,11 @@ class _Pipeline:
         topo = self.topo
         if topo.site_size == 1:
             state = _ChunkState(buffer, shard=buffer)
+        elif self.replicated:  # this rank's share already holds the site's value: nothing to reduce
+            own = pieces[topo.rail] if topo.rail is not None else None
+            if own is not None and topo.layout.equal_sites:
+                own = own.clone()  # the all-gather writes into buffer: its input must not alias it
+            state = _ChunkState(buffer, shard=own)
         elif topo.layout.equal_sites:
             state = _ChunkState(buffer, shard=buffer.new_empty(chunk.shard_numel))
             state.works = [_compat.reduce_scatter_single(state.shard, buffer, group=topo.intra_group, async_op=True)]

@@ -38,21 +38,12 @@ class WanConfig:
     """Seconds a WAN collective may take before it fails. Env ``MULTIDC_WAN_TIMEOUT_S``; default 300."""
 
     def __post_init__(self) -> None:
-        # Which fields came from the environment, so an error names the variable the user actually set.
-        self._env_names: dict[str, str] = {}
-        for name, variable, read, default in (
+        self._env_names = _env.fill_fields(self, (
             ("compression", _env.WAN_COMPRESSION, _env.read, "none"),
             ("chunk_mb", _env.WAN_CHUNK_MB, _env.read_float, _DEFAULT_CHUNK_MB),
             ("streams", _env.WAN_STREAMS, _env.read_int, _DEFAULT_STREAMS),
             ("timeout_s", _env.WAN_TIMEOUT_S, _env.read_float, _DEFAULT_TIMEOUT_S),
-        ):
-            if getattr(self, name) is not None:  # an explicit argument wins; the variable is not even read
-                continue
-            value = read(variable)
-            if value is not None:
-                self._env_names[name] = variable
-            # Not ``value or default``: an explicit 0 from the environment must reach validation, not vanish.
-            setattr(self, name, default if value is None else value)
+        ))
         self._validate()
 
     def _validate(self) -> None:
@@ -60,20 +51,15 @@ class WanConfig:
         if compression not in COMPRESSIONS:
             raise ValueError(f"{self._source('compression')} is not supported; use one of {COMPRESSIONS}.")
         self.compression = compression
-        if not _positive_number(self.chunk_mb):
+        if not positive_number(self.chunk_mb):
             raise ValueError(f"{self._source('chunk_mb')} must be a positive number of MiB, e.g. 4.")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ValueError(f"{self._source('streams')} must be an integer from 1 to 64, e.g. 2.")
-        if not _positive_number(self.timeout_s):
+        if not positive_number(self.timeout_s):
             raise ValueError(f"{self._source('timeout_s')} must be a positive number of seconds, e.g. 300.")
 
     def _source(self, name: str) -> str:
-        """``MULTIDC_WAN_X=value (WanConfig.x)`` when the value came from the environment, else the field."""
-        value = getattr(self, name)
-        variable = self._env_names.get(name)
-        if variable is not None:
-            return f"{variable}={value!r} (WanConfig.{name})"
-        return f"WanConfig.{name}={value!r} (also settable via {_FIELD_ENV[name]})"
+        return _env.describe(self, name, self._env_names, _FIELD_ENV)
 
 
 _FIELD_ENV = {
@@ -84,7 +70,7 @@ _FIELD_ENV = {
 }
 
 
-def _positive_number(value) -> bool:
+def positive_number(value) -> bool:
     # bool is an int subclass; ``chunk_mb=True`` is a mistake, not 1 MiB.
     return (
         isinstance(value, (int, float))

@@ -64,6 +64,15 @@ def register_ddp_hook(
         The hook state (its ``residuals`` are inspectable).
     """
     wan = _check(torch.empty(0), topology, wan, "avg")
+    _check_spans(ddp_model, topology)
+    if error_feedback is None:
+        error_feedback = wan.compression == "int8"
+    state = HierarchicalHookState(topology, wan, error_feedback)
+    ddp_model.register_comm_hook(state, hierarchical_hook)
+    return state
+
+
+def _check_spans(ddp_model: torch.nn.parallel.DistributedDataParallel, topology: Topology) -> None:
     ddp_ranks = sorted(dist.get_process_group_ranks(ddp_model.process_group))
     topology_ranks = sorted(
         dist.get_process_group_ranks(topology.group) if topology.group is not None else range(dist.get_world_size())
@@ -74,10 +83,44 @@ def register_ddp_hook(
             f"{len(topology_ranks)} ranks {_short(topology_ranks)}; build the topology over the DDP model's "
             f"process group (Topology.build(group=...))."
         )
-    if error_feedback is None:
-        error_feedback = wan.compression == "int8"
-    state = HierarchicalHookState(topology, wan, error_feedback)
-    ddp_model.register_comm_hook(state, hierarchical_hook)
+
+
+class SiteHookState:
+    """The group a site-only DDP hook averages over: a group of its own, not ``topology.intra_group``, so DiLoCo's
+    syncs (issued on the topology's worker thread over its groups) never interleave with inner-step traffic."""
+
+    def __init__(self, topology: Topology) -> None:
+        members = dist.get_process_group_ranks(topology.group) if topology.group is not None else None
+        self.group = None
+        for ranks in topology.layout.site_ranks:  # torch creates groups collectively: every rank, every site
+            group = dist.new_group([members[r] for r in ranks] if members else list(ranks))
+            if topology.rank in ranks:
+                self.group = group
+        self.size = topology.site_size
+
+
+def site_hook(state: SiteHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the ranks of this site only; nothing crosses the WAN."""
+    buffer = bucket.buffer().div_(state.size)
+    if state.size == 1:
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def register_site_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, topology: Topology) -> SiteHookState:
+    """Average every gradient bucket of ``ddp_model`` inside its site only, over a group made for it.
+
+    For DiLoCo: each site trains as ordinary DDP over its own ranks while the model's process group still spans
+    every site (so DDP's start-up broadcast makes all sites start equal). Collective: call once on every rank
+    of the default group (the site groups are created here), before the first backward; ``ddp_model`` must
+    span the topology's ranks.
+    """
+    _check_spans(ddp_model, topology)
+    state = SiteHookState(topology)
+    ddp_model.register_comm_hook(state, site_hook)
     return state
 
 

@@ -1,0 +1,126 @@
+"""``DiLoCoConfig``: when and how sites exchange pseudo-gradients under DiLoCo / streaming DiLoCo."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.config import COMPRESSIONS, positive_number
+
+
+@dataclass(kw_only=True)
+class DiLoCoConfig:
+    """DiLoCo settings (Douillard et al. 2023; streaming: 2025). Every rank of every site must use the same ones.
+
+    A field left at ``None`` takes its ``MULTIDC_DILOCO_*`` environment variable, else the default below, so
+    ``torchrun`` / ``accelerate launch`` users can tune it without code changes. ``sync_every`` has no default.
+    ``DiLoCo`` compares every rank's settings at construction and raises the same ValueError on all of them when
+    they differ.
+
+    Raises:
+        ValueError: naming the field (and the variable, when the value came from one) and the fix.
+    """
+
+    sync_every: int | None = None
+    """H: inner optimizer steps between two syncs of the same fragment. Env ``MULTIDC_DILOCO_SYNC_EVERY``."""
+
+    fragments: int | None = None
+    """P: the parameters are split into P fragments by block (strided: block i in fragment i mod P); a fragment
+    syncs every H steps, one fragment every H/P steps. 1 = plain DiLoCo. Env ``MULTIDC_DILOCO_FRAGMENTS``."""
+
+    overlap_steps: int | None = None
+    """tau: inner steps that run while a fragment's sync crosses the WAN; its result is merged tau steps after it
+    started, as ``alpha * local + (1 - alpha) * global``. 0 = the sync blocks and the local parameters become the
+    global ones. Must be < H / P. Env ``MULTIDC_DILOCO_OVERLAP_STEPS``; default 0."""
+
+    alpha: float | None = None
+    """Weight of the local parameters in the merge when ``overlap_steps >= 1``, in [0, 1].
+    Env ``MULTIDC_DILOCO_ALPHA``; default 0.5."""
+
+    outer_lr: float | None = None
+    """Learning rate of the outer SGD. Env ``MULTIDC_DILOCO_OUTER_LR``; default 0.7."""
+
+    outer_momentum: float | None = None
+    """Momentum of the outer SGD, in [0, 1). Env ``MULTIDC_DILOCO_OUTER_MOMENTUM``; default 0.9."""
+
+    nesterov: bool | None = None
+    """Nesterov momentum for the outer SGD (needs momentum > 0). Env ``MULTIDC_DILOCO_NESTEROV``; default True."""
+
+    compression: str | None = None
+    """Codec of the pseudo-gradients on the WAN hop: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``
+    (bounds in ``multidc.hierarchical.compression``). Env ``MULTIDC_DILOCO_COMPRESSION``; default ``"none"``."""
+
+    def __post_init__(self) -> None:
+        self._env_names = _env.fill_fields(self, (
+            ("sync_every", _env.DILOCO_SYNC_EVERY, _env.read_int, None),
+            ("fragments", _env.DILOCO_FRAGMENTS, _env.read_int, 1),
+            ("overlap_steps", _env.DILOCO_OVERLAP_STEPS, _env.read_int, 0),
+            ("alpha", _env.DILOCO_ALPHA, _env.read_float, 0.5),
+            ("outer_lr", _env.DILOCO_OUTER_LR, _env.read_float, 0.7),
+            ("outer_momentum", _env.DILOCO_OUTER_MOMENTUM, _env.read_float, 0.9),
+            ("nesterov", _env.DILOCO_NESTEROV, _env.read_bool, True),
+            ("compression", _env.DILOCO_COMPRESSION, _env.read, "none"),
+        ))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.sync_every is None:
+            raise ValueError(
+                f"DiLoCoConfig.sync_every is not set: pass sync_every=<inner steps between syncs, e.g. 50> or set "
+                f"{_env.DILOCO_SYNC_EVERY}."
+            )
+        if not _whole(self.sync_every, 1):
+            raise ValueError(f"{self._source('sync_every')} must be an integer >= 1 (inner steps), e.g. 50.")
+        if not _whole(self.fragments, 1) or self.fragments > self.sync_every:
+            raise ValueError(
+                f"{self._source('fragments')} must be an integer from 1 to sync_every={self.sync_every} (one "
+                f"fragment syncs every sync_every / fragments steps)."
+            )
+        if not _whole(self.overlap_steps, 0) or self.overlap_steps * self.fragments >= self.sync_every:
+            raise ValueError(
+                f"{self._source('overlap_steps')} must be an integer >= 0 and < sync_every / fragments = "
+                f"{self.sync_every}/{self.fragments} (a fragment's sync must finish before the next one starts)."
+            )
+        if not _number(self.alpha) or not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"{self._source('alpha')} must be a number in [0, 1], e.g. 0.5.")
+        if not positive_number(self.outer_lr):
+            raise ValueError(f"{self._source('outer_lr')} must be a positive number, e.g. 0.7.")
+        if not _number(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"{self._source('outer_momentum')} must be a number in [0, 1), e.g. 0.9.")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"{self._source('nesterov')} must be True or False.")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError(f"{self._source('nesterov')} needs outer_momentum > 0; set nesterov=False or a momentum.")
+        compression = self.compression.lower() if isinstance(self.compression, str) else None
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"{self._source('compression')} is not supported; use one of {COMPRESSIONS}.")
+        self.compression = compression
+
+    def _source(self, name: str) -> str:
+        return _env.describe(self, name, self._env_names, _FIELD_ENV)
+
+    def offset(self, fragment: int) -> int:
+        """The inner step (mod ``sync_every``) at which ``fragment``'s sync starts: fragments are spread evenly,
+        the last one at multiples of ``sync_every`` (so with one fragment, steps H, 2H, ...)."""
+        return ((fragment + 1) * self.sync_every // self.fragments) % self.sync_every
+
+
+_FIELD_ENV = {
+    "sync_every": _env.DILOCO_SYNC_EVERY,
+    "fragments": _env.DILOCO_FRAGMENTS,
+    "overlap_steps": _env.DILOCO_OVERLAP_STEPS,
+    "alpha": _env.DILOCO_ALPHA,
+    "outer_lr": _env.DILOCO_OUTER_LR,
+    "outer_momentum": _env.DILOCO_OUTER_MOMENTUM,
+    "nesterov": _env.DILOCO_NESTEROV,
+    "compression": _env.DILOCO_COMPRESSION,
+}
+
+
+def _whole(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,314 @@
+"""``DiLoCo``: sites train alone for ``sync_every`` inner steps, then average pseudo-gradients over the WAN.
+
+The invariant it protects: every rank of the topology holds bitwise-identical global parameters and outer
+optimizer state after every sync. Pseudo-gradients ``global - local`` are averaged with the hierarchical
+all-reduce in ``replicated`` mode (replicas inside a site are identical, so each rank sends only its share over
+its rail; compressed shards are decoded and summed in float32 in site order), and the outer optimizer then makes
+the same update everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.diloco.config import DiLoCoConfig
+from multidc.hierarchical.diloco.fragments import local_tensor, split_fragments
+from multidc.hierarchical.topology import Topology
+
+
+@dataclass
+class DiLoCoStats:
+    """This rank's DiLoCo figures since construction."""
+
+    inner_steps: int = 0
+    """``step()`` calls: inner optimizer steps."""
+    outer_syncs: int = 0
+    """Fragment syncs merged (one per fragment every ``sync_every`` steps)."""
+    bytes_sent: int = 0
+    """Payload bytes this rank sent to other sites (``WanStats`` accounting), pseudo-gradients only."""
+    exposed_s: float = 0.0
+    """Seconds ``step()`` spent on syncs: the whole sync when it blocks, the wait for the result with overlap."""
+
+
+@dataclass
+class _Fragment:
+    params: list[torch.Tensor]
+    """This rank's local tensors of the fragment's parameters (DTensor shards: the local shard)."""
+    global_flat: torch.Tensor
+    """The float32 global parameters, one flat buffer; ``global_views`` are its pieces, shaped like ``params``."""
+    global_views: list[torch.Tensor]
+    outer: torch.optim.Optimizer
+    offset: int
+    """Inner step (mod sync_every) at which this fragment's sync starts."""
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    merge_at: int
+    delta: torch.Tensor
+    future: torch.futures.Future | None
+    bytes_before: int
+
+
+class DiLoCo:
+    """DiLoCo / streaming DiLoCo across the sites of ``topology``. Every rank of the topology builds one.
+
+    Inside a site, training stays ordinary synchronous data parallelism (DDP averaging inside the site only:
+    ``register_site_ddp_hook``; or FSDP2 / TP shards, whose local shards DiLoCo handles). Every ``sync_every``
+    inner steps each fragment's pseudo-gradient ``global - local`` is averaged over sites, the outer optimizer
+    steps the float32 global copy, and the local parameters become the global ones (``overlap_steps == 0``) or
+    ``alpha * local + (1 - alpha) * global`` when the result arrives ``overlap_steps`` later. The inner
+    optimizer keeps its state. Only trainable parameters are synchronized; buffers stay per site.
+
+    Construction is collective over the topology's ranks: the settings and the fragments' sizes are compared
+    (the same ValueError on every rank when they differ), then site 0's parameters are copied to every site.
+
+    Args:
+        model: the model as trained (a DDP wrapper, an FSDP2 / TP module: DTensor parameters sync their local
+            shards). Replicas inside a site must hold equal values, as DDP and FSDP2 keep them.
+        inner_optimizer: when given, ``step()`` runs after each of its steps (a step post-hook; a step a
+            ``GradScaler`` skips is not counted). ``None``: call ``step()`` yourself after each inner step.
+        topology: the sites (``Topology.build``, or a parallel layout's replica topology).
+        config: ``DiLoCoConfig``; ``None`` builds ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``) on every rank.
+        wan: WAN settings of the syncs; default ``topology.wan`` with ``config.compression`` as its codec.
+        outer_optimizer: ``params -> torch.optim.Optimizer``, called once per fragment with its float32 global
+            tensors; default ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``. Its state is
+            created at construction by one zero-gradient step at lr 0, as torch's distributed checkpoint does
+            (exact for SGD; Adam-like step counters start at 1), so checkpoints always hold it.
+        blocks: the ordered blocks dealt into fragments; default ``model.pipeline_blocks()``, else the
+            top-level children (see ``split_fragments``).
+
+    Raises:
+        ValueError: on every rank alike: bad or differing settings, more fragments than blocks, an empty
+            fragment, or ranks holding differently sized models.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer | None,
+        topology: Topology,
+        config: DiLoCoConfig | None = None,
+        *,
+        wan: WanConfig | None = None,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        blocks: Sequence[nn.Module] | None = None,
+    ) -> None:
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a multidc.hierarchical.Topology, not {type(topology).__name__}.")
+        self.topology = topology
+        split, self.config = _agree(model, topology, config, blocks)
+        base = wan if wan is not None else topology.wan
+        self.wan = dataclasses.replace(base, compression=self.config.compression)
+        self.stats = DiLoCoStats()
+        self._last = dataclasses.replace(self.stats)
+        self._in_flight: _InFlight | None = None
+        make_outer = outer_optimizer or self._default_outer
+        with torch.no_grad():
+            self._fragments = [
+                self._fragment(params, make_outer, self.config.offset(i)) for i, params in enumerate(split)
+            ]
+        self._largest = max(f.global_flat.numel() for f in self._fragments)
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
+
+    def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        c = self.config
+        return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+
+    def _fragment(self, params: list[nn.Parameter], make_outer, offset: int) -> _Fragment:
+        local = [local_tensor(p) for p in params]
+        flat = torch.cat([t.detach().reshape(-1).float() for t in local])
+        # Replicas start equal: site 0's values reach every rank exactly (x + 0 + ... in float32, uncompressed).
+        if self.topology.site != 0:
+            flat.zero_()
+        all_reduce(flat, self.topology, wan=dataclasses.replace(self.wan, compression="none"), replicated=True)
+        views = _views(flat, local)
+        for t, view in zip(local, views):
+            t.copy_(view)
+        outer = make_outer(views)
+        _init_state(outer, views)
+        return _Fragment(local, flat, views, outer, offset)
+
+    def _after_inner_step(self, _optimizer, _args, _kwargs) -> None:
+        self.step()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Count one inner step; merge the sync due now and start the one whose turn it is. Every rank."""
+        self.stats.inner_steps += 1
+        t = self.stats.inner_steps
+        started = time.perf_counter()
+        synced = False
+        if self._in_flight is not None and self._in_flight.merge_at <= t:
+            self._finish()
+            synced = True
+        for index, fragment in enumerate(self._fragments):
+            if t % self.config.sync_every == fragment.offset:
+                self._start(index, t)
+                if self.config.overlap_steps == 0:
+                    self._finish()
+                synced = True
+        if synced:
+            self.stats.exposed_s += time.perf_counter() - started
+
+    def _start(self, index: int, t: int) -> None:
+        assert self._in_flight is None, "a fragment's sync starts before the previous one merged"
+        fragment = self._fragments[index]
+        delta = fragment.global_flat.clone()
+        for local, view in zip(fragment.params, _views(delta, fragment.params)):
+            view.sub_(local)  # global - local, in float32
+        before = self.topology.wan_stats.snapshot()["bytes_sent"]
+        future = all_reduce(delta, self.topology, wan=self.wan, op="avg", async_op=True, replicated=True)
+        self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+
+    def _finish(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight.future is not None:
+            flight.future.wait()
+            self.stats.bytes_sent += self.topology.wan_stats.snapshot()["bytes_sent"] - flight.bytes_before
+        fragment = self._fragments[flight.fragment]
+        for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
+            view.grad = grad
+        fragment.outer.step()
+        fragment.outer.zero_grad(set_to_none=True)
+        alpha = self.config.alpha if self.config.overlap_steps else 0.0
+        for local, view in zip(fragment.params, fragment.global_views):
+            local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
+        self.stats.outer_syncs += 1
+
+    def metrics(self) -> dict[str, float]:
+        """Figures since the previous call, for a training log once per optimizer step: ``wan/bytes_sent``
+        (bytes), ``wan/outer_syncs`` (count) and ``wan/exposed_s`` (seconds the inner loop waited for syncs)."""
+        now, last = self.stats, self._last
+        self._last = dataclasses.replace(now)
+        return {
+            "wan/bytes_sent": float(now.bytes_sent - last.bytes_sent),
+            "wan/outer_syncs": float(now.outer_syncs - last.outer_syncs),
+            "wan/exposed_s": now.exposed_s - last.exposed_s,
+        }
+
+    def _settle(self) -> None:
+        """Wait for a sync in flight to arrive (not merge it): its result is then part of the state."""
+        flight = self._in_flight
+        if flight is not None and flight.future is not None:
+            flight.future.wait()
+            self.stats.bytes_sent += self.topology.wan_stats.snapshot()["bytes_sent"] - flight.bytes_before
+            flight.future = None
+
+    def state_dict(self) -> dict:
+        """The outer state, identical on every rank of the topology (store it once): the inner step count, the
+        float32 global parameters, the outer optimizers' state, and a sync in flight (its averaged result and
+        the step it merges at). Collective: every rank calls it (a sync in flight is waited for, not merged).
+        The tensors are the live ones, so a checkpoint loader may fill them in place."""
+        self._settle()
+        flight = self._in_flight
+        pending = torch.zeros(self._largest)
+        if flight is not None:
+            pending[: flight.delta.numel()].copy_(flight.delta)
+        return {
+            "inner_steps": torch.tensor(self.stats.inner_steps),
+            "sync_every": torch.tensor(self.config.sync_every),
+            "fragments": torch.tensor(self.config.fragments),
+            "in_flight_fragment": torch.tensor(-1 if flight is None else flight.fragment),
+            "in_flight_merge_at": torch.tensor(-1 if flight is None else flight.merge_at),
+            "in_flight_delta": pending,
+            "global": {f"fragment_{i}": f.global_flat for i, f in enumerate(self._fragments)},
+            "outer": {f"fragment_{i}": _outer_state(f.outer) for i, f in enumerate(self._fragments)},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output (also one filled in place by a checkpoint loader). Every rank.
+        The model's own (per-site) parameters are restored by whoever saved them; this restores the outer side."""
+        saved = (int(state["sync_every"]), int(state["fragments"]))
+        if saved != (self.config.sync_every, self.config.fragments):
+            raise ValueError(
+                f"the DiLoCo state was saved with sync_every={saved[0]}, fragments={saved[1]}, but this run has "
+                f"sync_every={self.config.sync_every}, fragments={self.config.fragments}; resume with the same "
+                f"DiLoCoConfig (or MULTIDC_DILOCO_*)."
+            )
+        self._settle()
+        self.stats.inner_steps = int(state["inner_steps"])
+        for i, fragment in enumerate(self._fragments):
+            fragment.global_flat.copy_(state["global"][f"fragment_{i}"])
+            _load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
+        self._in_flight = None
+        index = int(state["in_flight_fragment"])
+        if index >= 0:
+            numel = self._fragments[index].global_flat.numel()
+            delta = state["in_flight_delta"][:numel].clone()
+            self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
+
+    def close(self) -> None:
+        """Wait for a sync in flight and stop stepping with the inner optimizer. Every rank."""
+        self._settle()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _init_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _outer_state(optimizer: torch.optim.Optimizer) -> dict:
+    # String keys and tensors only: a distributed checkpoint stores it as plain tensors, loadable in place.
+    return {
+        str(i): {name: value if torch.is_tensor(value) else torch.tensor(value) for name, value in entry.items()}
+        for i, entry in optimizer.state_dict()["state"].items()
+    }
+
+
+def _load_outer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    state = optimizer.state_dict()
+    state["state"] = {int(i): {name: value.clone() for name, value in entry.items()} for i, entry in saved.items()}
+    optimizer.load_state_dict(state)
+
+
+def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig]:
+    """This rank's fragments and settings, after every rank compared theirs: the same ValueError everywhere."""
+    split, error, sizes = None, None, None
+    try:
+        config = config if config is not None else DiLoCoConfig()
+        if not isinstance(config, DiLoCoConfig):
+            raise ValueError(f"config must be a multidc.hierarchical.DiLoCoConfig, not {type(config).__name__}.")
+        split = split_fragments(model, config.fragments, blocks)
+        sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
+    except ValueError as exc:
+        error = str(exc)
+    claims = [None] * dist.get_world_size(topology.group)
+    dist.all_gather_object(claims, (error, config if error is None else None, sizes), group=topology.group)
+    for rank, (message, _, _) in enumerate(claims):
+        if message:
+            raise ValueError(f"DiLoCo on rank {rank} of the sites' group: {message}")
+    if any(c[1] != claims[0][1] for c in claims):
+        seen = {rank: c[1] for rank, c in enumerate(claims)}
+        raise ValueError(f"ranks disagree on the DiLoCo settings ({seen}); pass the same DiLoCoConfig / "
+                         f"MULTIDC_DILOCO_* on every rank of every site.")
+    if any(c[2] != claims[0][2] for c in claims):
+        seen = {rank: c[2] for rank, c in enumerate(claims)}
+        raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "
+                         f"every site must train the same model with the same layout.")
+    return split, config

@@ -1,0 +1,240 @@
+"""DiLoCo against a reference computed another way (tests/diloco_reference.py), on real gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, get_codec, register_site_ddp_hook
+from multidc.hierarchical.diloco.fragments import split_fragments
+from multidc.hierarchical.tools.ranks import run_ranks
+from tests.diloco_reference import run_reference
+
+LAYOUTS = {"2x2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1], "one site": [0, 0]}
+ROWS, LR = 4, 0.05
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    block = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.Tanh())  # noqa: E731
+    return nn.Sequential(block(8, 16), block(16, 16), block(16, 16), nn.Linear(16, 4))
+
+
+def _rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * site + 100 * local + step)
+    x = torch.randn(ROWS, 8, generator=g)
+    return x, torch.sin(x[:, :4] * (1 + site)) + 0.1 * torch.randn(ROWS, 4, generator=g)
+
+
+def _site_batch(layout: list[int], site: int, step: int):
+    rows = [_rows(site, local, step) for local in range(layout.count(site))]
+    return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+
+def _inner(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _train(rank: int, world: int, case: dict) -> dict:
+    topo = Topology.build(site=case["layout"][rank])
+    model, ddp, opt, diloco = _setup(topo, case)
+    if case.get("resume_from"):
+        from multidc.plugins import Checkpointer
+
+        with Checkpointer(case["resume_from"]) as ckpt:
+            ckpt.load(_ckpt_state(topo, ddp, opt, diloco))
+    sent, start = [], diloco.stats.inner_steps + 1
+    for t in range(start, case["steps"] + 1):
+        x, y = _rows(topo.site, topo.local_rank_in_site, t)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        before = topo.wan_stats.snapshot()["bytes_sent"]
+        opt.step()  # the DiLoCo step runs in the optimizer's post-hook
+        sent.append(topo.wan_stats.snapshot()["bytes_sent"] - before)
+        if t == case.get("save_at"):
+            from multidc.plugins import Checkpointer
+
+            with Checkpointer(case["ckpt"]) as ckpt:
+                ckpt.save(_ckpt_state(topo, ddp, opt, diloco), step=t)
+                ckpt.wait()
+    state = diloco.state_dict()
+    diloco.close()
+    # The global copy is kept per fragment; put it back in model order, by name, for the reference.
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    named = {}
+    for params, flat in zip(split_fragments(model, diloco.config.fragments), state["global"].values()):
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            named[name_of[id(p)]] = piece.view(p.shape)
+    glob = _flat({n: named[n] for n in name_of.values()})
+    return {
+        "local": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "global": glob,
+        "digest": _digest(glob),
+        "sent": sent,
+        "stats": dataclasses.asdict(diloco.stats),
+        "site": topo.site,
+    }
+
+
+def _setup(topo, case):
+    """DDP over every rank with the site-only hook (as the strategies do), or DDP over the site's group alone,
+    where sites start from different values and DiLoCo must copy site 0's parameters everywhere."""
+    model = _model()
+    if case.get("ddp") == "site_group":
+        if topo.site:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        ddp = DistributedDataParallel(model, process_group=topo.intra_group)
+    else:
+        ddp = DistributedDataParallel(model)
+        register_site_ddp_hook(ddp, topo)
+    opt = _inner(ddp.parameters())
+    diloco = DiLoCo(ddp, opt, topo, DiLoCoConfig(**case["config"]))
+    return model, ddp, opt, diloco
+
+
+def _ckpt_state(topo, ddp, opt, diloco) -> dict:
+    from multidc.plugins import ModelState
+
+    return {f"site_{topo.site}": ModelState(ddp, opt), "diloco": diloco}
+
+
+def _reference(layout: list[int], steps: int, config: dict) -> dict:
+    sites = max(layout) + 1
+    return run_reference(
+        _model(), sites=sites, steps=steps, batch=lambda s, t: _site_batch(layout, s, t),
+        loss_fn=nn.functional.mse_loss, inner_optimizer=_inner, **config,
+    )
+
+
+def _check(results: list[dict], reference: dict, atol: float = 1e-6) -> None:
+    ref_global = _flat(reference["global"])
+    for r in results:
+        torch.testing.assert_close(r["global"], ref_global, rtol=0, atol=atol)
+        for name, value in r["local"].items():
+            torch.testing.assert_close(value, reference["local"][r["site"]][name], rtol=0, atol=atol)
+    assert len({r["digest"] for r in results}) == 1, "ranks hold different global parameters"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_diloco_equals_single_process_reference(layout):
+    config = {"sync_every": 4}
+    results = run_ranks(_train, len(LAYOUTS[layout]), {"layout": LAYOUTS[layout], "steps": 12, "config": config})
+    _check(results, _reference(LAYOUTS[layout], 12, config))  # one site: local training plus the outer step
+    for r in results:
+        syncs = [t for t, b in enumerate(r["sent"], start=1) if b]
+        assert r["stats"]["outer_syncs"] == 3 and r["stats"]["inner_steps"] == 12
+        if r["stats"]["bytes_sent"]:  # a rank on a rail: bytes on sync steps only
+            assert syncs == [4, 8, 12], r["sent"]
+
+
+def test_streaming_fragments_with_overlap_follow_the_merge_rule():
+    config = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha": 0.5}
+    results = run_ranks(_train, 4, {"layout": LAYOUTS["2x2"], "steps": 10, "config": config})
+    _check(results, _reference(LAYOUTS["2x2"], 10, config))
+    assert {r["stats"]["outer_syncs"] for r in results} == {4}  # started at 2, 4, 6, 8 and merged; 10 in flight
+
+
+def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_unequal_sites():
+    config = {"sync_every": 6, "fragments": 3}
+    results = run_ranks(_train, 4, {"layout": LAYOUTS["3+1"], "steps": 12, "config": config, "ddp": "site_group"})
+    _check(results, _reference(LAYOUTS["3+1"], 12, config))
+
+
+def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(tmp_path):
+    config = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+    base = {"layout": LAYOUTS["2x2"], "steps": 11, "config": config}
+    unbroken = run_ranks(_train, 4, {**base, "save_at": 6, "ckpt": str(tmp_path / "ck")})  # 6: a sync in flight
+    resumed = run_ranks(_train, 4, {**base, "resume_from": str(tmp_path / "ck")})
+    for a, b in zip(unbroken, resumed):
+        assert a["digest"] == b["digest"]
+        for name in a["local"]:
+            assert torch.equal(a["local"][name], b["local"][name]), name
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+def test_compressed_pseudo_gradients_stay_within_the_codec_bound(compression):
+    case = {"layout": [0, 1], "steps": 4, "config": {"sync_every": 4, "compression": compression}, "ddp": "site_group"}
+    results = run_ranks(_train, 2, case)
+    exact = _flat(_reference([0, 1], 4, {"sync_every": 4})["global"])
+    # One sync: global = start - lr * (1 + mu) * mean(delta_s), each site's delta_s = start - local_s rounded once.
+    before = _reference([0, 1], 4, {"sync_every": 100})["local"]
+    start = _flat(dict(_model().named_parameters()))
+    codec = get_codec(compression)
+    rounding = sum(codec.max_abs_error(start - _flat(local)) for local in before) / 2
+    bound = 0.7 * 1.9 * rounding + 1e-6
+    for r in results:
+        assert torch.all((r["global"] - exact).abs() <= bound), ((r["global"] - exact).abs() - bound).max()
+    assert len({r["digest"] for r in results}) == 1
+
+
+def _flat(named: dict) -> torch.Tensor:
+    return torch.cat([v.detach().float().reshape(-1) for v in named.values()])
+
+
+def test_differing_settings_raise_the_same_error_on_every_rank():
+    results = run_ranks(_disagree, 2)
+    assert results[0] == results[1] and "disagree on the DiLoCo settings" in results[0]
+
+
+def _disagree(rank: int, world: int) -> str:
+    topo = Topology.build(num_sites=2)
+    model = _model()
+    try:
+        DiLoCo(model, None, topo, DiLoCoConfig(sync_every=4 + rank))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_more_fragments_than_blocks_names_the_field():
+    with pytest.raises(ValueError, match=r"DiLoCoConfig.fragments=5 but the model has 4 blocks"):
+        split_fragments(_model(), 5)
+
+
+def test_fragments_are_strided_over_blocks():
+    model = _model()
+    split = split_fragments(model, 2)
+    blocks = list(model.children())
+    assert split[0] == [*blocks[0].parameters(), *blocks[2].parameters()]
+    assert split[1] == [*blocks[1].parameters(), *blocks[3].parameters()]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "sync_every is not set"),
+        ({"sync_every": 0}, "sync_every=0"),
+        ({"sync_every": 4, "fragments": 5}, "fragments=5"),
+        ({"sync_every": 4, "fragments": 2, "overlap_steps": 2}, "overlap_steps=2"),
+        ({"sync_every": 4, "alpha": 1.5}, "alpha=1.5"),
+        ({"sync_every": 4, "outer_lr": 0}, "outer_lr=0"),
+        ({"sync_every": 4, "outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"sync_every": 4, "outer_momentum": 0.0}, "nesterov"),
+        ({"sync_every": 4, "compression": "zip"}, "compression='zip'"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, message, monkeypatch):
+    monkeypatch.delenv("MULTIDC_DILOCO_SYNC_EVERY", raising=False)
+    with pytest.raises(ValueError, match=message):
+        DiLoCoConfig(**kwargs)
+
+
+def test_environment_fills_unset_fields_and_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "30")
+    monkeypatch.setenv("MULTIDC_DILOCO_NESTEROV", "0")
+    config = DiLoCoConfig(fragments=3)
+    assert (config.sync_every, config.fragments, config.nesterov) == (30, 3, False)
+    monkeypatch.setenv("MULTIDC_DILOCO_OVERLAP_STEPS", "10")
+    with pytest.raises(ValueError, match=r"MULTIDC_DILOCO_OVERLAP_STEPS=10 \(DiLoCoConfig.overlap_steps\)"):
+        DiLoCoConfig(fragments=3)
