@@ -81,6 +81,35 @@ def test_layout_matches_exact_sum_and_flat_all_reduce_on_every_rank(layout):
             assert other[key][2] == digest, f"{layout} {key}: rank {rank} differs bitwise from rank 0"
 
 
+def _replicated(rank, world, sites):
+    topo = Topology.build(site=sites[rank])
+    per_site = [_inputs(100 + s, 4097, torch.float32) for s in range(topo.num_sites)]
+    out = {}
+    for compression in COMPRESSIONS:
+        y = per_site[topo.site].clone()  # every rank of a site holds its site's value
+        before = topo.wan_stats.snapshot()["bytes_sent"]
+        all_reduce(y, topo, wan=WanConfig(compression=compression, chunk_mb=0.005), op="avg", replicated=True)
+        exact = sum(x.double() for x in per_site) / topo.num_sites
+        codec = get_codec(compression)
+        rounding = sum(codec.max_abs_error(x).double() for x in per_site) / topo.num_sites if codec else 0
+        bound = 1e-6 * exact.abs().max() + rounding
+        sent = topo.wan_stats.snapshot()["bytes_sent"] - before
+        out[compression] = (((y.double() - exact).abs() - bound).max().item(), _digest(y), sent)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["2x2", "3+1", "interleaved"])
+def test_replicated_values_average_over_sites_and_each_rank_sends_only_its_share(layout):
+    sites = LAYOUTS[layout]
+    results = run_ranks(_replicated, len(sites), sites)
+    for compression in COMPRESSIONS:
+        assert all(r[compression][0] <= 0 for r in results), f"{layout} {compression}: beyond the codec bound"
+        assert len({r[compression][1] for r in results}) == 1, f"{layout} {compression}: ranks differ"
+    sent = [r["none"][2] for r in results]
+    rails = min(sites.count(s) for s in set(sites))
+    assert max(sent) <= 4097 * 4 * 2 // rails + 64, sent  # each rail: its 1/rails share, not the whole tensor
+
+
 def _bytes_over_wan(rank, world, compression):
     topo = Topology.build(num_sites=2)
     x = torch.ones(1 << 16)
