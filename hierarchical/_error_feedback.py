@@ -32,3 +32,8 @@ class ErrorFeedback:
             current = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=values.device)
             self._owners[key] = owners
         return current
+
+
+def default_error_feedback(compression: str) -> bool:
+    """Error feedback is on by default for the integer codecs, whose rounding is coarse enough to accumulate."""
+    return compression in ("int8", "int4")

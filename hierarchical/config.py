@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from multidc.hierarchical import _env
 
-COMPRESSIONS = ("none", "bf16", "fp16", "int8")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "int4")
 
 _DEFAULT_CHUNK_MB = 4.0
 _DEFAULT_STREAMS = 2
@@ -24,8 +24,9 @@ class WanConfig:
     """
 
     compression: str | None = None
-    """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"`` or ``"int8"`` (fp16 and int8 carry one scale
-    per shard of each chunk, so fp16 does not overflow above 65504; bounds in ``compression.py``).
+    """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"int4"`` (the scaled ones
+    carry one scale per shard of each chunk, so fp16 does not overflow above 65504; bounds in ``compression.py``;
+    int4 is meant for DiLoCo's pseudo-gradients).
     Env ``MULTIDC_WAN_COMPRESSION``; default ``"none"``. Intra-site traffic always stays at the input precision."""
 
     chunk_mb: float | None = None

@@ -6,7 +6,7 @@
 import torch
 import torch.distributed as dist
 
-from multidc.hierarchical._error_feedback import ErrorFeedback
+from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
 from multidc.hierarchical.all_reduce import _check, submit
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.topology import Topology
@@ -58,7 +58,7 @@ def register_ddp_hook(
         ddp_model: a ``DistributedDataParallel`` model over the same ranks as ``topology``.
         topology: from ``Topology.build``.
         wan: WAN settings; default ``topology.wan`` (agreed by every rank in ``Topology.build``).
-        error_feedback: keep per-bucket compression residuals; default on for ``int8``, off otherwise.
+        error_feedback: keep per-bucket compression residuals; default on for ``int8`` and ``int4``, off otherwise.
 
     Returns:
         The hook state (its ``residuals`` are inspectable).
@@ -66,7 +66,7 @@ def register_ddp_hook(
     wan = _check(torch.empty(0), topology, wan, "avg")
     _check_spans(ddp_model, topology)
     if error_feedback is None:
-        error_feedback = wan.compression == "int8"
+        error_feedback = default_error_feedback(wan.compression)
     state = HierarchicalHookState(topology, wan, error_feedback)
     ddp_model.register_comm_hook(state, hierarchical_hook)
     return state

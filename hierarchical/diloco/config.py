@@ -48,7 +48,7 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD (needs momentum > 0). Env ``MULTIDC_DILOCO_NESTEROV``; default True."""
 
     compression: str | None = None
-    """Codec of the pseudo-gradients on the WAN hop: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``
+    """Codec of the pseudo-gradients on the WAN hop: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``
     (bounds in ``multidc.hierarchical.compression``). Env ``MULTIDC_DILOCO_COMPRESSION``; default ``"none"``."""
 
     def __post_init__(self) -> None:

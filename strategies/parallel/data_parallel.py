@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
-from multidc.hierarchical._error_feedback import ErrorFeedback
+from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
 from multidc.hierarchical.all_reduce import submit
 from multidc.strategies.parallel.layout import submesh
 
@@ -109,7 +109,7 @@ def apply_data_parallel(
         wan: WAN settings for the cross-site hop; default ``topology.wan``.
         reshard_after_forward: free gathered parameters after forward (False under pipeline parallelism avoids
             one all-gather per microbatch).
-        error_feedback: keep per-unit compression residuals; default on for ``int8``.
+        error_feedback: keep per-unit compression residuals; default on for ``int8`` and ``int4``.
 
     Returns:
         ``module`` (now an ``FSDPModule``).
@@ -139,7 +139,7 @@ def add_replica_reduction(
         mesh: the root mesh from ``ParallelLayout.build_mesh``.
         topology: from ``replicate_topology(mesh, wan)``.
         wan: WAN settings for the cross-site hop; default ``topology.wan``.
-        error_feedback: keep per-unit compression residuals; default on for ``int8``.
+        error_feedback: keep per-unit compression residuals; default on for ``int8`` and ``int4``.
 
     Returns:
         How many units now reduce their replicas.
@@ -151,7 +151,8 @@ def add_replica_reduction(
             f"replicate_topology(mesh)."
         )
     wan = wan if wan is not None else topology.wan
-    state = _ReplicaReduction(topology, wan, wan.compression == "int8" if error_feedback is None else error_feedback)
+    feedback = default_error_feedback(wan.compression) if error_feedback is None else error_feedback
+    state = _ReplicaReduction(topology, wan, feedback)
     units = _units_on(module, submesh(mesh, "dp_shard"))
     for index, unit in enumerate(units):
         unit.set_all_reduce_hook(partial(_reduce_replicas, state, index))

@@ -85,7 +85,7 @@ def _replicated(rank, world, sites):
     topo = Topology.build(site=sites[rank])
     per_site = [_inputs(100 + s, 4097, torch.float32) for s in range(topo.num_sites)]
     out = {}
-    for compression in COMPRESSIONS:
+    for compression in (*COMPRESSIONS, "int4"):
         y = per_site[topo.site].clone()  # every rank of a site holds its site's value
         before = topo.wan_stats.snapshot()["bytes_sent"]
         all_reduce(y, topo, wan=WanConfig(compression=compression, chunk_mb=0.005), op="avg", replicated=True)
@@ -102,7 +102,7 @@ def _replicated(rank, world, sites):
 def test_replicated_values_average_over_sites_and_each_rank_sends_only_its_share(layout):
     sites = LAYOUTS[layout]
     results = run_ranks(_replicated, len(sites), sites)
-    for compression in COMPRESSIONS:
+    for compression in (*COMPRESSIONS, "int4"):
         assert all(r[compression][0] <= 0 for r in results), f"{layout} {compression}: beyond the codec bound"
         assert len({r[compression][1] for r in results}) == 1, f"{layout} {compression}: ranks differ"
     sent = [r["none"][2] for r in results]

@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from multidc.hierarchical import get_codec
 
-CODECS = ("bf16", "fp16", "int8")
-WIRE_BYTES = {"bf16": lambda n: 2 * n, "fp16": lambda n: 2 * n + 4, "int8": lambda n: n + 4}
+CODECS = ("bf16", "fp16", "int8", "int4")
+WIRE_BYTES = {
+    "bf16": lambda n: 2 * n, "fp16": lambda n: 2 * n + 4, "int8": lambda n: n + 4, "int4": lambda n: (n + 1) // 2 + 4,
+}
 
 
 def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +142,8 @@ def test_int8_scale_is_per_shard_not_per_tensor():
 
 @pytest.mark.parametrize("name", ["zstd", "", "INT8", "float16", None])
 def test_get_codec_unknown_name_raises_value_error_listing_choices(name):
-    with pytest.raises(ValueError, match=r"unknown WAN compression .*use one of \['bf16', 'fp16', 'int8', 'none'\]"):
+    choices = r"\['bf16', 'fp16', 'int4', 'int8', 'none'\]"
+    with pytest.raises(ValueError, match=r"unknown WAN compression .*use one of " + choices):
         get_codec(name)
 
 

@@ -162,7 +162,7 @@ def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(tmp_path):
             assert torch.equal(a["local"][name], b["local"][name]), name
 
 
-@pytest.mark.parametrize("compression", ["int8", "bf16"])
+@pytest.mark.parametrize("compression", ["int4", "int8", "bf16"])
 def test_compressed_pseudo_gradients_stay_within_the_codec_bound(compression):
     case = {"layout": [0, 1], "steps": 4, "config": {"sync_every": 4, "compression": compression}, "ddp": "site_group"}
     results = run_ranks(_train, 2, case)
