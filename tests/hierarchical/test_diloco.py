@@ -187,14 +187,29 @@ def test_differing_settings_raise_the_same_error_on_every_rank():
     assert results[0] == results[1] and "disagree on the DiLoCo settings" in results[0]
 
 
-def _disagree(rank: int, world: int) -> str:
+def test_sites_with_different_models_raise_the_same_error_on_every_rank():
+    results = run_ranks(_disagree, 2, "model")
+    assert results[0] == results[1] and "ranks hold different models" in results[0]
+
+
+def _disagree(rank: int, world: int, what: str = "config") -> str:
     topo = Topology.build(num_sites=2)
     model = _model()
+    if what == "model" and rank:
+        model[3] = nn.Linear(16, 5)
     try:
-        DiLoCo(model, None, topo, DiLoCoConfig(sync_every=4 + rank))
+        DiLoCo(model, None, topo, DiLoCoConfig(sync_every=4 + (rank if what == "config" else 0)))
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def test_a_fragment_without_trainable_parameters_names_the_field():
+    model = _model()
+    for block in (model[1], model[3]):
+        block.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"fragments=2: fragment\(s\) \[1\] hold no trainable parameter"):
+        split_fragments(model, 2)
 
 
 def test_more_fragments_than_blocks_names_the_field():
