@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from multidc.plugins.checkpoint.state import SITE_PREFIX
+
 
 class StripedSavePlanner(DefaultSavePlanner):
     """A ``DefaultSavePlanner`` that splits replicated tensors across the replicas holding them.
@@ -145,6 +147,24 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
     def __init__(self, *, trusted: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         self.trusted = trusted
+
+    def create_local_plan(self):
+        _check_sites(self.state_dict, self.metadata.state_dict_metadata, self.allow_partial_load)
+        return super().create_local_plan()
+
+
+def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:
+    """A per-site key (``site_<k>``, see ``state.site_key``) the checkpoint lacks: name the sites it holds."""
+    if allow_partial:
+        return
+    held = sorted({k.split(".", 1)[0] for k in saved if k.startswith(SITE_PREFIX)})
+    missing = sorted({k.split(".", 1)[0] for k in wanted if k.startswith(SITE_PREFIX) and k not in saved} - set(held))
+    if missing:
+        holds = f"the states of {len(held)} site(s): {', '.join(held)}" if held else "no per-site states"
+        raise ValueError(
+            f"this checkpoint has no state for {missing[0]}: it holds {holds}. A DiLoCo checkpoint resumes only "
+            "with the sites it was saved with; relaunch with that number of sites (num_sites / MULTIDC_NUM_SITES)."
+        )
 
 
 class SafeRebuildLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):

@@ -162,6 +162,23 @@ def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(tmp_path):
             assert torch.equal(a["local"][name], b["local"][name]), name
 
 
+def test_resume_with_a_site_the_checkpoint_lacks_names_the_sites_it_holds(tmp_path):
+    run_ranks(_train, 2, {"layout": [0, 0], "steps": 2, "config": {"sync_every": 2}, "save_at": 2,
+                          "ckpt": str(tmp_path / "ck")})
+    errors = run_ranks(_error_of, 2, {"layout": [0, 1], "steps": 4, "config": {"sync_every": 2},
+                                      "resume_from": str(tmp_path / "ck")})
+    for error in errors:
+        assert "no state for site_1" in error and "1 site(s): site_0" in error, error
+
+
+def _error_of(rank: int, world: int, case: dict) -> str:
+    try:
+        _train(rank, world, case)
+    except Exception as exc:  # every rank must raise; the message is the test's result
+        return str(exc)
+    return "no error"
+
+
 @pytest.mark.parametrize("compression", ["int4", "int8", "bf16"])
 def test_compressed_pseudo_gradients_stay_within_the_codec_bound(compression):
     case = {"layout": [0, 1], "steps": 4, "config": {"sync_every": 4, "compression": compression}, "ddp": "site_group"}
