@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from multidc.plugins import Checkpointer, RNGState, SaveHandle
 from multidc.plugins.checkpoint.format import COMMIT, parse_step
 from multidc.plugins.checkpoint.retention import clear_file, delete_committed
-from multidc.plugins.checkpoint.state import load_optimizer_state_dict
+from multidc.plugins.checkpoint.state import load_optimizer_state_dict, site_key
 from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_state_dict
 
 try:
@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from multidc.plugins.lightning_checkpoint_io import find_last  # needs Lightning, checked above
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
+_DILOCO = "diloco"
 _OPEN_ROOTS = 3  # Checkpointers kept open (each holds a gloo group): ModelCheckpoint alternates few paths
 
 
@@ -108,9 +109,11 @@ class LightningCheckpoints:
         return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None}
 
     # ------------------------------------------------------------------ save
-    def save(self, checkpoint: dict[str, Any], path) -> None:
+    def save(self, checkpoint: dict[str, Any], path, *, diloco=None) -> None:
         """Save a Lightning checkpoint dict whose ``state_dict`` / ``optimizer_states`` came from
-        :func:`model_state_dict` / :func:`optimizer_state_dict`, as checkpoint ``global_step`` under ``path``."""
+        :func:`model_state_dict` / :func:`optimizer_state_dict`, as checkpoint ``global_step`` under ``path``.
+        With ``diloco`` (a ``multidc.hierarchical.DiLoCo``) the model and optimizer states go under this site's key
+        (``site_<k>``: sites differ between syncs) and the DiLoCo state, the same everywhere, under ``"diloco"``."""
         self.wait()
         root = str(path).rstrip("/")
         step = int(checkpoint.get("global_step") or 0)
@@ -118,8 +121,9 @@ class LightningCheckpoints:
         # a single-file checkpoint (another strategy's) at this path goes: a folder cannot coexist with it
         ckpt.comm.from_rank0(lambda: clear_file(ckpt.store), what=f"preparing {ckpt.url}", error_type=None)
         optimizers = checkpoint.get(_OPTIMIZERS) or []
-        state = {_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)},
-                 _RNG: RNGState()}
+        state = _per_site({_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)}},
+                          diloco)
+        state[_RNG] = RNGState()
         if ckpt.comm.rank == 0:  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters
             rest = {k: v for k, v in checkpoint.items() if k not in (_MODEL, _OPTIMIZERS)}
             buffer = io.BytesIO()
@@ -132,11 +136,13 @@ class LightningCheckpoints:
 
     # ------------------------------------------------------------------ load
     def load(self, path, *, module: torch.nn.Module, optimizers: list, fitting: bool, strict: bool = True,
-             trusted: bool = False) -> dict[str, Any]:
+             trusted: bool = False, diloco=None) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``module`` and (when ``fitting``) ``optimizers`` and this rank's
         RNG streams, resharding to this layout; return the rest of the Lightning dict.
 
         ``path``: a Lightning checkpoint path (its newest committed step), a step folder, or its ``COMMIT.json``.
+        ``diloco``: read this site's model and optimizer states and restore the DiLoCo state (see ``save``); a
+        checkpoint without this site's key raises a ``ValueError`` naming the sites it holds.
         """
         self.wait()
         root, which = locate(path)
@@ -145,7 +151,6 @@ class LightningCheckpoints:
         header = {_LIGHTNING: b""}
         info = ckpt.load(header, which, trusted=trusted)
         saved = _safe_load(header[_LIGHTNING], trusted, ckpt.store.where(info.name))
-        state = {_MODEL: model_state_dict(module)}
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers] if fitting else []
         if optimizers and saved["optimizers"] and saved["optimizers"] != len(optimizers):
             raise ValueError(
@@ -153,13 +158,15 @@ class LightningCheckpoints:
                 f"returned {len(optimizers)} optimizers; resume with the optimizers it was saved with."
             )
         optimizers = optimizers if saved["optimizers"] else []  # a weights-only checkpoint: Lightning says so
-        state[_OPTIMIZERS] = {str(i): optimizer_state_dict(module, o) for i, o in enumerate(optimizers)}
+        held = {_MODEL: model_state_dict(module),
+                _OPTIMIZERS: {str(i): optimizer_state_dict(module, o) for i, o in enumerate(optimizers)}}
+        state = _per_site(held, diloco, with_diloco=fitting)  # evaluating: this site's weights only
         if fitting:
             state[_RNG] = RNGState()
         ckpt.load(state, info, trusted=trusted, allow_partial=not strict)
-        set_model_state_dict(module, state[_MODEL], options=StateDictOptions(strict=strict))
+        set_model_state_dict(module, held[_MODEL], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):
-            load_optimizer_state_dict(module, optimizer, state[_OPTIMIZERS][str(i)])
+            load_optimizer_state_dict(module, optimizer, held[_OPTIMIZERS][str(i)])
         return saved["checkpoint"]
 
     # ------------------------------------------------------------------ remove / find
@@ -215,6 +222,13 @@ class LightningCheckpoints:
         return ckpt
 
 
+def _per_site(state: dict, diloco, *, with_diloco: bool = True) -> dict:
+    """``state`` as saved / loaded: under this site's key next to the DiLoCo state, or as it is without DiLoCo."""
+    if diloco is None:
+        return dict(state)
+    return {site_key(diloco.topology.site): state, **({_DILOCO: diloco} if with_diloco else {})}
+
+
 def _refuse_single_file(ckpt: Checkpointer) -> None:
     if ckpt.store.fs.isfile(ckpt.store.path("")):
         raise ValueError(
@@ -246,6 +260,11 @@ class CheckpointingMixin:
 
     def _sharded_checkpoints(self) -> bool:
         return True
+
+    def _checkpoint_diloco(self):
+        """The strategy's ``multidc.hierarchical.DiLoCo`` once set up (checkpoints then hold per-site states and
+        the DiLoCo state), else ``None``. Strategies with DiLoCo override it."""
+        return None
 
     def _checkpoints(self) -> LightningCheckpoints:
         """The checkpoint writer, handed this strategy's topology first: it is built at setup, after ``__init__``."""
@@ -292,7 +311,7 @@ class CheckpointingMixin:
             raise TypeError(
                 f"{type(self).__name__} takes storage options once, as checkpoint_storage_options=..., not per save."
             )
-        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)))
+        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)), diloco=self._checkpoint_diloco())
         return None
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -302,7 +321,7 @@ class CheckpointingMixin:
         return self._checkpoints().load(
             self.broadcast(str(checkpoint_path)), module=self.lightning_module, optimizers=list(self.optimizers),
             fitting=trainer.state.fn == TrainerFn.FITTING, strict=self.lightning_module.strict_loading,
-            trusted=weights_only is False,
+            trusted=weights_only is False, diloco=self._checkpoint_diloco(),
         )
 
     def remove_checkpoint(self, filepath) -> None:
