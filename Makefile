@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test test-fast lint bench bench-allreduce bench-checkpoint bench-pipeline faults clean
+.PHONY: demo test test-fast lint bench bench-allreduce bench-diloco bench-checkpoint bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,16 +12,18 @@ $(BIN)/python:
 # torch first and pinned: any other spec pulls a multi-GB CUDA build on this machine class.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[all,test]"
+	$(BIN)/pip install --quiet -e ".[all,test,bench]"
 	touch $(STAMP)
 
 # The main demo: an ordinary Lightning script (strategy="hierarchical_ddp") trained by 2 sites x 2 ranks. As root
 # the sites are network namespaces joined by a 100 mbit shaped WAN; otherwise loopback (`multidc lab run` says
-# which). Then a small GPT with site x pipeline x tensor parallelism (parallel_3d, 8 ranks, 2 sites).
+# which). Then a small GPT with site x pipeline x tensor parallelism (parallel_3d, 8 ranks, 2 sites). Then, at a
+# low WAN rate (10 mbit), the compute utilization of hierarchical DDP next to streaming DiLoCo (speed only).
 demo: $(STAMP)
 	$(BIN)/multidc lab run --sites 2 --ranks-per-site 2 --wan-rate 100mbit -- \
 		$(BIN)/python examples/lightning_hierarchical_ddp.py --max-steps 60 --out demo-logs/lightning
 	$(BIN)/python examples/gpt_3d.py --max-steps 30
+	$(BIN)/multidc bench diloco --quick --rates 10mbit --json demo-logs/diloco.json
 
 test: $(STAMP)
 	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q --durations=20
@@ -34,11 +36,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Benchmarks (figures in README.md): all of them, or one at a time.
-bench: bench-allreduce bench-checkpoint bench-pipeline
+bench: bench-allreduce bench-diloco bench-checkpoint bench-pipeline
 
 bench-allreduce: $(STAMP)
 	$(BIN)/multidc bench allreduce --sites 2 --ranks-per-site 2 --size-mb 64 --wan-rate 400mbit \
 		--compression none,bf16,int8 --repeats 5
+
+# Hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone: utilization at 10/50/200 mbit, loss at equal tokens.
+bench-diloco: $(STAMP)
+	$(BIN)/multidc bench diloco --rates 10mbit,50mbit,200mbit --json bench-results/diloco.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 3

@@ -9,9 +9,10 @@ the same update everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,24 @@ class DiLoCo:
             "wan/outer_syncs": float(now.outer_syncs - last.outer_syncs),
             "wan/exposed_s": now.exposed_s - last.exposed_s,
         }
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def global_parameters(self) -> Iterator[None]:
+        """Within the block the model holds the global parameters (the sites' consensus as of the last merged
+        sync of each fragment, float32 cast to the parameters' dtype); its own come back after. For evaluating
+        or exporting what DiLoCo trains: between syncs each site's parameters drift towards its own data. Not
+        collective; do not step the optimizer inside."""
+        saved = [[p.detach().clone() for p in f.params] for f in self._fragments]
+        try:
+            for fragment in self._fragments:
+                for local, view in zip(fragment.params, fragment.global_views):
+                    local.copy_(view)
+            yield
+        finally:
+            for fragment, copies in zip(self._fragments, saved):
+                for local, copy in zip(fragment.params, copies):
+                    local.copy_(copy)
 
     def _settle(self) -> None:
         """Wait for a sync in flight to arrive (not merge it): its result is then part of the state."""

@@ -1,4 +1,4 @@
-"""The ``multidc`` command: ``multidc bench allreduce``, ``multidc lab run``, ``multidc doctor``.
+"""The ``multidc`` command: ``multidc bench allreduce|diloco``, ``multidc lab run``, ``multidc doctor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up and imports just the module of the subcommand being run.
@@ -13,6 +13,8 @@ import sys
 # subcommand path -> (module, help)
 _COMMANDS = {
     ("bench", "allreduce"): ("multidc.hierarchical.tools.bench", "time flat vs hierarchical all-reduce over a lab WAN"),
+    ("bench", "diloco"): ("multidc.hierarchical.tools.bench_diloco",
+                          "hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone over a lab WAN"),
     ("lab", "run"): ("multidc.hierarchical.tools.launch", "run a command as several sites over a lab WAN"),
     ("doctor",): ("multidc.hierarchical.tools.doctor",
                   "print the detected sites and measure intra/inter-site bandwidth"),

@@ -67,6 +67,8 @@ def _train(rank: int, world: int, case: dict) -> dict:
                 ckpt.save(_ckpt_state(topo, ddp, opt, diloco), step=t)
                 ckpt.wait()
     state = diloco.state_dict()
+    with diloco.global_parameters():
+        inside = _flat(dict(model.named_parameters())).clone()
     diloco.close()
     # The global copy is kept per fragment; put it back in model order, by name, for the reference.
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -77,6 +79,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
     glob = _flat({n: named[n] for n in name_of.values()})
     return {
         "local": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "inside_global_parameters": inside,
         "global": glob,
         "digest": _digest(glob),
         "sent": sent,
@@ -143,6 +146,9 @@ def test_streaming_fragments_with_overlap_follow_the_merge_rule():
     results = run_ranks(_train, 4, {"layout": LAYOUTS["2x2"], "steps": 10, "config": config})
     _check(results, _reference(LAYOUTS["2x2"], 10, config))
     assert {r["stats"]["outer_syncs"] for r in results} == {4}  # started at 2, 4, 6, 8 and merged; 10 in flight
+    for r in results:  # global_parameters() shows the global copy and gives the (different) local ones back
+        assert torch.equal(r["inside_global_parameters"], r["global"])
+        assert not torch.equal(_flat(r["local"]), r["global"])
 
 
 def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_unequal_sites():

@@ -1,0 +1,156 @@
+"""``multidc bench diloco``: hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites training alone.
+
+2 sites x 2 ranks (default) train a small GPT (``_bench_model.TinyGPT``, about 3M parameters) on generated
+token sequences; each site holds different topics (see ``_bench_model.TopicData``). Two phases, every method in
+the same processes of each phase:
+
+* **quality** (skipped with ``--quick``): every method trains ``--steps`` inner steps on the same batches over an
+  unshaped link; validation loss every ``--eval-every`` steps. The numbers of the algorithms do not depend on the
+  link rate, so loss at equal tokens is measured once.
+* **speed**, one job per ``--rates`` entry (the lab WAN: network namespaces, ``tc tbf`` per direction; loopback
+  when not root, which it says): a timed window per method after a warm-up. Throughput, **compute utilization**
+  (the method's step rate over the step rate of the sites training alone, in the same job), and WAN bytes per
+  inner step (interface counters under the lab, payload counters on loopback). DiLoCo's window spans exactly
+  ``sync_every`` steps starting when no sync is in flight, so it holds one sync of every fragment.
+
+Prints a table, checks the issue's targets, writes JSON and (with matplotlib) a PNG. Example::
+
+    multidc bench diloco --rates 10mbit,50mbit,200mbit
+    multidc bench diloco --quick --rates 10mbit        # speed only, one rate: make demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
+from multidc.hierarchical.tools.launch import SiteJob
+
+METHODS = ("hierarchical_ddp", "diloco", "streaming_diloco", "sites_alone")
+QUICK_METHODS = ("hierarchical_ddp", "streaming_diloco", "sites_alone")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sites", type=int, default=2, help="number of sites (default 2)")
+    parser.add_argument("--ranks-per-site", type=int, default=2, help="ranks in each site (default 2)")
+    parser.add_argument("--rates", default="10mbit,50mbit,200mbit", help="comma-separated per-direction WAN rates")
+    parser.add_argument("--sync-every", type=int, default=32, help="DiLoCo H, both DiLoCo methods (default 32)")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo P (default 4)")
+    parser.add_argument("--overlap-steps", type=int, default=5, help="streaming DiLoCo tau (default 5)")
+    parser.add_argument("--compression", default="int8", help="streaming DiLoCo codec (default int8)")
+    parser.add_argument("--steps", type=int, default=640, help="inner steps of the quality phase (default 640)")
+    parser.add_argument("--eval-every", type=int, default=32, help="validation every N steps (default 32)")
+    parser.add_argument("--ddp-steps", type=int, default=3, help="timed hierarchical DDP steps per rate (default 3)")
+    parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (warm-up, cosine; default 2e-3)")
+    parser.add_argument("--own-share", type=float, default=0.8,
+                        help="share of a site's sequences from its own topics; 1/sites: alike (default 0.8)")
+    parser.add_argument("--no-speed", action="store_true", help="quality phase only")
+    parser.add_argument("--quick", action="store_true",
+                        help="the demo: speed phase only (no losses), without blocking DiLoCo")
+    parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
+    parser.add_argument("--json", default=None, help="results file (default bench-results/diloco-<time>.json)")
+    parser.add_argument("--png", default=None, help="plot file (default: the JSON path with .png)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a job after this many seconds")
+
+
+def _methods(args, *, quality: bool) -> list[dict]:
+    """The methods with their step windows (see the module docstring)."""
+    h, tau = args.sync_every, args.overlap_steps
+    plain = {"sync_every": h}
+    streaming = {"sync_every": h, "fragments": args.fragments, "overlap_steps": tau, "compression": args.compression}
+    windows = {  # (warm-up, timed) steps in the speed phase
+        "hierarchical_ddp": (1, args.ddp_steps), "diloco": (h, h), "streaming_diloco": (h + tau, h),
+        "sites_alone": (5, h),
+    }
+    kinds = {"hierarchical_ddp": {"kind": "ddp"}, "diloco": {"kind": "diloco", "diloco": plain},
+             "streaming_diloco": {"kind": "diloco", "diloco": streaming}, "sites_alone": {"kind": "site"}}
+    out = []
+    for name in QUICK_METHODS if args.quick else METHODS:
+        warmup, timed = (0, args.steps) if quality else windows[name]
+        out.append({"name": name, **kinds[name], "warmup": warmup, "steps": warmup + timed,
+                    "overlaps": name != "diloco"})  # DDP's hook and streaming overlap compute; DiLoCo blocks
+    return out
+
+
+def _validate(args) -> list[str]:
+    if args.sites < 2 or args.ranks_per_site < 1:
+        raise ValueError(f"--sites {args.sites} must be >= 2 (DiLoCo syncs between sites) and --ranks-per-site >= 1.")
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    if not rates:
+        raise ValueError("--rates needs at least one rate, e.g. 10mbit,50mbit,200mbit.")
+    for rate in rates:
+        parse_rate(rate)
+    if min(args.steps, args.ddp_steps, args.sync_every, args.dim, args.layers, args.batch, args.seq) < 1:
+        raise ValueError("--steps, --ddp-steps, --sync-every, --dim, --layers, --batch and --seq must be >= 1.")
+    if args.eval_every < 1:
+        raise ValueError("--eval-every must be >= 1.")
+    if not 0 <= args.own_share <= 1:
+        raise ValueError(f"--own-share {args.own_share} must be a fraction between 0 and 1.")
+    if args.quick and args.no_speed:
+        raise ValueError("--quick runs only the speed phase and --no-speed only the quality phase: choose one.")
+    from multidc.hierarchical.diloco import DiLoCoConfig  # the settings' own checks, with their messages
+
+    DiLoCoConfig(sync_every=args.sync_every, fragments=args.fragments, overlap_steps=args.overlap_steps,
+                 compression=args.compression)
+    return sorted(rates, key=parse_rate)
+
+
+def _plan(args, methods: list[dict], *, quality: bool) -> dict:
+    return {"methods": methods, "seed": 0, "batch": args.batch, "lr": args.lr, "streams": 2, "topics": 8,
+            "model": {"vocab": 128, "dim": args.dim, "layers": args.layers, "heads": 4, "seq": args.seq},
+            "eval_every": args.eval_every if quality else 0, "val_sequences": 64, "own_share": args.own_share}
+
+
+def _job(args, plan: dict, rate: str | None, tmp: str, tag: str) -> tuple[list[dict], bool]:
+    """Run one job of ranks on the lab WAN at ``rate`` (None: unshaped); (records, shaped)."""
+    plan = {**plan, "out": os.path.join(tmp, f"{tag}.json")}
+    argv = [sys.executable, "-m", "multidc.hierarchical.tools._diloco_worker"]
+    job = SiteJob(argv, sites=args.sites, ranks_per_site=args.ranks_per_site, wan_rate=rate,
+                  loopback=args.loopback, env={"OMP_NUM_THREADS": "1"})
+    plan["iface"] = None if job.reason else SITE_IFACE
+    job.argv.append(json.dumps(plan))
+    where = f"lab WAN {rate or 'unshaped'}" if not job.reason else f"loopback ({job.reason}), unshaped"
+    print(f"[multidc bench diloco] {tag}: {args.sites} sites x {args.ranks_per_site} ranks, {where}", flush=True)
+    with job:
+        codes = job.wait(args.timeout_s)
+    if any(codes):
+        raise RuntimeError(f"bench ranks exited with codes {codes} (see their output above); a code of -9 means "
+                           f"killed after --timeout-s {args.timeout_s} or after a peer's failure.")
+    with open(plan["out"]) as f:
+        return json.load(f), not job.reason
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = _validate(args)
+    out = args.json or os.path.join("bench-results", datetime.datetime.now().strftime("diloco-%Y%m%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    from multidc.hierarchical.tools import _diloco_report as report
+
+    results: dict = {"config": vars(args) | {"rates": rates}, "speed": {}, "quality": None}
+    with tempfile.TemporaryDirectory(prefix="multidc-bench-diloco-") as tmp:
+        if not args.quick:
+            records, _ = _job(args, _plan(args, _methods(args, quality=True), quality=True), None, tmp, "quality")
+            results["quality"] = report.quality(records, args)
+        for rate in [] if args.no_speed else rates:
+            records, shaped = _job(args, _plan(args, _methods(args, quality=False), quality=False), rate, tmp,
+                                   f"speed-{rate}")
+            results["speed"][rate] = report.speed(records, args, shaped=shaped)
+            results["shaped"] = shaped
+    results["targets"] = report.targets(results, rates)
+    report.print_tables(results, args, rates)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    png = args.png or os.path.splitext(out)[0] + ".png"
+    print(report.plot(results, rates, png))
+    print(json.dumps({"bench": "diloco", "speed": results["speed"], "targets": results["targets"]}))
+    print(f"[multidc bench diloco] results written to {out}")
+    return 0
