@@ -5,7 +5,8 @@ without any framework import, so ``multidc.strategies`` and ``multidc.plugins`` 
 
 1. ``build_topology`` (collective, once the process group exists), or ``adopt`` the topology a parallel layout
    built (its FSDP hook reduces the replicas inside backward);
-2. ``attach_ddp`` for every DDP model: the hierarchical comm hook, and the gradients the step meter times;
+2. ``attach_ddp`` for every DDP model: the hierarchical comm hook, and the gradients the step meter times (with
+   a ``DiLoCoConfig``: the site-only hook, then ``attach_optimizer`` builds ``DiLoCo`` on the inner optimizer);
 3. every step: ``backward_done()`` right after backward returns, ``metrics()`` once per optimizer step;
 4. ``close()`` when training ends: the meter's gradient hooks and the topology's worker thread; and
    ``release_ddp()`` before a front-end destroys the process group itself.
@@ -18,7 +19,13 @@ import weakref
 import torch
 
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, release_reducer
+from multidc.hierarchical.ddp_hook import (
+    HierarchicalHookState,
+    register_ddp_hook,
+    register_site_ddp_hook,
+    release_reducer,
+)
+from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
 from multidc.hierarchical.stats import WanStepMeter
 from multidc.hierarchical.topology import Topology
 
@@ -33,10 +40,14 @@ class GradientSync:
         ValueError: ``wan`` is not a ``WanConfig``.
     """
 
-    def __init__(self, wan: WanConfig | None = None) -> None:
+    def __init__(self, wan: WanConfig | None = None, diloco: DiLoCoConfig | None = None) -> None:
         if wan is not None and not isinstance(wan, WanConfig):
             raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
+        if diloco is not None and not isinstance(diloco, DiLoCoConfig):
+            raise ValueError(f"diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(diloco).__name__}.")
         self.wan = wan if wan is not None else WanConfig()
+        self.diloco_config = diloco
+        self.diloco: DiLoCo | None = None
         self.topology: Topology | None = None
         self.hook_states: list[HierarchicalHookState] = []
         self.meter: WanStepMeter | None = None
@@ -67,17 +78,45 @@ class GradientSync:
         if self.meter is None:
             self.meter = WanStepMeter(topology.wan_stats, [])
 
-    def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> HierarchicalHookState:
+    def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> HierarchicalHookState | None:
         """Send ``ddp_model``'s gradient buckets through the hierarchical all-reduce and time its gradients. Call
-        after ``build_topology``, before the first backward, on every rank."""
+        after ``build_topology``, before the first backward, on every rank. In DiLoCo mode the buckets are
+        averaged inside the site only (``register_site_ddp_hook``) and ``attach_optimizer`` follows."""
         assert self.topology is not None, "build_topology() comes first: the hook needs the topology"
+        self._ddp_models.add(ddp_model)
+        if self.diloco_config is not None:
+            register_site_ddp_hook(ddp_model, self.topology)
+            return None
         state = register_ddp_hook(ddp_model, self.topology, wan=self.wan)
         self.hook_states.append(state)
-        self._ddp_models.add(ddp_model)
         if self.meter is None:
             self.meter = WanStepMeter(self.topology.wan_stats, [])
         self.meter.watch(ddp_model.parameters())
         return state
+
+    def attach_optimizer(self, model: torch.nn.Module, optimizers: list) -> DiLoCo | None:
+        """DiLoCo mode: build ``DiLoCo`` over ``model`` (as attached: the DDP wrapper) and its one optimizer, whose
+        steps then drive the outer loop. Collective (every rank); after ``attach_ddp``. Without DiLoCo: nothing.
+
+        Raises:
+            ValueError: not exactly one optimizer (DiLoCo's inner optimizer), on every rank alike.
+        """
+        if self.diloco_config is None:
+            return None
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"DiLoCo steps after the inner optimizer, so it needs exactly one optimizer; got {len(optimizers)}. "
+                "Put every parameter group in one optimizer (configure_optimizers returning one)."
+            )
+        self.close_diloco()
+        self.diloco = DiLoCo(model, optimizers[0], self.topology, self.diloco_config, wan=self.wan)
+        return self.diloco
+
+    def close_diloco(self) -> None:
+        """Wait for a DiLoCo sync in flight and unhook it from the optimizer (every rank); nothing without one."""
+        diloco, self.diloco = self.diloco, None
+        if diloco is not None:
+            diloco.close()
 
     def backward_done(self) -> None:
         """Call right after backward returns (see ``WanStepMeter.backward_done``)."""
@@ -86,7 +125,10 @@ class GradientSync:
 
     def metrics(self) -> dict[str, float]:
         """WAN figures since the previous call; call once per optimizer step. Keys ``wan/bytes_sent`` (bytes),
-        ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s`` (see ``WanStepMeter``); ``{}`` before a model is attached."""
+        ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s`` (see ``WanStepMeter``); ``{}`` before a model is attached.
+        In DiLoCo mode ``DiLoCo.metrics()``: ``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s``."""
+        if self.diloco is not None:
+            return self.diloco.metrics()
         if self.meter is None:
             return {}
         metrics = self.meter.take()
@@ -95,7 +137,9 @@ class GradientSync:
         return metrics
 
     def close(self) -> None:
-        """Remove the meter's gradient hooks and stop the topology's worker thread (its groups stay usable)."""
+        """Close DiLoCo (a sync in flight finishes), remove the meter's gradient hooks and stop the topology's worker
+        thread (its groups stay usable)."""
+        self.close_diloco()
         if self.meter is not None:
             self.meter.close()
             self.meter = None

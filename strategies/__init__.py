@@ -3,6 +3,8 @@
 * ``HierarchicalDDPStrategy`` (``"hierarchical_ddp"``, ``"hierarchical_ddp_spawn"``) and its Fabric twin
   ``HierarchicalDDPFabricStrategy``: Lightning's DDP with every gradient bucket reduced inside its site first,
   then across sites.
+* ``DiLoCoStrategy`` (``"diloco"``, ``"diloco_spawn"``): DDP inside each site, DiLoCo / streaming DiLoCo across
+  sites (low-bandwidth WANs).
 * ``Parallel3DStrategy`` (``"parallel_3d"``): Lightning's ``ModelParallelStrategy`` extended to site x data x
   pipeline x tensor parallelism.
 * The layout itself (``ParallelLayout``, ``parallelize``, ...), re-exported from ``multidc.strategies.parallel``.
@@ -23,6 +25,7 @@ _LIGHTNING_EXPORTS = {
     "HierarchicalDDPStrategy": "multidc.strategies.hierarchical_ddp",
     "HierarchicalDDPFabricStrategy": "multidc.strategies.hierarchical_ddp",
     "Parallel3DStrategy": "multidc.strategies.parallel_3d",
+    "DiLoCoStrategy": "multidc.strategies.diloco",
 }
 
 __all__: list[str] = [*_LIGHTNING_EXPORTS, *_parallel.__all__]  # and the layout's names, re-exported

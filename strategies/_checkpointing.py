@@ -109,11 +109,12 @@ class LightningCheckpoints:
         return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None}
 
     # ------------------------------------------------------------------ save
-    def save(self, checkpoint: dict[str, Any], path, *, diloco=None) -> None:
+    def save(self, checkpoint: dict[str, Any], path, *, site: int | None = None, diloco=None) -> None:
         """Save a Lightning checkpoint dict whose ``state_dict`` / ``optimizer_states`` came from
         :func:`model_state_dict` / :func:`optimizer_state_dict`, as checkpoint ``global_step`` under ``path``.
-        With ``diloco`` (a ``multidc.hierarchical.DiLoCo``) the model and optimizer states go under this site's key
-        (``site_<k>``: sites differ between syncs) and the DiLoCo state, the same everywhere, under ``"diloco"``."""
+        With ``site`` (DiLoCo: sites differ between syncs) the model and optimizer states go under this site's key
+        (``site_<k>``), and the state of ``diloco`` (a ``multidc.hierarchical.DiLoCo``), the same everywhere,
+        under ``"diloco"``."""
         self.wait()
         root = str(path).rstrip("/")
         step = int(checkpoint.get("global_step") or 0)
@@ -122,7 +123,7 @@ class LightningCheckpoints:
         ckpt.comm.from_rank0(lambda: clear_file(ckpt.store), what=f"preparing {ckpt.url}", error_type=None)
         optimizers = checkpoint.get(_OPTIMIZERS) or []
         state = _per_site({_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)}},
-                          diloco)
+                          site, diloco)
         state[_RNG] = RNGState()
         if ckpt.comm.rank == 0:  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters
             rest = {k: v for k, v in checkpoint.items() if k not in (_MODEL, _OPTIMIZERS)}
@@ -136,13 +137,13 @@ class LightningCheckpoints:
 
     # ------------------------------------------------------------------ load
     def load(self, path, *, module: torch.nn.Module, optimizers: list, fitting: bool, strict: bool = True,
-             trusted: bool = False, diloco=None) -> dict[str, Any]:
+             trusted: bool = False, site: int | None = None, diloco=None) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``module`` and (when ``fitting``) ``optimizers`` and this rank's
         RNG streams, resharding to this layout; return the rest of the Lightning dict.
 
         ``path``: a Lightning checkpoint path (its newest committed step), a step folder, or its ``COMMIT.json``.
-        ``diloco``: read this site's model and optimizer states and restore the DiLoCo state (see ``save``); a
-        checkpoint without this site's key raises a ``ValueError`` naming the sites it holds.
+        ``site`` / ``diloco``: read this site's model and optimizer states and restore the DiLoCo state (see
+        ``save``); a checkpoint without this site's key raises a ``ValueError`` naming the sites it holds.
         """
         self.wait()
         root, which = locate(path)
@@ -160,7 +161,7 @@ class LightningCheckpoints:
         optimizers = optimizers if saved["optimizers"] else []  # a weights-only checkpoint: Lightning says so
         held = {_MODEL: model_state_dict(module),
                 _OPTIMIZERS: {str(i): optimizer_state_dict(module, o) for i, o in enumerate(optimizers)}}
-        state = _per_site(held, diloco, with_diloco=fitting)  # evaluating: this site's weights only
+        state = _per_site(held, site, diloco if fitting else None)  # evaluating: this site's weights only
         if fitting:
             state[_RNG] = RNGState()
         ckpt.load(state, info, trusted=trusted, allow_partial=not strict)
@@ -222,11 +223,11 @@ class LightningCheckpoints:
         return ckpt
 
 
-def _per_site(state: dict, diloco, *, with_diloco: bool = True) -> dict:
-    """``state`` as saved / loaded: under this site's key next to the DiLoCo state, or as it is without DiLoCo."""
-    if diloco is None:
+def _per_site(state: dict, site: int | None, diloco) -> dict:
+    """``state`` as saved / loaded: under this site's key (next to the DiLoCo state), or as it is."""
+    if site is None:
         return dict(state)
-    return {site_key(diloco.topology.site): state, **({_DILOCO: diloco} if with_diloco else {})}
+    return {site_key(site): state, **({_DILOCO: diloco} if diloco is not None else {})}
 
 
 def _refuse_single_file(ckpt: Checkpointer) -> None:
@@ -261,10 +262,11 @@ class CheckpointingMixin:
     def _sharded_checkpoints(self) -> bool:
         return True
 
-    def _checkpoint_diloco(self):
-        """The strategy's ``multidc.hierarchical.DiLoCo`` once set up (checkpoints then hold per-site states and
-        the DiLoCo state), else ``None``. Strategies with DiLoCo override it."""
-        return None
+    def _checkpoint_sites(self) -> dict[str, Any]:
+        """``{}``, or under DiLoCo ``{"site": this site, "diloco": the DiLoCo (None when not fitting)}``:
+        checkpoints then hold per-site model / optimizer states and the DiLoCo state. DiLoCo strategies override
+        it."""
+        return {}
 
     def _checkpoints(self) -> LightningCheckpoints:
         """The checkpoint writer, handed this strategy's topology first: it is built at setup, after ``__init__``."""
@@ -311,7 +313,7 @@ class CheckpointingMixin:
             raise TypeError(
                 f"{type(self).__name__} takes storage options once, as checkpoint_storage_options=..., not per save."
             )
-        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)), diloco=self._checkpoint_diloco())
+        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)), **self._checkpoint_sites())
         return None
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -321,7 +323,7 @@ class CheckpointingMixin:
         return self._checkpoints().load(
             self.broadcast(str(checkpoint_path)), module=self.lightning_module, optimizers=list(self.optimizers),
             fitting=trainer.state.fn == TrainerFn.FITTING, strict=self.lightning_module.strict_loading,
-            trusted=weights_only is False, diloco=self._checkpoint_diloco(),
+            trusted=weights_only is False, **self._checkpoint_sites(),
         )
 
     def remove_checkpoint(self, filepath) -> None:

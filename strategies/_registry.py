@@ -37,6 +37,7 @@ def register(registry, name: str, cls: type, start_method: str | None = None, *,
 _STRATEGIES = {
     "multidc.strategies.hierarchical_ddp": ("HierarchicalDDPStrategy", "HierarchicalDDPFabricStrategy"),
     "multidc.strategies.parallel_3d": ("Parallel3DStrategy",),
+    "multidc.strategies.diloco": ("DiLoCoStrategy",),
 }
 
 

@@ -140,8 +140,9 @@ class DiLoCo:
         _init_state(outer, views)
         return _Fragment(local, flat, views, outer, offset)
 
-    def _after_inner_step(self, _optimizer, _args, _kwargs) -> None:
-        self.step()
+    def _after_inner_step(self, optimizer, _args, _kwargs) -> None:
+        if not _state_init_step(optimizer):
+            self.step()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -274,6 +275,16 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this step is torch's optimizer-state initialization, not training: ``torch.distributed.checkpoint``
+    (``get_/set_optimizer_state_dict``, so every checkpoint load) steps an optimizer without state once, with every
+    lr set to 0 and every gradient zero. Such a step must not count as an inner step (nor start a sync)."""
+    groups = optimizer.param_groups
+    if any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
+        return False  # a training step: the cheap test decides almost always
+    return all(p.grad is None or not p.grad.any() for group in groups for p in group["params"])
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

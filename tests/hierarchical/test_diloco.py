@@ -109,7 +109,9 @@ def _setup(topo, case):
 def _ckpt_state(topo, ddp, opt, diloco) -> dict:
     from multidc.plugins import ModelState
 
-    return {f"site_{topo.site}": ModelState(ddp, opt), "diloco": diloco}
+    # DiLoCo first: loading the model state afterwards steps the (stateless) SGD once to initialize its state
+    # (torch.distributed.checkpoint does so, lr 0, zero gradients), which DiLoCo must not count as an inner step.
+    return {"diloco": diloco, f"site_{topo.site}": ModelState(ddp, opt)}
 
 
 def _reference(layout: list[int], steps: int, config: dict) -> dict:

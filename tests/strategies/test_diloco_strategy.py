@@ -1,0 +1,110 @@
+"""``DiLoCoStrategy`` through a real Lightning ``Trainer`` (tests/strategies/_diloco_script.py, 4 gloo ranks as 2
+sites x 2): the result equals tests/diloco_reference.py's single-process computation (streaming fragments,
+overlap, gradient accumulation), the WAN metrics reach the logger, and a resume from a checkpoint saved with a
+sync in flight ends bitwise where the unbroken run ends."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests import _launch
+from tests._resources import require_module
+
+require_module("lightning", "lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
+
+import tests.strategies._diloco_script as script  # noqa: E402
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.strategies import DiLoCoStrategy  # noqa: E402
+from tests.diloco_reference import run_reference  # noqa: E402
+from tests.hierarchical.test_diloco import LR, _model, _rows  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+STEPS, ACCUMULATE, PER_EPOCH = 11, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
+_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _run(out_dir, root, *extra: str) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
+    argv = [sys.executable, script.__file__, "--config", json.dumps(CONFIG), "--max-steps", str(STEPS),
+            "--accumulate", str(ACCUMULATE), "--steps-per-epoch", str(PER_EPOCH), "--root", str(root),
+            "--out", str(out_dir), *extra]
+    code, log = _launch.run_script(argv, {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, 300)
+    assert code == 0, log
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(4)]
+    with open(out_dir / "log" / "version_0" / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    return {"ranks": ranks, "weights": weights, "metrics": metrics, "log": log}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("diloco")
+    unbroken = _run(tmp / "unbroken", tmp / "root")
+    saved = tmp / "root" / "ckpts" / f"epoch=0-step={PER_EPOCH}.ckpt"
+    resumed = _run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved))
+    return unbroken, resumed
+
+
+def _site_batch(site: int, step: int):
+    """What the 2 ranks of ``site`` feed optimizer step ``step`` together (both micro-batches)."""
+    first = ((step - 1) % PER_EPOCH) * ACCUMULATE + 1
+    rows = [_rows(site, local, k) for local in (0, 1) for k in range(first, first + ACCUMULATE)]
+    return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+
+def test_trainer_equals_the_single_process_reference_with_fragments_overlap_and_accumulation(runs):
+    unbroken, _ = runs
+    ref = run_reference(_model(), sites=2, steps=STEPS, batch=_site_batch, loss_fn=torch.nn.functional.mse_loss,
+                        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **CONFIG)
+    for rank, weights in zip(unbroken["ranks"], unbroken["weights"]):
+        assert rank["global_step"] == STEPS and rank["stats"]["inner_steps"] == STEPS  # one per optimizer step
+        for name, value in weights["local"].items():
+            torch.testing.assert_close(value, ref["local"][rank["site"]][name], rtol=0, atol=1e-6)
+        for name, value in weights["global"].items():
+            torch.testing.assert_close(value, ref["global"][name], rtol=0, atol=1e-6)
+
+
+def test_wan_metrics_reach_the_logger_on_merge_steps_only(runs):
+    unbroken, _ = runs
+    rows = [r for r in unbroken["metrics"] if r.get("wan/outer_syncs")]
+    assert len(rows) == STEPS  # one row per optimizer step
+    merged = [r["step"] for r in rows if float(r["wan/outer_syncs"]) > 0]
+    sent = [r["step"] for r in rows if float(r["wan/bytes_sent"]) > 0]
+    assert len(merged) == 5 and sent == merged  # syncs start at 2, 4, 6, 8, 10 and merge one step later
+    assert all(float(r["wan/exposed_s"]) >= 0 for r in rows)
+
+
+def test_resume_from_a_checkpoint_with_a_sync_in_flight_ends_like_the_unbroken_run(runs):
+    unbroken, resumed = runs
+    for a, b, ra, rb in zip(unbroken["weights"], resumed["weights"], unbroken["ranks"], resumed["ranks"]):
+        assert ra["site"] == rb["site"] and rb["global_step"] == STEPS
+        for kind in ("local", "global"):
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+
+
+def test_strategy_name_without_sync_every_fails_at_trainer_construction(monkeypatch):
+    monkeypatch.delenv("MULTIDC_DILOCO_SYNC_EVERY", raising=False)
+    with pytest.raises(ValueError, match="MULTIDC_DILOCO_SYNC_EVERY"):
+        pl.Trainer(strategy="diloco", accelerator="cpu", devices=1, logger=False)
+    monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "0")
+    with pytest.raises(ValueError, match="sync_every"):
+        pl.Trainer(strategy="diloco", accelerator="cpu", devices=1, logger=False)
+
+
+def test_a_single_file_checkpoint_io_is_refused_with_the_reason():
+    strategy = DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))
+    with pytest.raises(ValueError, match="every site's own model and the DiLoCo state"):
+        pl.Trainer(strategy=strategy, plugins=[TorchCheckpointIO()], accelerator="cpu", devices=1, logger=False)
