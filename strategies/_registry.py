@@ -44,15 +44,21 @@ _STRATEGIES = {
 def register_all() -> None:
     """Register every multidc strategy name with both registries (imports Lightning and the strategy modules).
 
-    A strategy module still being imported (it imported Lightning, whose import calls this) is skipped: it calls
-    ``register_all`` again as its last statement.
+    A strategy module still being imported (it imported Lightning, whose import calls this) is skipped, with the
+    modules not imported yet: it calls ``register_all`` again as its last statement.
     """
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for module_name, names in _STRATEGIES.items():
+    def loading(module_name: str) -> bool:
         module = sys.modules.get(module_name)
-        if module is not None and not all(hasattr(module, name) for name in names):
+        return module is not None and not all(hasattr(module, name) for name in _STRATEGIES[module_name])
+
+    busy = any(loading(name) for name in _STRATEGIES)
+    for module_name, names in _STRATEGIES.items():
+        # A module mid-import is skipped, and so are those not imported yet (they may import it, e.g. diloco
+        # imports hierarchical_ddp): the module mid-import ends with register_all, which imports them then.
+        if loading(module_name) or (busy and module_name not in sys.modules):
             continue
         module = importlib.import_module(module_name)
         for name in names:

@@ -140,6 +140,9 @@ def test_importing_twice_and_reloading_keeps_one_working_registration():
         "from lightning.fabric.strategies import STRATEGY_REGISTRY as F\n"
         "assert type(R.get('hierarchical_ddp')) is m.HierarchicalDDPStrategy\n"
         "assert type(F.get('hierarchical_ddp_spawn')) is m.HierarchicalDDPFabricStrategy\n"
+        "import os; os.environ['MULTIDC_DILOCO_SYNC_EVERY'] = '8'\n"
+        "from multidc.strategies.diloco import DiLoCoStrategy\n"
+        "assert type(R.get('diloco')) is DiLoCoStrategy and R.get('diloco_spawn')._start_method == 'spawn'\n"
     )
     assert result.returncode == 0, result.stderr
 
@@ -148,10 +151,11 @@ def test_strategies_pickle_for_spawn_launches():
     """Lightning pickles the strategy for ``hierarchical_ddp_spawn`` (and the Fabric twin): every attribute must."""
     import pickle
 
-    from multidc.strategies import Parallel3DStrategy
+    from multidc.hierarchical import DiLoCoConfig
+    from multidc.strategies import DiLoCoStrategy, Parallel3DStrategy
 
     for strategy in (HierarchicalDDPStrategy(num_sites=2), HierarchicalDDPFabricStrategy(num_sites=2),
-                     Parallel3DStrategy(num_sites=2)):
+                     Parallel3DStrategy(num_sites=2), DiLoCoStrategy(num_sites=2, diloco=DiLoCoConfig(sync_every=4))):
         restored = pickle.loads(pickle.dumps(strategy))
         assert type(restored) is type(strategy) and restored.wan == strategy.wan
 
