@@ -108,3 +108,14 @@ def test_a_single_file_checkpoint_io_is_refused_with_the_reason():
     strategy = DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))
     with pytest.raises(ValueError, match="every site's own model and the DiLoCo state"):
         pl.Trainer(strategy=strategy, plugins=[TorchCheckpointIO()], accelerator="cpu", devices=1, logger=False)
+
+
+def test_the_example_trains_across_two_sites_and_reports_both_validation_losses(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "lightning_diloco.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
+    code, log = _launch.run_script([sys.executable, example, "--max-steps", "20", "--sync-every", "10",
+                                    "--out", str(tmp_path)], {**env, "OMP_NUM_THREADS": "1"}, 300)
+    assert code == 0, log
+    # sync_every 10, 2 fragments, 2 overlap steps: syncs start at 5, 10, 15, 20 and merge 2 steps later
+    assert "done: 4 ranks in 2 sites [2, 2]" in log and "step   20" in log
+    assert "MiB sent in 3 fragment syncs" in log and "global parameters" in log
