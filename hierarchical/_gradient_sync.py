@@ -94,6 +94,10 @@ class GradientSync:
         self.meter.watch(ddp_model.parameters())
         return state
 
+    def ddp_models(self) -> list:
+        """The DDP models attached (and still alive)."""
+        return list(self._ddp_models)
+
     def attach_optimizer(self, model: torch.nn.Module, optimizers: list) -> DiLoCo | None:
         """DiLoCo mode: build ``DiLoCo`` over ``model`` (as attached: the DDP wrapper) and its one optimizer, whose
         steps then drive the outer loop. Collective (every rank); after ``attach_ddp``. Without DiLoCo: nothing.

@@ -124,3 +124,33 @@ def _whole(value, minimum: int) -> bool:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+CROSS_SITE_MODES = ("allreduce", "diloco")
+
+
+def resolve_cross_site(cross_site: str | None, diloco: DiLoCoConfig | None, *, owner: str) -> DiLoCoConfig | None:
+    """How a front-end's replicas meet across sites: ``None`` for per-step gradient all-reduce (``"allreduce"``,
+    the default), or the ``DiLoCoConfig`` for ``"diloco"`` (``diloco``, else ``DiLoCoConfig()`` from
+    ``MULTIDC_DILOCO_*``, built now so a missing ``sync_every`` fails at construction). ``cross_site`` None takes
+    ``MULTIDC_CROSS_SITE``. ``owner`` names the front-end in messages.
+
+    Raises:
+        ValueError: an unknown mode, a ``diloco`` that is not a ``DiLoCoConfig``, or ``diloco`` given without
+            ``cross_site="diloco"``.
+    """
+    source = f"{owner}.cross_site"
+    if cross_site is None:
+        cross_site, source = _env.read(_env.CROSS_SITE) or "allreduce", _env.CROSS_SITE
+    mode = str(cross_site).strip().lower()
+    if mode not in CROSS_SITE_MODES:
+        raise ValueError(f"{source}={cross_site!r}: choose 'allreduce' (every step's gradients cross the WAN) or "
+                         f"'diloco' (sites sync every DiLoCoConfig.sync_every steps).")
+    if diloco is not None and not isinstance(diloco, DiLoCoConfig):
+        raise ValueError(f"{owner}.diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(diloco).__name__}.")
+    if mode == "allreduce":
+        if diloco is not None:
+            raise ValueError(f"{owner}.diloco is set but cross_site is 'allreduce' ({source}); add "
+                             f"cross_site='diloco' to train with DiLoCo.")
+        return None
+    return diloco if diloco is not None else DiLoCoConfig()

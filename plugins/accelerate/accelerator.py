@@ -109,7 +109,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         self.device_mesh = None
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
-        self.gradient_sync = GradientSync(plugin.wan)
+        self.gradient_sync = GradientSync(plugin.wan, plugin.diloco)
         self._build_layout() if plugin.layout is not None else self._build_topology()
 
     def _build_topology(self) -> None:
@@ -117,6 +117,12 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.gradient_sync.build_topology(num_sites=plugin.num_sites, site=plugin.site)
             return
+        if plugin.diloco is not None:
+            raise ValueError(
+                f"MultiDCPlugin(cross_site='diloco') trains across sites but this is a single process "
+                f"({self.distributed_type}); start it with `accelerate launch --num_processes N ...`, or unset "
+                f"cross_site / {_env.CROSS_SITE}."
+            )
         if plugin.num_sites not in (None, 1):
             raise ValueError(
                 f"MultiDCAccelerator was asked for num_sites={plugin.num_sites} (num_sites / {_env.NUM_SITES}) but "
@@ -154,7 +160,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         if self.device_mesh is None:
             if blocks is not None:
                 raise ValueError("prepare(blocks=...) needs a parallel layout (MultiDCPlugin sizes); this run is DDP.")
-            return super().prepare(*args, device_placement=device_placement)
+            prepared = super().prepare(*args, device_placement=device_placement)
+            self._attach_diloco()
+            return prepared
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self.parallel is not None):
             raise ValueError("with a parallel layout MultiDCAccelerator prepares exactly one model.")
@@ -180,6 +188,29 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         )
         model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
         self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
+
+    def _attach_diloco(self) -> None:
+        """``cross_site="diloco"``: once ``prepare`` has seen the model and its optimizer, build ``DiLoCo`` on them
+        (collective: every rank prepares alike). Exactly one of each."""
+        sync = self.gradient_sync
+        if sync.diloco_config is None or not self._optimizers or not self._models:
+            return
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        if sync.diloco is not None and len(optimizers) == 1:
+            return
+        ddp_models = sync.ddp_models()
+        if len(ddp_models) != 1:
+            raise ValueError(
+                f"MultiDCPlugin(cross_site='diloco') trains one DDP model; prepare wrapped {len(ddp_models)}. "
+                "Prepare the one model you train, with its optimizer."
+            )
+        sync.attach_optimizer(ddp_models[0], optimizers)
+
+    @property
+    def diloco(self):
+        """The running ``multidc.hierarchical.DiLoCo`` (``cross_site="diloco"``, after ``prepare``), else None:
+        ``stats``, ``global_parameters()``."""
+        return self.gradient_sync.diloco
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -276,7 +307,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         """This rank's WAN figures since the previous call; call once per optimizer step (when
         ``sync_gradients``) and pass to ``accelerator.log``. Keys: ``wan/bytes_sent`` (bytes), ``wan/comm_s``,
         ``wan/MBps``, ``wan/wait_s`` (see ``multidc.hierarchical.stats.WanStepMeter``; with a layout the FSDP
-        reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared."""
+        reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared.
+        With ``cross_site="diloco"``: ``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s`` (seconds the
+        optimizer step waited for syncs)."""
         return self.gradient_sync.metrics()
 
     def end_training(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from multidc.hierarchical import _env
 from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.diloco.config import DiLoCoConfig, resolve_cross_site
 
 if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
     from multidc.strategies.parallel import ParallelLayout, PipelineConfig
@@ -47,6 +48,17 @@ class MultiDCPlugin:
         default=None, metadata={"help": "WAN settings; default WanConfig() (env MULTIDC_WAN_*)."}
     )
     """WAN settings for the inter-site hop; default ``WanConfig()``, which reads ``MULTIDC_WAN_*``."""
+
+    cross_site: str | None = field(
+        default=None, metadata={"help": "'allreduce' (every step) or 'diloco'. Env MULTIDC_CROSS_SITE."}
+    )
+    """How sites meet: ``"allreduce"`` (default: every step's gradients cross the WAN, hierarchically) or
+    ``"diloco"`` (DDP inside each site; DiLoCo across sites every ``diloco.sync_every`` optimizer steps, see
+    ``multidc.hierarchical.DiLoCo``). Env ``MULTIDC_CROSS_SITE``. DiLoCo runs with plain data parallelism."""
+
+    diloco: DiLoCoConfig | None = field(default=None, metadata={"help": "DiLoCo settings (env MULTIDC_DILOCO_*)."})
+    """DiLoCo settings with ``cross_site="diloco"``; default ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``,
+    ``MULTIDC_DILOCO_SYNC_EVERY`` required), resolved at construction."""
 
     dp_replicate: int | str | None = field(default=None, metadata={"help": "Replicas/site. Env MULTIDC_DP_REPLICATE."})
     """Data-parallel replicas inside each site. Env ``MULTIDC_DP_REPLICATE``."""
@@ -104,6 +116,8 @@ class MultiDCPlugin:
         tp = self.tensor_parallel
         if tp is not None and tp != "transformer" and not callable(tp):
             raise ValueError(f"MultiDCPlugin.tensor_parallel={tp!r}: use None, 'transformer' or fn(model, tp_mesh).")
+        self.diloco = resolve_cross_site(self.cross_site, self.diloco, owner="MultiDCPlugin")
+        self.cross_site = "allreduce" if self.diloco is None else "diloco"
         sizes = {name: getattr(self, name) for name in _SIZE_ENV}
         pipeline_args = (self.pipeline_schedule, self.microbatches, self.split_points)
         if all(v is None and _env.read(_SIZE_ENV[name]) is None for name, v in sizes.items()):
@@ -121,5 +135,11 @@ class MultiDCPlugin:
             raise ValueError(
                 f"MultiDCPlugin.site={self.site!r} with a parallel layout: the layout's sites are contiguous blocks "
                 f"of ranks; give num_sites, or name each machine's site with {_env.SITE}."
+            )
+        if self.diloco is not None:
+            raise ValueError(
+                "MultiDCPlugin(cross_site='diloco') runs with plain data parallelism (DDP inside each site); with "
+                "a parallel layout (dp_shard / pipeline / tensor sizes, or their MULTIDC_* variables) use "
+                "Lightning's Parallel3DStrategy, or drop the sizes."
             )
         self.layout = ParallelLayout(num_sites=self.num_sites, **sizes)

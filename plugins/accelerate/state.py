@@ -21,7 +21,7 @@ import os
 
 from multidc.plugins.checkpoint import Checkpointer, CheckpointInfo, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
-from multidc.plugins.checkpoint.state import ModelState, RNGState
+from multidc.plugins.checkpoint.state import ModelState, RNGState, StatefulDict, site_key
 
 
 class StateMixin:
@@ -127,9 +127,15 @@ class StateMixin:
     def _multidc_state(self, step: int) -> dict:
         """Everything ``save_state`` stores, as Stateful objects / plain values that ``load`` restores in place."""
         optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
-        state: dict = {}
-        for index, (model, owned) in enumerate(_pair_optimizers(self._models, optimizers)):
-            state[f"model{index}"] = ModelState(model, owned)
+        models = {f"model{index}": ModelState(model, owned)
+                  for index, (model, owned) in enumerate(_pair_optimizers(self._models, optimizers))}
+        sync = self.gradient_sync
+        if sync.diloco_config is None:
+            state: dict = dict(models)
+        else:  # DiLoCo: each site's model differs between syncs; the DiLoCo state is the same everywhere
+            state = {site_key(sync.topology.site): StatefulDict(models)}
+            if sync.diloco is not None:
+                state["diloco"] = sync.diloco
         for index, scheduler in enumerate(self._schedulers):
             state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)
         for index, obj in enumerate(self._custom_objects):

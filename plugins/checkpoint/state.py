@@ -166,6 +166,20 @@ def _numpy():
     return numpy
 
 
+class StatefulDict:
+    """Several Stateful objects (and plain values) saved and loaded under one checkpoint key, e.g. the per-site
+    ``{site_key(site): StatefulDict({"model0": ModelState(...)})}`` of a DiLoCo run."""
+
+    def __init__(self, items: dict) -> None:
+        self.items = items
+
+    def state_dict(self) -> dict:
+        return state_dicts(self.items)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        restore(self.items, state_dict)
+
+
 def state_dicts(state: dict) -> dict:
     """``state`` with every Stateful replaced by its ``state_dict()`` (what DCP saves / loads into)."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}

@@ -1,0 +1,71 @@
+"""An Accelerate loop with ``MultiDCPlugin(cross_site="diloco")``, run by tests/plugins/test_accelerate_diloco.py.
+
+    accelerate launch --config_file CONFIG tests/plugins/_accelerate_diloco_script.py --config JSON --steps N \\
+        --accumulate 2 --ckpt URL (--save-at S | --resume) --out DIR
+
+4 processes as 2 sites (``MULTIDC_NUM_SITES=2``). Each rank trains the model of tests/hierarchical/test_diloco.py
+on its own rows: micro-batch ``k`` of rank (site ``s``, local rank ``l``) is ``test_diloco._rows(s, l, k)``, so a
+single-process reference can replay it. ``--save-at S`` calls ``save_state(URL)`` after optimizer step S;
+``--resume`` loads it and trains on. Every rank writes DIR/rank{r}.pt: its parameters, the global ones (through
+``accelerator.diloco.global_parameters()``), ``wan_metrics()`` per optimizer step and DiLoCo's stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from multidc.hierarchical import DiLoCoConfig
+from multidc.plugins import MultiDCAccelerator, MultiDCPlugin
+from tests.hierarchical.test_diloco import LR, _model, _rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--save-at", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    plugin = MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(**json.loads(args.config)))
+    accelerator = MultiDCAccelerator(multidc_plugin=plugin, gradient_accumulation_steps=args.accumulate)
+    model = _model()
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    first = 1
+    if args.resume:
+        accelerator.load_state(args.ckpt)
+        first = accelerator.diloco.stats.inner_steps + 1
+    site, local = accelerator.topology.site, accelerator.topology.local_rank_in_site
+    metrics = []
+    for step in range(first, args.steps + 1):
+        for micro in range(1, args.accumulate + 1):
+            x, y = _rows(site, local, (step - 1) * args.accumulate + micro)
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        assert accelerator.sync_gradients
+        metrics.append(accelerator.wan_metrics())
+        if step == args.save_at:
+            accelerator.save_state(args.ckpt, step=step)
+    net = accelerator.unwrap_model(model)
+    with accelerator.diloco.global_parameters():
+        glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    report = {"site": site, "local": {n: p.detach().clone() for n, p in net.named_parameters()}, "global": glob,
+              "metrics": metrics, "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first}
+    torch.save(report, os.path.join(args.out, f"rank{accelerator.process_index}.pt"))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

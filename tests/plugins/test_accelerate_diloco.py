@@ -1,0 +1,98 @@
+"""``MultiDCPlugin(cross_site="diloco")`` under a real ``accelerate launch`` (4 gloo processes as 2 sites x 2):
+the result equals tests/diloco_reference.py's single-process computation (fragments, overlap, gradient
+accumulation), ``wan_metrics()`` reports bytes on merge steps only, and ``save_state`` with a sync in flight then
+``load_state`` ends bitwise where the unbroken run ends. Plus the plugin's validation, in process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests._resources import require_module
+
+require_module("accelerate", "accelerate")
+
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.plugins import MultiDCPlugin  # noqa: E402
+from tests._launch import finish  # noqa: E402
+from tests.diloco_reference import run_reference  # noqa: E402
+from tests.hierarchical.test_diloco import LR, _model, _rows  # noqa: E402
+from tests.plugins.test_accelerate import LAUNCH_TIMEOUT_S, ROOT, launch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
+SCRIPT = f"{ROOT}/tests/plugins/_accelerate_diloco_script.py"
+CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+STEPS, ACCUMULATE, SAVE_AT = 9, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
+
+
+def _launch(tmp_path, name: str, *extra: str) -> list[dict]:
+    out = tmp_path / name
+    out.mkdir()
+    args = [SCRIPT, "--config", json.dumps(CONFIG), "--steps", str(STEPS), "--accumulate", str(ACCUMULATE),
+            "--ckpt", f"file://{tmp_path}/ckpt", "--out", str(out), *extra]
+    with launch(args, {"MULTIDC_NUM_SITES": "2"}, tmp_path) as tree:
+        code, log = finish(tree, LAUNCH_TIMEOUT_S)
+    assert code == 0, log[-6000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("accelerate_diloco")
+    return _launch(tmp, "unbroken", "--save-at", str(SAVE_AT)), _launch(tmp, "resumed", "--resume")
+
+
+def _site_batch(site: int, step: int):
+    rows = [_rows(site, local, (step - 1) * ACCUMULATE + j) for local in (0, 1) for j in range(1, ACCUMULATE + 1)]
+    return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+
+def test_accelerate_launch_equals_the_single_process_reference(runs):
+    unbroken, _ = runs
+    ref = run_reference(_model(), sites=2, steps=STEPS, batch=_site_batch, loss_fn=torch.nn.functional.mse_loss,
+                        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **CONFIG)
+    for rank in unbroken:
+        assert rank["stats"]["inner_steps"] == STEPS  # one inner step per optimizer step, not per micro-batch
+        for name, value in rank["local"].items():
+            torch.testing.assert_close(value, ref["local"][rank["site"]][name], rtol=0, atol=1e-6)
+        for name, value in rank["global"].items():
+            torch.testing.assert_close(value, ref["global"][name], rtol=0, atol=1e-6)
+
+
+def test_wan_metrics_show_bytes_on_merge_steps_only(runs):
+    unbroken, _ = runs
+    for rank in unbroken:
+        merged = [t for t, m in enumerate(rank["metrics"], 1) if m["wan/outer_syncs"] > 0]
+        sent = [t for t, m in enumerate(rank["metrics"], 1) if m["wan/bytes_sent"] > 0]
+        assert merged == sent == [3, 5, 7, 9]  # syncs start at 2, 4, 6, 8 and merge one step later
+
+
+def test_load_state_with_a_sync_in_flight_ends_like_the_unbroken_run(runs):
+    unbroken, resumed = runs
+    for a, b in zip(unbroken, resumed):
+        assert b["first"] == SAVE_AT + 1 and a["site"] == b["site"]
+        for kind in ("local", "global"):
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"cross_site": "gossip"}, "choose 'allreduce'"),
+    ({"diloco": DiLoCoConfig(sync_every=4)}, "cross_site is 'allreduce'"),
+    ({"cross_site": "diloco", "diloco": {"sync_every": 4}}, "must be a multidc.hierarchical.DiLoCoConfig"),
+    ({"cross_site": "diloco", "diloco": DiLoCoConfig(sync_every=4), "dp_shard": 2}, "Parallel3DStrategy"),
+], ids=["unknown-mode", "diloco-without-mode", "dict-config", "with-a-layout"])
+def test_plugin_rejects_bad_diloco_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MultiDCPlugin(**kwargs)
+
+
+def test_plugin_reads_cross_site_and_diloco_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MULTIDC_CROSS_SITE", "diloco")
+    with pytest.raises(ValueError, match="MULTIDC_DILOCO_SYNC_EVERY"):
+        MultiDCPlugin()
+    monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "16")
+    plugin = MultiDCPlugin()
+    assert plugin.cross_site == "diloco" and plugin.diloco == DiLoCoConfig(sync_every=16)
