@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--own-share", type=float, default=0.8,
                         help="share of a site's sequences from its own topics; 1/sites: alike (default 0.8)")
     parser.add_argument("--no-speed", action="store_true", help="quality phase only")
+    parser.add_argument("--no-quality", action="store_true", help="speed phase only, every method")
     parser.add_argument("--quick", action="store_true",
                         help="the demo: speed phase only (no losses), without blocking DiLoCo")
     parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
@@ -95,8 +96,8 @@ def _validate(args) -> list[str]:
         raise ValueError("--eval-every must be >= 1.")
     if not 0 <= args.own_share <= 1:
         raise ValueError(f"--own-share {args.own_share} must be a fraction between 0 and 1.")
-    if args.quick and args.no_speed:
-        raise ValueError("--quick runs only the speed phase and --no-speed only the quality phase: choose one.")
+    if args.no_speed and (args.quick or args.no_quality):
+        raise ValueError("--no-speed (quality only) cannot be combined with --quick or --no-quality (speed only).")
     from multidc.hierarchical.diloco import DiLoCoConfig  # the settings' own checks, with their messages
 
     DiLoCoConfig(sync_every=args.sync_every, fragments=args.fragments, overlap_steps=args.overlap_steps,
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict = {"config": vars(args) | {"rates": rates}, "speed": {}, "quality": None}
     with tempfile.TemporaryDirectory(prefix="multidc-bench-diloco-") as tmp:
-        if not args.quick:
+        if not (args.quick or args.no_quality):
             records, _ = _job(args, _plan(args, _methods(args, quality=True), quality=True), None, tmp, "quality")
             results["quality"] = report.quality(records, args)
         for rate in [] if args.no_speed else rates:
