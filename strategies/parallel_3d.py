@@ -24,6 +24,10 @@ What a LightningModule does with it:
   schedulers are the usual ones over ``self.parameters()`` (this rank's stages only).
 * ``accumulate_grad_batches`` works without pipeline parallelism (non-sync steps send nothing over the WAN); with
   it, raise ``microbatches`` instead.
+
+Slow WAN: ``Parallel3DStrategy(..., cross_site="diloco", diloco=DiLoCoConfig(sync_every=50))`` trains each site
+alone (FSDP2 / pipeline / tensor parallelism inside it, nothing crosses the WAN on a step) and syncs the sites with
+DiLoCo every ``sync_every`` optimizer steps; see ``multidc.strategies.parallel.diloco``.
 """
 
 from __future__ import annotations
@@ -36,16 +40,13 @@ from typing import Any
 
 import torch
 
-from multidc.hierarchical import WanConfig, _env
+from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
 from multidc.hierarchical._gradient_sync import GradientSync
-from multidc.strategies.parallel.data_parallel import (
-    add_replica_reduction,
-    data_parallel_within_sites,
-    fsdp_mesh_crosses_sites,
-    replicate_topology,
-)
+from multidc.hierarchical.diloco.config import resolve_cross_site
+from multidc.strategies.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
+from multidc.strategies.parallel.diloco import DiLoCoShardState, build_diloco
 from multidc.strategies.parallel.layout import ParallelLayout, submesh
-from multidc.strategies.parallel.parallelize import ParallelModel, layout_of, parallelize
+from multidc.strategies.parallel.parallelize import ParallelModel, adopt_sharded, layout_of, parallelize
 from multidc.strategies.parallel.pipeline import PipelineConfig
 
 try:
@@ -92,7 +93,18 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             ``configure_model`` shards inside each site, and the sites' replicas are reduced hierarchically
             (parameters and optimizer state then take ``num_sites x dp_replicate`` times the memory they would
             take sharded over all sites). ``True``: it shards over all sites as written, and gradients and
-            parameter all-gathers cross the WAN flat (a warning says so).
+            parameter all-gathers cross the WAN flat (a warning says so). Not with ``cross_site="diloco"``.
+        cross_site: ``"allreduce"`` (default; env ``MULTIDC_CROSS_SITE``): the replicas' gradients are averaged
+            across sites every step. ``"diloco"``: each site trains alone (replicas averaged inside the site only,
+            gradient clipping by the site's own norm), and ``multidc.hierarchical.DiLoCo`` syncs the sites every
+            ``sync_every`` optimizer steps, each rank its own shard (see ``multidc.strategies.parallel.diloco``).
+            ``configure_optimizers`` must then return one optimizer (DiLoCo's inner one); ``wan_metrics()`` are
+            DiLoCo's (``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s``); checkpoints hold each site's
+            model and optimizer states under ``site_<k>`` and the DiLoCo state per shard (resume with the same
+            layout); ``strategy.diloco.global_parameters()`` swaps in the sites' consensus while fitting.
+        diloco: ``DiLoCoConfig`` for ``cross_site="diloco"``; default ``DiLoCoConfig()`` from
+            ``MULTIDC_DILOCO_*``, built here, so a missing ``sync_every`` fails at construction. ``wan`` carries
+            the syncs (its ``compression`` replaced by ``diloco.compression``).
         checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
             save and the end of ``fit`` wait for it and raise its error.
         checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
@@ -104,8 +116,10 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
     Raises:
         ValueError: bad sizes at construction (a ``data_parallel_size`` that ``num_sites x dp_replicate x dp_shard``
-            cannot make); sizes that do not multiply to ``devices x num_nodes`` when the ``Trainer`` launches,
-            before any process group exists.
+            cannot make), bad or contradictory ``cross_site`` / ``diloco`` / ``fsdp_across_sites`` /
+            ``save_distributed_checkpoint``; sizes that do not multiply to ``devices x num_nodes`` when the
+            ``Trainer`` launches, before any process group exists; under DiLoCo, not exactly one optimizer or
+            settings differing between ranks, on every rank at setup.
     """
 
     strategy_name = "parallel_3d"
@@ -127,10 +141,16 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
         fsdp_across_sites: bool = False,
+        cross_site: str | None = None,
+        diloco: DiLoCoConfig | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        self.diloco_config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
+        self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
+        self.diloco: DiLoCo | None = None
+        """The running ``DiLoCo`` under ``cross_site="diloco"``, from setup of a fit to teardown; else None."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -215,7 +235,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
             self.parallel = parallelize(
                 module, self.device_mesh, blocks=blocks, pipeline=self.pipeline_config, wan=self.wan,
-                wrap_root=False, device=self.root_device,
+                wrap_root=False, device=self.root_device, cross_site=self.cross_site,
             )
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -227,21 +247,48 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         # Lightning has no strategy hook for clipping: the precision plugin clips with torch's per-process
         # clip_grad_norm_, which cannot see other stages' and shards' gradients. Route it to the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-        self.gradient_sync.adopt(self.topology)
+        if self.diloco_config is None:
+            self.gradient_sync.adopt(self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.diloco_config is not None:  # before a checkpoint is restored into it: Lightning restores later
+                self._build_diloco()
             WanMetricsCallback.add_to(trainer, self)
+
+    def _build_diloco(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"cross_site='diloco' steps DiLoCo after the inner optimizer, so it needs exactly one optimizer; got "
+                f"{len(self.optimizers)}. Put every parameter group in one optimizer (configure_optimizers)."
+            )
+        self._close_diloco()
+        optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+        self.diloco = build_diloco(self.parallel, optimizer, self.diloco_config, wan=self.wan)
+
+    def _close_diloco(self) -> None:
+        diloco, self.diloco = self.diloco, None
+        if diloco is not None:
+            diloco.close()
+
+    def _checkpoint_sites(self) -> dict[str, Any]:
+        if self.diloco_config is None or self.topology is None:
+            return {}
+        state = DiLoCoShardState(self.diloco, self.device_mesh) if self.diloco is not None else None
+        return {"site": self.topology.site, "diloco": state}
 
     def _adopt_sharded_module(self, module: pl.LightningModule) -> ParallelModel:
         """A module that ``configure_model`` sharded itself: add the hierarchical replica reduction to its units
         over ``"dp_shard"`` (where ``model_sharded_context`` put its ``fully_shard`` over ``"data_parallel"``), and
         warn about units whose gradients still cross sites flat."""
         mesh = self.device_mesh
-        topology = replicate_topology(mesh, self.wan)
-        if topology is not None and add_replica_reduction(module, mesh, topology, wan=self.wan) == 0:
-            topology.close()
-            topology = None
+        parallel = adopt_sharded(module, mesh, wan=self.wan, cross_site=self.cross_site)
         if fsdp_mesh_crosses_sites(module, mesh):
+            if self.diloco_config is not None:
+                raise ValueError(
+                    "configure_model applied fully_shard over a mesh that spans sites, but with cross_site='diloco' "
+                    "each site must train alone; shard over self.device_mesh['data_parallel'] (the strategy keeps it "
+                    "inside each site), or leave data parallelism to Parallel3DStrategy."
+                )
             if self.fsdp_across_sites:
                 why = "fsdp_across_sites=True keeps it there"
             elif not self._fsdp_within_sites:
@@ -249,14 +296,17 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
             else:
                 why = "that mesh is not device_mesh['data_parallel'] (only a fully_shard over that one is moved)"
             rank_zero_warn(_FLAT_WAN_WARNING.format(why=why))
-        return ParallelModel(module, mesh, self.layout, topology=topology, roots=[module])
+        return parallel
 
     def wan_metrics(self) -> dict[str, float]:
         """WAN figures since the previous call (``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``).
 
         The FSDP hook runs the replica reduction inside backward and backward waits for it, so ``wan/wait_s``
-        equals ``wan/comm_s``.
+        equals ``wan/comm_s``. Under ``cross_site="diloco"``: ``DiLoCo.metrics()`` (``wan/bytes_sent``,
+        ``wan/outer_syncs``, ``wan/exposed_s``), ``{}`` when not fitting.
         """
+        if self.diloco_config is not None:
+            return self.diloco.metrics() if self.diloco is not None else {}
         return self.gradient_sync.metrics()
 
     @property
@@ -315,17 +365,38 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         from multidc.strategies.parallel.grad_clip import clip_grad_norm_
 
-        clip_grad_norm_(params, clip_val, self.device_mesh)
+        clip_grad_norm_(params, clip_val, self.device_mesh, per_site=self.parallel.site_groups)
 
     def teardown(self) -> None:
         WanMetricsCallback.remove_from(self.lightning_module)
-        self.gradient_sync.close()
-        super().teardown()
+        try:
+            self._close_diloco()  # a sync in flight finishes (every rank)
+        finally:
+            self.gradient_sync.close()
+            if self.diloco_config is not None and self.topology is not None:
+                self.topology.close()  # its worker thread; the groups stay for a later fit
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register(strategy_registry, cls.strategy_name, cls,
                  description="multidc site x FSDP2 x pipeline x tensor parallelism")
+
+
+def _diloco_config(cross_site: str | None, diloco, fsdp_across_sites: bool, distributed_checkpoint: bool):
+    """The ``DiLoCoConfig`` (``None``: ``cross_site="allreduce"``), and ValueErrors for settings that contradict it."""
+    config = resolve_cross_site(cross_site, diloco, owner="Parallel3DStrategy")
+    if config is not None and fsdp_across_sites:
+        raise ValueError(
+            "fsdp_across_sites=True shards parameters over all sites, so every step crosses the WAN, while "
+            "cross_site='diloco' trains each site alone; drop fsdp_across_sites (shards then stay inside each site)."
+        )
+    if config is not None and not distributed_checkpoint:
+        raise ValueError(
+            "cross_site='diloco' needs save_distributed_checkpoint=True: its checkpoints hold every site's own model "
+            "and the DiLoCo state, which the single-file format cannot."
+        )
+    return config
 
 
 register_all()  # the names, also when this module's own import of Lightning came first (see _registry)

@@ -9,14 +9,17 @@ thin adapters over it.
 * ``parallelize``: put a model into a layout (tensor -> pipeline split -> data parallel) and run its steps.
 * ``tensor_parallel``, ``pipeline``, ``data_parallel``: one parallel dimension each.
 * ``grad_clip``: clipping by the global norm over every shard and stage.
+* ``diloco``: DiLoCo across sites (``parallelize(..., cross_site="diloco")``, then ``build_diloco``).
 """
 
 from multidc.strategies.parallel.data_parallel import apply_data_parallel, replicate_topology
+from multidc.strategies.parallel.diloco import DiLoCoShardState, build_diloco
 from multidc.strategies.parallel.grad_clip import clip_grad_norm_
 from multidc.strategies.parallel.layout import ParallelLayout
 from multidc.strategies.parallel.parallelize import (
     ParallelModel,
     RemoteBlock,
+    adopt_sharded,
     data_parallel_coordinate,
     parallelize,
     prepare_parallel,
@@ -25,13 +28,16 @@ from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, split
 from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 
 __all__ = [
+    "DiLoCoShardState",
     "ParallelLayout",
     "ParallelModel",
     "Pipeline",
     "PipelineConfig",
     "RemoteBlock",
+    "adopt_sharded",
     "apply_data_parallel",
     "apply_tensor_parallel",
+    "build_diloco",
     "clip_grad_norm_",
     "data_parallel_coordinate",
     "parallelize",

@@ -4,7 +4,9 @@
 replicated data parallelism: FSDP2 over a one-rank axis shards nothing, as torch's own ``replicate`` does). The
 replicas (axes ``site`` x ``dp_replicate``) are then reduced by an FSDP all-reduce hook that runs
 ``multidc.hierarchical``'s chunked, optionally compressed, hierarchical all-reduce on each reduce-scatter output:
-inside the site first, across the WAN once per shard. No flat all-reduce crosses sites.
+inside the site first, across the WAN once per shard. No flat all-reduce crosses sites. Under DiLoCo
+(``cross_site="diloco"``) the hook averages the ``dp_replicate`` replicas inside the site only
+(``add_site_replica_reduction``) and DiLoCo syncs the sites.
 
 A module sharded by its own code (Lightning ``ModelParallelStrategy`` style, ``fully_shard(m,
 mesh=mesh["data_parallel"])``) gets the same treatment: inside ``data_parallel_within_sites`` that call shards over
@@ -157,6 +159,28 @@ def add_replica_reduction(
     for index, unit in enumerate(units):
         unit.set_all_reduce_hook(partial(_reduce_replicas, state, index))
     return len(units)
+
+
+def add_site_replica_reduction(module: nn.Module, mesh, group) -> int:
+    """Average the replicas of every FSDP unit of ``module`` sharded over ``mesh["dp_shard"]`` over ``group``: the
+    ``dp_replicate`` ranks of this rank's site, for ``cross_site="diloco"``, where nothing crosses the WAN on an
+    inner step. ``group`` must be a group of its own (``SiteGroups.replicate``), never a topology's: DiLoCo's
+    syncs use those from their worker thread. Every rank must call it with the same module.
+
+    Returns:
+        How many units now average their replicas inside the site.
+    """
+    size = dist.get_world_size(group)
+    units = _units_on(module, submesh(mesh, "dp_shard"))
+    for unit in units:
+        unit.set_all_reduce_hook(partial(_average_in_site, group, size))
+    return len(units)
+
+
+def _average_in_site(group, size: int, reduce_output: torch.Tensor) -> None:
+    """FSDP all-reduce hook (FSDP runs it on its all-reduce stream): the mean over the site's replicas."""
+    dist.all_reduce(reduce_output, group=group)  # a sum: gloo has no ReduceOp.AVG
+    reduce_output.div_(size)
 
 
 def _units_on(module: nn.Module, shard_mesh) -> list[nn.Module]:

@@ -3,7 +3,8 @@ agnostic. The Lightning strategy and the Accelerate plugin are thin adapters ove
 
 Order, as in torchtitan: tensor parallelism on the blocks, then the pipeline split (this rank keeps its stages;
 other stages' blocks are replaced by ``RemoteBlock`` placeholders that hold no parameters), then FSDP2 per block
-and per stage with the hierarchical cross-site reduction, then the schedule.
+and per stage with the hierarchical cross-site reduction (or, with ``cross_site="diloco"``, a reduction inside
+each site only: see ``multidc.strategies.parallel.diloco``), then the schedule.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from torch import nn
 
 from multidc.hierarchical import Topology, WanConfig
 from multidc.strategies.parallel.data_parallel import (
+    add_replica_reduction,
+    add_site_replica_reduction,
     apply_data_parallel,
     replicate_topology,
     set_requires_gradient_sync,
 )
+from multidc.strategies.parallel.diloco import SiteGroups, check_cross_site, diloco_topology, site_groups
 from multidc.strategies.parallel.grad_clip import clip_grad_norm_
 from multidc.strategies.parallel.layout import MESH_AXES, ParallelLayout, submesh
 from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, build_pipeline, split_blocks, stage_modules
@@ -51,9 +55,12 @@ class ParallelModel:
         mesh: the root ``DeviceMesh``.
         layout: the resolved layout.
         pipeline: the pipeline, or ``None`` when ``pipeline_parallel_size == 1``.
-        topology: this rank's replica topology (WAN statistics in ``topology.wan_stats``), or ``None``.
+        topology: this rank's replica topology (WAN statistics in ``topology.wan_stats``), or ``None``; under
+            ``cross_site="diloco"`` DiLoCo's topology (``diloco_topology``), never ``None``.
         originals: ``{id: (weakref, qualified name)}`` of the parameters before ``parallelize`` (which TP and FSDP
             replace with new objects), for ``rebind_optimizer``.
+        blocks: the ``blocks`` given to ``parallelize`` as placed now (other stages' as ``RemoteBlock``), or ``[]``.
+        site_groups: under ``cross_site="diloco"`` the groups inner steps use inside the site; else ``None``.
     """
 
     model: nn.Module
@@ -63,6 +70,13 @@ class ParallelModel:
     topology: Topology | None = None
     roots: list[nn.Module] = field(default_factory=list)
     originals: dict[int, tuple[weakref.ref, str]] = field(default_factory=dict, repr=False)
+    blocks: list[nn.Module] = field(default_factory=list, repr=False)
+    site_groups: SiteGroups | None = None
+
+    @property
+    def cross_site(self) -> str:
+        """``"diloco"`` (sites train alone between DiLoCo syncs: ``build_diloco``) or ``"allreduce"``."""
+        return "allreduce" if self.site_groups is None else "diloco"
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (its pipeline stages only)."""
@@ -81,8 +95,10 @@ class ParallelModel:
         return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over every TP/FSDP shard and pipeline stage; see ``grad_clip.clip_grad_norm_``."""
-        return clip_grad_norm_(list(self.parameters()), max_norm, self.mesh, norm_type=norm_type)
+        """Clip by the global norm over every TP/FSDP shard and pipeline stage (under DiLoCo: of this site's); see
+        ``grad_clip.clip_grad_norm_``."""
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.mesh, norm_type=norm_type,
+                               per_site=self.site_groups)
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
         """Off: backward accumulates locally, nothing crosses sites (gradient accumulation)."""
@@ -150,6 +166,7 @@ def parallelize(
     wan: WanConfig | None = None,
     wrap_root: bool = True,
     device: torch.device | str = "cpu",
+    cross_site: str = "allreduce",
 ) -> ParallelModel:
     """Place ``model`` into the layout of ``mesh``, in place. Every rank must call it with the same model.
 
@@ -167,13 +184,17 @@ def parallelize(
             outermost submodule with parameters instead, looking into ``ModuleList``/``ModuleDict`` (a
             LightningModule whose ``training_step`` calls its children). Ignored under pipeline parallelism.
         device: where stages run.
+        cross_site: ``"allreduce"``: replicas' gradients averaged across sites every step, hierarchically.
+            ``"diloco"``: only inside each site (nothing crosses the WAN on a step); then ``build_diloco`` once the
+            optimizer exists.
 
     Raises:
-        ValueError: before any change, when pp > 1 without blocks, blocks are not submodules of ``model``, the
-            blocks cannot be split into the stages, blocks of different stages share a parameter (tied weights),
-            or (``wrap_root=False``) a module holds parameters directly.
+        ValueError: before any change, when ``cross_site`` is neither, pp > 1 without blocks, blocks are not
+            submodules of ``model``, the blocks cannot be split into the stages, blocks of different stages share a
+            parameter (tied weights), or (``wrap_root=False``) a module holds parameters directly.
     """
     layout = layout_of(mesh)
+    check_cross_site(cross_site)
     names = _block_names(model, blocks or ())
     originals = {id(p): (weakref.ref(p), n) for n, p in model.named_parameters()}
     if layout.pipeline_parallel_size == 1:
@@ -194,21 +215,64 @@ def parallelize(
         tensor_parallel(model, submesh(mesh, "tensor_parallel"))
     elif tensor_parallel is not None:
         raise ValueError(f"tensor_parallel={tensor_parallel!r}: use None, 'transformer' or fn(model, tp_mesh).")
-    topology = replicate_topology(mesh, wan)
+    topology, groups = _replicas(mesh, wan, cross_site)
     if layout.pipeline_parallel_size == 1:
         for root in roots:
             units = [b for b in (blocks or ()) if b is not root and _is_within(b, root)]
-            apply_data_parallel(root, mesh, units=units, topology=topology, wan=wan)
-        return ParallelModel(model, mesh, layout, None, topology, roots, originals)
+            apply_data_parallel(root, mesh, units=units, wan=wan)
+            _reduce_replicas(root, mesh, topology, groups, wan)
+        return ParallelModel(model, mesh, layout, None, topology, roots, originals, list(blocks or ()), groups)
     stages = stage_modules(list(blocks), mesh, pipeline)
     local_blocks = {id(b) for stage in stages.values() for b in stage}
     _drop_remote_blocks(model, blocks, names, local_blocks, layout, pipeline)
     for stage in stages.values():
-        apply_data_parallel(
-            stage, mesh, units=list(stage), topology=topology, wan=wan, reshard_after_forward=False
-        )
+        apply_data_parallel(stage, mesh, units=list(stage), wan=wan, reshard_after_forward=False)
+        _reduce_replicas(stage, mesh, topology, groups, wan)
     built = build_pipeline(stages, mesh, pipeline, device)
-    return ParallelModel(model, mesh, layout, built, topology, list(stages.values()), originals)
+    placed = [model.get_submodule(name) for name in names]  # other stages' blocks are RemoteBlocks now
+    return ParallelModel(model, mesh, layout, built, topology, list(stages.values()), originals, placed, groups)
+
+
+def adopt_sharded(module: nn.Module, mesh, *, wan: WanConfig | None = None,
+                  cross_site: str = "allreduce") -> ParallelModel:
+    """A module that applied ``fully_shard`` itself over ``mesh["dp_shard"]`` (a ``configure_model`` sharding over
+    ``"data_parallel"`` inside ``data_parallel_within_sites``): add the replica reduction ``parallelize`` would
+    (``cross_site`` as there) to its FSDP units on that axis. Every rank must call it. Without pipeline
+    parallelism only.
+
+    Raises:
+        ValueError: bad ``cross_site``; under ``"diloco"`` with ``dp_replicate > 1``, no FSDP unit on
+            ``mesh["dp_shard"]`` (the site's replicas would drift apart), on every rank alike.
+    """
+    check_cross_site(cross_site)
+    topology, groups = _replicas(mesh, wan, cross_site)
+    reduced = _reduce_replicas(module, mesh, topology, groups, wan)
+    if groups is None and topology is not None and reduced == 0:
+        topology.close()
+        topology = None
+    if groups is not None and groups.replicate is not None and reduced == 0:
+        raise ValueError(
+            f"cross_site='diloco' with dp_replicate={submesh(mesh, 'dp_replicate').size()}, but no FSDP unit of "
+            f"{type(module).__name__} is sharded over the data-parallel mesh, so nothing would keep the replicas of "
+            f"a site equal; apply fully_shard(..., mesh=device_mesh['data_parallel']) in configure_model, or leave "
+            f"data parallelism to the strategy."
+        )
+    return ParallelModel(module, mesh, layout_of(mesh), topology=topology, roots=[module], site_groups=groups)
+
+
+def _replicas(mesh, wan: WanConfig | None, cross_site: str) -> tuple[Topology | None, SiteGroups | None]:
+    """The replicas' topology and, under DiLoCo, the site's own groups. Every rank must call it."""
+    if cross_site == "diloco":
+        return diloco_topology(mesh, wan), site_groups(mesh)
+    return replicate_topology(mesh, wan), None
+
+
+def _reduce_replicas(root: nn.Module, mesh, topology, groups: SiteGroups | None, wan) -> int:
+    """The per-step replica reduction of ``root``'s FSDP units: across sites hierarchically (``"allreduce"``), or
+    over the site's own replica group (``"diloco"``). Returns how many units reduce."""
+    if groups is not None:
+        return add_site_replica_reduction(root, mesh, groups.replicate) if groups.replicate is not None else 0
+    return add_replica_reduction(root, mesh, topology, wan=wan) if topology is not None else 0
 
 
 def _block_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:

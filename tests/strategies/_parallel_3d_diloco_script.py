@@ -1,0 +1,110 @@
+"""Lightning training with ``Parallel3DStrategy(cross_site="diloco")``, run by
+tests/strategies/test_parallel_3d_diloco.py:
+
+    python tests/strategies/_parallel_3d_diloco_script.py --config '{"sync_every": 4}' --max-steps 11 \\
+        --steps-per-epoch 6 --root DIR --out DIR [--tp 2] [--ckpt-path PATH]
+
+4 ranks as 2 sites x tensor parallelism 2 (``configure_model`` applies it; FSDP2 and DiLoCo are the strategy's).
+The data-parallel replica ``l`` of site ``s`` trains on ``test_parallel_3d_diloco.rows(s, l, k)`` at step ``k`` of
+each epoch (``steps_per_epoch`` steps, no sampler), so the single-process reference can replay it.
+``ModelCheckpoint`` saves every ``steps_per_epoch`` steps (at an epoch's end, which Lightning resumes exactly).
+Every rank writes DIR/rank{r}.json (its site, DiLoCo's stats, the batches this run trained) and
+DIR/weights_rank{r}.pt (the full values of its parameters and, read through
+``strategy.diloco.global_parameters()``, of the global ones); rank 0's CSV logger holds the WAN metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from multidc.hierarchical import DiLoCoConfig
+from multidc.strategies import Parallel3DStrategy, apply_tensor_parallel
+from multidc.strategies.parallel import data_parallel_coordinate
+from tests._tiny_models import loss_fn
+from tests.strategies.test_parallel_3d_diloco import LR, full, model, rows
+
+
+class Net(pl.LightningModule):
+    def __init__(self, steps_per_epoch: int) -> None:
+        super().__init__()
+        self.model = model()
+        self.steps_per_epoch = steps_per_epoch
+        self.report: dict = {}
+        self.batches_run = 0
+
+    def configure_model(self):
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        if tp_mesh.size() > 1:
+            apply_tensor_parallel(self.model.layers, tp_mesh)
+
+    def pipeline_blocks(self):
+        return self.model.blocks()
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches_run += 1
+        return self.trainer.strategy.pipeline_step(x, y, loss_fn)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        mesh = self.trainer.strategy.device_mesh
+        index, size = data_parallel_coordinate(mesh)
+        site, local = mesh.get_local_rank("site"), index % (size // mesh.size(0))
+        batches = [rows(site, local, k) for k in range(1, self.steps_per_epoch + 1)]
+        data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        return DataLoader(data, batch_size=len(batches[0][0]))
+
+    def on_train_end(self) -> None:  # DiLoCo still runs: teardown comes after
+        diloco = self.trainer.strategy.diloco
+        with diloco.global_parameters():
+            self.report["global"] = full(self.model.named_parameters())
+        self.report["stats"] = vars(diloco.stats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--steps-per-epoch", type=int, default=6)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    strategy = Parallel3DStrategy(num_sites=2, tensor_parallel_size=args.tp, cross_site="diloco",
+                                  diloco=DiLoCoConfig(**json.loads(args.config)))
+    module = Net(args.steps_per_epoch)
+    checkpoints = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.steps_per_epoch,
+                                  save_top_k=-1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=args.max_steps,
+                         gradient_clip_val=1e9,  # the site's own norm; far above it: no change to the values
+                         use_distributed_sampler=False, callbacks=[checkpoints],
+                         logger=CSVLogger(args.out, name="log", version=0), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, ckpt_path=args.ckpt_path)
+    rank = trainer.global_rank
+    local = full(module.model.named_parameters())
+    torch.save({"local": local, "global": module.report["global"]}, os.path.join(args.out, f"weights_rank{rank}.pt"))
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"site": strategy.topology.site, "stats": module.report["stats"],
+                   "global_step": trainer.global_step, "batches_run": module.batches_run}, f)
+
+
+if __name__ == "__main__":
+    main()

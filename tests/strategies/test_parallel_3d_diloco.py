@@ -1,0 +1,375 @@
+"""DiLoCo under 3D parallelism (``cross_site="diloco"``) against tests/diloco_reference.py's single-process
+computation: sites2 x dp_shard2, sites2 x tp2, sites2 x dp_replicate2 (also a self-sharded module, adopted) and
+sites2 x pp2 on 4 gloo ranks through the framework-free layer (``parallelize`` / ``adopt_sharded`` +
+``build_diloco``), and sites2 x tp2 through a Lightning ``Trainer`` with
+``Parallel3DStrategy`` (tests/strategies/_parallel_3d_diloco_script.py), with a resume from a checkpoint saved
+while a sync is in flight. No collective of an inner step spans sites; bad settings raise clear ValueErrors.
+
+Tolerance: 1e-6 absolute on every parameter (SGD inner optimizer, float32; only reduction orders differ).
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical.tools.ranks import run_ranks
+from tests import _launch
+from tests._resources import require_module
+from tests._tiny_models import TinyGPT, loss_fn
+from tests.diloco_reference import run_reference
+
+LR, ROWS, SEQ_TOKENS, VOCAB = 0.1, 4, 4, 32
+CASES = {
+    "sites2xdp_shard2": dict(layout=dict(num_sites=2, dp_shard=2), config=dict(sync_every=4), meter=True),
+    "sites2xtp2": dict(layout=dict(num_sites=2, dp_shard=1, tensor_parallel_size=2), tp="transformer",
+                       config=dict(sync_every=4), meter=True),
+    # the site's replicas averaged over their own group while fragments sync on the worker thread (overlap)
+    "sites2xdp_replicate2": dict(layout=dict(num_sites=2, dp_replicate=2, dp_shard=1),
+                                 config=dict(sync_every=4, fragments=2, overlap_steps=1)),
+    # fragments by the block's index in the whole model: each stage syncs its part of fragment p at p's step
+    "sites2xpp2": dict(layout=dict(num_sites=2, pipeline_parallel_size=2, dp_shard=1),
+                       pipeline=dict(schedule="gpipe", microbatches=2), config=dict(sync_every=4, fragments=2),
+                       meter=True),
+    # a module that shards itself over "data_parallel" (ModelParallelStrategy style), adopted: adopt_sharded
+    "self_sharded_sites2xdp_replicate2": dict(layout=dict(num_sites=2, dp_replicate=2, dp_shard=1),
+                                              config=dict(sync_every=4), self_sharded=True, meter=True),
+}
+STEPS = 10  # syncs at 4 and 8 (fragments: 2, 4, 6, 8, 10); local and global differ at the end
+
+
+def model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(2)
+
+
+def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows data-parallel replica ``local`` of ``site`` trains on at inner step ``step`` (1-based)."""
+    g = torch.Generator().manual_seed(10_000 * site + 100 * local + step)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ_TOKENS + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def site_batch(replicas: int, site: int, step: int):
+    """A site's whole batch: its ``replicas`` data-parallel replicas' rows together (equal rows, mean loss)."""
+    parts = [rows(site, local, step) for local in range(replicas)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def reference(replicas: int, steps: int, config: dict) -> dict:
+    return run_reference(
+        model(), sites=2, steps=steps, batch=lambda s, t: site_batch(replicas, s, t), loss_fn=loss_fn,
+        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), blocks=lambda m: m.blocks(), **config,
+    )
+
+
+def full(named) -> dict[str, torch.Tensor]:
+    """Full values of (possibly DTensor) tensors; collective over their meshes (inside the site)."""
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in named}
+
+
+class CrossSiteCalls:
+    """Counts calls of ``torch.distributed`` collectives and point-to-point ops that reach a rank of another site
+    (FSDP2, the pipeline, the replica average, clipping and DiLoCo go through these; tensor-parallel DTensor ops go
+    through functional collectives on the ``tp`` group, which the layout keeps inside the site). ``isend`` /
+    ``irecv`` stay as they are (``P2POp`` checks their identity); the pipeline sends through ``batch_isend_irecv``."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "reduce_scatter", "broadcast", "reduce", "all_to_all_single", "all_to_all",
+             "gather", "scatter", "send", "recv", "batch_isend_irecv", "barrier",
+             "all_gather_object", "broadcast_object_list")
+
+    def __init__(self, site_size: int) -> None:
+        self.site_size, self.calls, self._saved = site_size, 0, {}
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+            setattr(dist, name, self._counting(name, original))
+
+    def _site(self, rank: int) -> int:
+        return rank // self.site_size
+
+    def _crosses(self, name: str, bound: dict) -> bool:
+        mine = self._site(dist.get_rank())
+        if name == "batch_isend_irecv":
+            return any(self._site(op.peer) != mine for op in bound["p2p_op_list"])
+        if name in ("send", "recv"):
+            peer = bound.get("dst", bound.get("src"))
+            return peer is not None and self._site(peer) != mine
+        ranks = dist.get_process_group_ranks(bound.get("group") or dist.group.WORLD)
+        return len({self._site(r) for r in ranks}) > 1
+
+    def _counting(self, name: str, original):
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            if self._crosses(name, signature.bind_partial(*args, **kwargs).arguments):
+                self.calls += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def close(self) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _train_case(rank: int, world: int, case: dict) -> dict:
+    from multidc.hierarchical import DiLoCoConfig, WanConfig
+    from multidc.strategies.parallel import build_diloco, data_parallel_coordinate, parallelize
+    from multidc.strategies.parallel.layout import ParallelLayout
+    from multidc.strategies.parallel.pipeline import PipelineConfig
+
+    mesh = ParallelLayout(**case["layout"]).build_mesh()
+    net, wan = model(), WanConfig(chunk_mb=0.001, streams=2)
+    pipeline = PipelineConfig(**case["pipeline"]) if "pipeline" in case else None
+    unsharded_error = None
+    if case.get("self_sharded"):
+        pm, unsharded_error = _self_sharded(net, mesh, wan)
+    else:
+        pm = parallelize(net, mesh, blocks=net.blocks(), tensor_parallel=case.get("tp"), pipeline=pipeline, wan=wan,
+                         cross_site="diloco")
+    opt = torch.optim.SGD(list(pm.parameters()), lr=LR)
+    diloco = build_diloco(pm, opt, DiLoCoConfig(**case["config"]))
+    index, size = data_parallel_coordinate(mesh)
+    site, per_site = mesh.get_local_rank("site"), size // mesh.size(0)
+    meter = CrossSiteCalls(world // mesh.size(0)) if case.get("meter") else None
+    sent, crossing, norms = [], [], []
+    for t in range(1, STEPS + 1):
+        before = (pm.topology.wan_stats.snapshot()["bytes_sent"], meter.calls if meter else 0)
+        pm.step(*rows(site, index % per_site, t), loss_fn)
+        norms.append(pm.clip_grad_norm_(1e9).item())  # no change (coefficient 1): the site's own norm
+        if t == STEPS and pm.pipeline is None:
+            grads = full((n, p.grad) for n, p in net.named_parameters())
+            norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item())
+        opt.step()
+        opt.zero_grad()
+        sent.append(pm.topology.wan_stats.snapshot()["bytes_sent"] - before[0])
+        crossing.append((meter.calls if meter else 0) - before[1])
+    if meter:
+        meter.close()
+    with diloco.global_parameters():
+        glob = full(net.named_parameters())
+    local = full(net.named_parameters())
+    diloco.close()
+    return {"site": site, "replicas": per_site, "local": local, "global": glob, "sent": sent, "crossing": crossing,
+            "norms": norms, "stats": vars(diloco.stats), "unsharded_error": unsharded_error}
+
+
+def _self_sharded(net, mesh, wan):
+    """``fully_shard`` over ``mesh["data_parallel"]`` as a ModelParallelStrategy ``configure_model`` writes it
+    (kept inside each site by ``data_parallel_within_sites``), then ``adopt_sharded``, as Parallel3DStrategy does."""
+    from torch.distributed.fsdp import fully_shard
+
+    from multidc.strategies.parallel import adopt_sharded
+    from multidc.strategies.parallel.data_parallel import data_parallel_within_sites
+    from multidc.strategies.parallel.layout import submesh
+
+    with data_parallel_within_sites(mesh):
+        for block in net.blocks():
+            fully_shard(block, mesh=submesh(mesh, "data_parallel"))
+        fully_shard(net, mesh=submesh(mesh, "data_parallel"))
+    pm = adopt_sharded(net, mesh, wan=wan, cross_site="diloco")
+    try:  # an unsharded module: nothing would keep a site's replicas equal
+        adopt_sharded(model(), mesh, wan=wan, cross_site="diloco")
+    except ValueError as exc:
+        return pm, str(exc)
+    return pm, None
+
+
+def _all_cases(rank: int, world: int, names: list[str]) -> dict:
+    results = {name: _train_case(rank, world, CASES[name]) for name in names}
+    results["errors"] = _bad_settings(rank)
+    return results
+
+
+def _bad_settings(rank: int) -> list[str]:
+    """What build_diloco raises, on every rank alike, for settings that cannot work."""
+    from multidc.hierarchical import DiLoCoConfig
+    from multidc.strategies.parallel import build_diloco, parallelize
+    from multidc.strategies.parallel.layout import ParallelLayout
+    from multidc.strategies.parallel.pipeline import PipelineConfig
+
+    mesh = ParallelLayout(num_sites=2, pipeline_parallel_size=2, dp_shard=1).build_mesh()
+    messages = []
+    for cross_site, config in (("allreduce", dict(sync_every=4)),  # not placed for DiLoCo
+                               ("diloco", dict(sync_every=4, fragments=3)),  # 2 blocks a stage, 3 fragments
+                               ("diloco", dict(sync_every=4 + rank % 2))):  # ranks disagree
+        net = model()
+        pm = parallelize(net, mesh, blocks=net.blocks(), pipeline=PipelineConfig(schedule="gpipe"),
+                         cross_site=cross_site)
+        try:
+            build_diloco(pm, torch.optim.SGD(list(pm.parameters()), lr=LR), DiLoCoConfig(**config))
+            messages.append("")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.fixture(scope="module")
+def framework_free():
+    """Every case in one spawn of 4 ranks (starting ranks is the slow part): {case: per-rank results}."""
+    per_rank = run_ranks(_all_cases, 4, list(CASES), timeout=300)
+    return {name: [r[name] for r in per_rank] for name in [*CASES, "errors"]}
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", list(CASES))
+def test_3d_diloco_equals_the_single_process_reference(framework_free, name):
+    results = framework_free[name]
+    ref = reference(results[0]["replicas"], STEPS, CASES[name]["config"])
+    merged_local: dict = {0: {}, 1: {}}
+    for r in results:  # under pipeline parallelism each rank holds its stage's parameters
+        for key, value in r["global"].items():
+            torch.testing.assert_close(value, ref["global"][key], rtol=0, atol=1e-6, msg=key)
+        merged_local[r["site"]].update(r["local"])
+        for key, value in r["local"].items():
+            torch.testing.assert_close(value, ref["local"][r["site"]][key], rtol=0, atol=1e-6, msg=key)
+        assert r["stats"]["inner_steps"] == STEPS
+    for site in (0, 1):
+        assert set(merged_local[site]) == set(ref["local"][site])
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.get("meter")])
+def test_nothing_crosses_sites_on_inner_steps(framework_free, name):
+    """No torch.distributed call of an inner step (forward, backward, FSDP, pipeline, clipping, optimizer) reaches
+    another site; the sync steps do, and only they send WAN bytes."""
+    config = CASES[name]["config"]
+    every = config["sync_every"] // config.get("fragments", 1)
+    syncs = [t for t in range(1, STEPS + 1) if t % every == 0]
+    for r in framework_free[name]:
+        assert [t for t, c in enumerate(r["crossing"], start=1) if c] == syncs, r["crossing"]
+        assert [t for t, b in enumerate(r["sent"], start=1) if b] == syncs, r["sent"]
+
+
+@pytest.mark.timeout(360)
+def test_clipping_takes_each_sites_own_norm(framework_free):
+    for name in ("sites2xdp_shard2", "sites2xtp2"):
+        results = framework_free[name]
+        for r in results:
+            assert abs(r["norms"][-2] - r["norms"][-1]) <= 1e-5 * r["norms"][-1], (name, r["norms"][-2:])
+        by_site = {r["site"]: r["norms"][-1] for r in results}
+        assert abs(by_site[0] - by_site[1]) > 1e-3, by_site  # the sites' data differ: so do their norms
+
+
+@pytest.mark.timeout(360)
+def test_bad_settings_raise_the_same_clear_error_on_every_rank(framework_free):
+    per_rank = framework_free["errors"]
+    assert all(messages == per_rank[0] for messages in per_rank), per_rank
+    not_diloco, too_many, disagree = per_rank[0]
+    for r in framework_free["self_sharded_sites2xdp_replicate2"]:
+        assert "no FSDP unit of TinyGPT is sharded over the data-parallel mesh" in r["unsharded_error"]
+    assert "cross_site='diloco'" in not_diloco
+    assert "fragments=3" in too_many and "fewest blocks a stage holds" in too_many
+    assert "disagree on the DiLoCo settings" in disagree
+
+
+def test_parallelize_takes_allreduce_or_diloco_only():
+    from multidc.strategies.parallel.diloco import check_cross_site
+
+    assert [check_cross_site(v) for v in ("allreduce", "diloco")] == ["allreduce", "diloco"]
+    for bad in ("DiLoCo", None, "ring"):
+        with pytest.raises(ValueError, match=f"cross_site={bad!r}: choose 'allreduce'"):
+            check_cross_site(bad)
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+
+TRAINER_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+TRAINER_STEPS, PER_EPOCH = 11, 6  # a sync starts at step 6 and merges at 7: in flight at the save
+_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _trainer_run(out_dir, root, *extra: str) -> dict:
+    script = os.path.join(os.path.dirname(__file__), "_parallel_3d_diloco_script.py")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
+    argv = [sys.executable, script, "--config", json.dumps(TRAINER_CONFIG), "--max-steps", str(TRAINER_STEPS),
+            "--steps-per-epoch", str(PER_EPOCH), "--root", str(root), "--out", str(out_dir), *extra]
+    code, log = _launch.run_script(argv, {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, 300)
+    assert code == 0, log[-6000:]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(4)]
+    with open(out_dir / "log" / "version_0" / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    return {"ranks": ranks, "weights": weights, "metrics": metrics}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    require_module("lightning", "lightning")
+    tmp = tmp_path_factory.mktemp("p3d_diloco")
+    unbroken = _trainer_run(tmp / "unbroken", tmp / "root")
+    saved = tmp / "root" / "ckpts" / f"epoch=0-step={PER_EPOCH}.ckpt"
+    resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved))
+    return unbroken, resumed
+
+
+@pytest.mark.timeout(700)
+def test_trainer_sites2_tp2_equals_the_reference_and_logs_wan_metrics(trainer_runs):
+    unbroken, _ = trainer_runs
+    ref = run_reference(
+        model(), sites=2, steps=TRAINER_STEPS, loss_fn=loss_fn, blocks=lambda m: m.blocks(),
+        batch=lambda s, t: rows(s, 0, (t - 1) % PER_EPOCH + 1),  # one data-parallel replica a site (tp 2)
+        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **TRAINER_CONFIG,
+    )
+    for rank, weights in zip(unbroken["ranks"], unbroken["weights"]):
+        assert rank["global_step"] == TRAINER_STEPS and rank["stats"]["inner_steps"] == TRAINER_STEPS
+        for kind, expected in (("local", ref["local"][rank["site"]]), ("global", ref["global"])):
+            assert set(weights[kind]) == set(expected)
+            for name, value in weights[kind].items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=f"{kind} {name}")
+    rows_logged = [r for r in unbroken["metrics"] if r.get("wan/outer_syncs")]
+    assert len(rows_logged) == TRAINER_STEPS
+    merged = [int(r["step"]) for r in rows_logged if float(r["wan/outer_syncs"]) > 0]
+    sent = [int(r["step"]) for r in rows_logged if float(r["wan/bytes_sent"]) > 0]
+    assert len(merged) == 5 and sent == merged  # syncs start at 2, 4, 6, 8, 10 and merge one step later
+
+
+@pytest.mark.timeout(700)
+def test_trainer_resume_with_a_sync_in_flight_ends_like_the_unbroken_run(trainer_runs):
+    unbroken, resumed = trainer_runs
+    for a, b, ra, rb in zip(unbroken["weights"], resumed["weights"], unbroken["ranks"], resumed["ranks"]):
+        assert ra["site"] == rb["site"] and rb["global_step"] == TRAINER_STEPS
+        assert (ra["batches_run"], rb["batches_run"]) == (TRAINER_STEPS, TRAINER_STEPS - PER_EPOCH)  # resumed
+        for kind in ("local", "global"):
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+
+
+def test_strategy_settings_that_cannot_work_fail_at_construction(monkeypatch):
+    require_module("lightning", "lightning")
+    from multidc.hierarchical import DiLoCoConfig
+    from multidc.strategies import Parallel3DStrategy
+
+    for name in [n for n in os.environ if n.startswith("MULTIDC_")]:
+        monkeypatch.delenv(name)
+    config = DiLoCoConfig(sync_every=4)
+    with pytest.raises(ValueError, match="MULTIDC_DILOCO_SYNC_EVERY"):
+        Parallel3DStrategy(cross_site="diloco")
+    with pytest.raises(ValueError, match="Parallel3DStrategy.cross_site='mesh': choose 'allreduce'"):
+        Parallel3DStrategy(cross_site="mesh")
+    with pytest.raises(ValueError, match="Parallel3DStrategy.diloco is set but cross_site is 'allreduce'"):
+        Parallel3DStrategy(diloco=config)
+    with pytest.raises(ValueError, match="fsdp_across_sites=True"):
+        Parallel3DStrategy(cross_site="diloco", diloco=config, fsdp_across_sites=True)
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=True"):
+        Parallel3DStrategy(cross_site="diloco", diloco=config, save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="must be a multidc.hierarchical.DiLoCoConfig"):
+        Parallel3DStrategy(cross_site="diloco", diloco={"sync_every": 4})
+    monkeypatch.setenv("MULTIDC_CROSS_SITE", "diloco")
+    monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "8")
+    strategy = Parallel3DStrategy()
+    assert strategy.cross_site == "diloco" and strategy.diloco_config == DiLoCoConfig(sync_every=8)
+    assert Parallel3DStrategy(cross_site="allreduce").diloco_config is None
+    monkeypatch.setenv("MULTIDC_CROSS_SITE", "gossip")
+    with pytest.raises(ValueError, match="MULTIDC_CROSS_SITE='gossip': choose 'allreduce'"):
+        Parallel3DStrategy()
