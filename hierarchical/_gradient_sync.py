@@ -116,6 +116,13 @@ class GradientSync:
         self.diloco = DiLoCo(model, optimizers[0], self.topology, self.diloco_config, wan=self.wan)
         return self.diloco
 
+    def adopt_diloco(self, diloco: DiLoCo) -> DiLoCo:
+        """DiLoCo mode under a parallel layout: take over ``diloco`` (built over the layout by
+        ``multidc.strategies.parallel.build_diloco``); its topology becomes this sync's (``metrics``, ``close``)."""
+        self.close_diloco()
+        self.topology, self.diloco = diloco.topology, diloco
+        return diloco
+
     def close_diloco(self) -> None:
         """Wait for a DiLoCo sync in flight and unhook it from the optimizer (every rank); nothing without one."""
         diloco, self.diloco = self.diloco, None

@@ -66,6 +66,11 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     * ``accelerator.clip_grad_norm_`` clips by the global norm over every TP/FSDP shard and pipeline stage.
     * Gradient accumulation (``accumulate`` / ``no_sync``) works without PP; with PP raise ``microbatches``.
 
+    **DiLoCo** (``MultiDCPlugin(cross_site="diloco")``). ``prepare`` builds ``multidc.hierarchical.DiLoCo`` on the
+    one model and its one optimizer (``accelerator.diloco``): DDP averages inside each site only, or, with a
+    layout, FSDP2 / PP / TP stay inside the site and each rank syncs its own shard; ``wan_metrics`` reports
+    DiLoCo's figures; ``save_state`` stores each site's model and optimizer under ``site_<k>`` and the DiLoCo state.
+
     **Checkpoints.** ``save_state(url)`` / ``load_state(url)`` with ``s3://...``, ``file://...`` (and local
     directories with a layout or ``shard_local_checkpoints``) go through ``multidc.plugins.Checkpointer``: sharded,
     replicated state striped, atomic commit, ``async_save``; ``load_state(url)`` picks the newest committed
@@ -172,7 +177,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         elif self.parallel is not None:  # prepare(model) came first: point these at the parallelized parameters
             for optimizer in optimizers:
                 self.parallel.rebind_optimizer(optimizer)
-        return super().prepare(*args, device_placement=device_placement)
+        prepared = super().prepare(*args, device_placement=device_placement)
+        self._attach_diloco()
+        return prepared
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
         from multidc.strategies.parallel import prepare_parallel
@@ -184,10 +191,11 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             model.to(self.device)
         self.parallel = prepare_parallel(
             model, optimizers, self.device_mesh, blocks=blocks, tensor_parallel=plugin.tensor_parallel,
-            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device,
+            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device, cross_site=plugin.cross_site,
         )
         model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
-        self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
+        if plugin.diloco is None:
+            self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
 
     def _attach_diloco(self) -> None:
         """``cross_site="diloco"``: once ``prepare`` has seen the model and its optimizer, build ``DiLoCo`` on them
@@ -197,6 +205,16 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             return
         optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
         if sync.diloco is not None and len(optimizers) == 1:
+            return
+        if self.parallel is not None:  # each rank syncs its own shard with the same shard's ranks in other sites
+            if len(optimizers) != 1:
+                raise ValueError(
+                    f"MultiDCPlugin(cross_site='diloco') steps DiLoCo after the inner optimizer, so it needs exactly "
+                    f"one optimizer; prepare got {len(optimizers)}. Put every parameter group in one optimizer."
+                )
+            from multidc.strategies.parallel import build_diloco
+
+            sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
             return
         ddp_models = sync.ddp_models()
         if len(ddp_models) != 1:
@@ -295,13 +313,15 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's ``clip_grad_norm_``; with a layout, by the global norm over every TP/FSDP shard and pipeline
-        stage (``multidc.strategies.clip_grad_norm_``), identical on every rank. Every rank must call it."""
+        stage (``multidc.strategies.clip_grad_norm_``), identical on every rank (under DiLoCo: the site's own norm,
+        identical in the site). Every rank must call it."""
         if self.device_mesh is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         from multidc.strategies.parallel import clip_grad_norm_
 
         self.unscale_gradients()
-        return clip_grad_norm_(list(parameters), max_norm, self.device_mesh, norm_type=norm_type)
+        per_site = self.parallel.site_groups if self.parallel is not None else None  # DiLoCo: the site's own norm
+        return clip_grad_norm_(list(parameters), max_norm, self.device_mesh, norm_type=norm_type, per_site=per_site)
 
     def wan_metrics(self) -> dict[str, float]:
         """This rank's WAN figures since the previous call; call once per optimizer step (when

@@ -54,7 +54,9 @@ class MultiDCPlugin:
     )
     """How sites meet: ``"allreduce"`` (default: every step's gradients cross the WAN, hierarchically) or
     ``"diloco"`` (DDP inside each site; DiLoCo across sites every ``diloco.sync_every`` optimizer steps, see
-    ``multidc.hierarchical.DiLoCo``). Env ``MULTIDC_CROSS_SITE``. DiLoCo runs with plain data parallelism."""
+    ``multidc.hierarchical.DiLoCo``). Env ``MULTIDC_CROSS_SITE``. With a parallel layout each site trains alone
+    under FSDP2 / pipeline / tensor parallelism and each rank syncs its own shard
+    (``multidc.strategies.parallel.build_diloco``); ``load_state`` then needs the layout that saved."""
 
     diloco: DiLoCoConfig | None = field(default=None, metadata={"help": "DiLoCo settings (env MULTIDC_DILOCO_*)."})
     """DiLoCo settings with ``cross_site="diloco"``; default ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``,
@@ -135,11 +137,5 @@ class MultiDCPlugin:
             raise ValueError(
                 f"MultiDCPlugin.site={self.site!r} with a parallel layout: the layout's sites are contiguous blocks "
                 f"of ranks; give num_sites, or name each machine's site with {_env.SITE}."
-            )
-        if self.diloco is not None:
-            raise ValueError(
-                "MultiDCPlugin(cross_site='diloco') runs with plain data parallelism (DDP inside each site); with "
-                "a parallel layout (dp_shard / pipeline / tensor sizes, or their MULTIDC_* variables) use "
-                "Lightning's Parallel3DStrategy, or drop the sizes."
             )
         self.layout = ParallelLayout(num_sites=self.num_sites, **sizes)

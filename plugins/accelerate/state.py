@@ -134,7 +134,11 @@ class StateMixin:
             state: dict = dict(models)
         else:  # DiLoCo: each site's model differs between syncs; the DiLoCo state is the same everywhere
             state = {site_key(sync.topology.site): StatefulDict(models)}
-            if sync.diloco is not None:
+            if sync.diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
+                from multidc.strategies.parallel import DiLoCoShardState
+
+                state["diloco"] = DiLoCoShardState(sync.diloco, self.device_mesh)
+            elif sync.diloco is not None:
                 state["diloco"] = sync.diloco
         for index, scheduler in enumerate(self._schedulers):
             state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)

@@ -1,13 +1,16 @@
 """An Accelerate loop with ``MultiDCPlugin(cross_site="diloco")``, run by tests/plugins/test_accelerate_diloco.py.
 
     accelerate launch --config_file CONFIG tests/plugins/_accelerate_diloco_script.py --config JSON --steps N \\
-        --accumulate 2 --ckpt URL (--save-at S | --resume) --out DIR
+        --accumulate 2 --ckpt URL (--save-at S | --resume) --out DIR [--layout '{"dp_shard": 2}']
 
 4 processes as 2 sites (``MULTIDC_NUM_SITES=2``). Each rank trains the model of tests/hierarchical/test_diloco.py
 on its own rows: micro-batch ``k`` of rank (site ``s``, local rank ``l``) is ``test_diloco._rows(s, l, k)``, so a
 single-process reference can replay it. ``--save-at S`` calls ``save_state(URL)`` after optimizer step S;
 ``--resume`` loads it and trains on. Every rank writes DIR/rank{r}.pt: its parameters, the global ones (through
 ``accelerator.diloco.global_parameters()``), ``wan_metrics()`` per optimizer step and DiLoCo's stats.
+``--layout`` adds plugin sizes (e.g. ``dp_shard=2``: FSDP2 inside each site): the model's blocks go into the
+layout, rank (site ``s``, data-parallel index ``l`` in the site) trains on the same rows. Every optimizer step
+``accelerator.clip_grad_norm_`` (with a bound that never clips) reports the norm it clips by.
 """
 
 from __future__ import annotations
@@ -35,23 +38,33 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--layout", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    plugin = MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(**json.loads(args.config)))
+    layout = json.loads(args.layout) if args.layout else {}
+    plugin = MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(**json.loads(args.config)), **layout)
     accelerator = MultiDCAccelerator(multidc_plugin=plugin, gradient_accumulation_steps=args.accumulate)
     model = _model()
-    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    blocks = {"blocks": list(model)} if layout else {}
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), **blocks)
     first = 1
     if args.resume:
         accelerator.load_state(args.ckpt)
         first = accelerator.diloco.stats.inner_steps + 1
     site, local = accelerator.topology.site, accelerator.topology.local_rank_in_site
-    metrics = []
+    if layout:
+        from multidc.strategies.parallel import data_parallel_coordinate
+
+        index, size = data_parallel_coordinate(accelerator.device_mesh)
+        site, local = divmod(index, size // accelerator.topology.num_sites)
+    metrics, norms = [], []
     for step in range(first, args.steps + 1):
         for micro in range(1, args.accumulate + 1):
             x, y = _rows(site, local, (step - 1) * args.accumulate + micro)
             with accelerator.accumulate(model):
                 accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                if accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
                 opt.step()
                 opt.zero_grad()
         assert accelerator.sync_gradients
@@ -60,11 +73,17 @@ def main() -> None:
             accelerator.save_state(args.ckpt, step=step)
     net = accelerator.unwrap_model(model)
     with accelerator.diloco.global_parameters():
-        glob = {n: p.detach().clone() for n, p in net.named_parameters()}
-    report = {"site": site, "local": {n: p.detach().clone() for n, p in net.named_parameters()}, "global": glob,
-              "metrics": metrics, "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first}
+        glob = _full(net)
+    report = {"site": site, "local": _full(net), "global": glob, "metrics": metrics, "norms": norms,
+              "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first}
     torch.save(report, os.path.join(args.out, f"rank{accelerator.process_index}.pt"))
     accelerator.end_training()
+
+
+def _full(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole parameter values (FSDP2 shards gathered inside the site)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in net.named_parameters()}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """``MultiDCPlugin(cross_site="diloco")`` under a real ``accelerate launch`` (4 gloo processes as 2 sites x 2):
 the result equals tests/diloco_reference.py's single-process computation (fragments, overlap, gradient
 accumulation), ``wan_metrics()`` reports bytes on merge steps only, and ``save_state`` with a sync in flight then
-``load_state`` ends bitwise where the unbroken run ends. Plus the plugin's validation, in process."""
+``load_state`` ends bitwise where the unbroken run ends; the same with a layout (sites2 x dp_shard2: FSDP2 inside
+each site, each rank syncing its own shard); ``clip_grad_norm_`` takes each site's own norm. Plus the
+plugin's validation, in process."""
 
 from __future__ import annotations
 
@@ -27,21 +29,24 @@ CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 STEPS, ACCUMULATE, SAVE_AT = 9, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
 
 
-def _launch(tmp_path, name: str, *extra: str) -> list[dict]:
+def _launch(tmp_path, name: str, layout: dict | None, *extra: str) -> list[dict]:
     out = tmp_path / name
     out.mkdir()
     args = [SCRIPT, "--config", json.dumps(CONFIG), "--steps", str(STEPS), "--accumulate", str(ACCUMULATE),
             "--ckpt", f"file://{tmp_path}/ckpt", "--out", str(out), *extra]
+    args += ["--layout", json.dumps(layout)] if layout else []
     with launch(args, {"MULTIDC_NUM_SITES": "2"}, tmp_path) as tree:
         code, log = finish(tree, LAUNCH_TIMEOUT_S)
     assert code == 0, log[-6000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("accelerate_diloco")
-    return _launch(tmp, "unbroken", "--save-at", str(SAVE_AT)), _launch(tmp, "resumed", "--resume")
+@pytest.fixture(scope="module", params=[None, {"dp_shard": 2}], ids=["ddp", "sites2xdp_shard2"])
+def runs(request, tmp_path_factory):
+    """The unbroken and the resumed run, under DDP and under a layout (FSDP2 inside each site)."""
+    tmp, layout = tmp_path_factory.mktemp("accelerate_diloco"), request.param
+    return (_launch(tmp, "unbroken", layout, "--save-at", str(SAVE_AT)),
+            _launch(tmp, "resumed", layout, "--resume"))
 
 
 def _site_batch(site: int, step: int):
@@ -78,12 +83,19 @@ def test_load_state_with_a_sync_in_flight_ends_like_the_unbroken_run(runs):
                 assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
 
 
+def test_clipping_takes_each_sites_own_norm(runs):
+    unbroken, _ = runs
+    by_site = {site: [r["norms"] for r in unbroken if r["site"] == site] for site in (0, 1)}
+    for site, norms in by_site.items():
+        assert len(norms) == 2 and norms[0] == norms[1] and len(norms[0]) == STEPS, site  # equal in the site
+    assert all(a != b for a, b in zip(by_site[0][0], by_site[1][0]))  # each site's own: the sites' data differ
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"cross_site": "gossip"}, "choose 'allreduce'"),
     ({"diloco": DiLoCoConfig(sync_every=4)}, "cross_site is 'allreduce'"),
     ({"cross_site": "diloco", "diloco": {"sync_every": 4}}, "must be a multidc.hierarchical.DiLoCoConfig"),
-    ({"cross_site": "diloco", "diloco": DiLoCoConfig(sync_every=4), "dp_shard": 2}, "Parallel3DStrategy"),
-], ids=["unknown-mode", "diloco-without-mode", "dict-config", "with-a-layout"])
+], ids=["unknown-mode", "diloco-without-mode", "dict-config"])
 def test_plugin_rejects_bad_diloco_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MultiDCPlugin(**kwargs)
