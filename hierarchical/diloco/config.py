@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from multidc.hierarchical import _env
 from multidc.hierarchical.config import COMPRESSIONS, positive_number
 
@@ -154,3 +156,27 @@ def resolve_cross_site(cross_site: str | None, diloco: DiLoCoConfig | None, *, o
                              f"cross_site='diloco' to train with DiLoCo.")
         return None
     return diloco if diloco is not None else DiLoCoConfig()
+
+
+def config_or_default(config) -> DiLoCoConfig:
+    """``config``, or ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``) for ``None``; ValueError for anything else."""
+    config = config if config is not None else DiLoCoConfig()
+    if not isinstance(config, DiLoCoConfig):
+        raise ValueError(f"the DiLoCo config must be a multidc.hierarchical.DiLoCoConfig, not {type(config).__name__}.")
+    return config
+
+
+def agree(error: str | None, config: DiLoCoConfig | None, extra=None, *, group=None, where: str = "") -> list:
+    """Compare every rank's check over ``group`` (collective): raise the same ValueError on every rank when one rank
+    failed (``error``, its message) or the ranks' settings differ. ``extra`` rides along for the caller's own
+    comparison. Returns ``[(error, config, extra)]`` per rank of ``group``."""
+    claims: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(claims, (error, config if error is None else None, extra), group=group)
+    for rank, (message, _, _) in enumerate(claims):
+        if message:
+            raise ValueError(f"DiLoCo on rank {rank}{where}: {message}")
+    if any(claim[1] != claims[0][1] for claim in claims):
+        seen = {rank: claim[1] for rank, claim in enumerate(claims)}
+        raise ValueError(f"ranks disagree on the DiLoCo settings ({seen}); pass the same DiLoCoConfig / "
+                         f"MULTIDC_DILOCO_* on every rank of every site.")
+    return claims

@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.diloco.config import DiLoCoConfig
+from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import local_tensor, split_fragments
 from multidc.hierarchical.topology import Topology
 
@@ -321,22 +320,12 @@ def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig]:
     """This rank's fragments and settings, after every rank compared theirs: the same ValueError everywhere."""
     split, error, sizes = None, None, None
     try:
-        config = config if config is not None else DiLoCoConfig()
-        if not isinstance(config, DiLoCoConfig):
-            raise ValueError(f"config must be a multidc.hierarchical.DiLoCoConfig, not {type(config).__name__}.")
+        config = config_or_default(config)
         split = split_fragments(model, config.fragments, blocks)
         sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
     except ValueError as exc:
         error = str(exc)
-    claims = [None] * dist.get_world_size(topology.group)
-    dist.all_gather_object(claims, (error, config if error is None else None, sizes), group=topology.group)
-    for rank, (message, _, _) in enumerate(claims):
-        if message:
-            raise ValueError(f"DiLoCo on rank {rank} of the sites' group: {message}")
-    if any(c[1] != claims[0][1] for c in claims):
-        seen = {rank: c[1] for rank, c in enumerate(claims)}
-        raise ValueError(f"ranks disagree on the DiLoCo settings ({seen}); pass the same DiLoCoConfig / "
-                         f"MULTIDC_DILOCO_* on every rank of every site.")
+    claims = agree(error, config, sizes, group=topology.group, where=" of the sites' group")
     if any(c[2] != claims[0][2] for c in claims):
         seen = {rank: c[2] for rank, c in enumerate(claims)}
         raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "

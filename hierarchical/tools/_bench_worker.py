@@ -50,7 +50,7 @@ def _mode_op(mode: str, tensor: torch.Tensor, topo: Topology, chunk_mb: float, s
 
 def main(plan: dict) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     topo = Topology.build(wan=WanConfig(streams=plan["streams"]))
     numel = int(plan["size_mb"] * 2**20) // 4
     source = torch.randn(numel, generator=torch.Generator().manual_seed(1234 + rank))
@@ -71,10 +71,16 @@ def main(plan: dict) -> None:
             scale = reference.abs().max().item()
             records.append({"mode": mode, "rank": rank, "max_rel_error_vs_flat":
                             (tensor - reference).abs().max().item() / scale})
-    gathered: list = [None] * world
+    finish(records, plan["out"], topo)
+
+
+def finish(records: list[dict], out: str, topo: Topology) -> None:
+    """Gather every rank's records to rank 0, which writes them as one JSON list to ``out``; then close the
+    topology and the process group (every rank)."""
+    gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
-    if rank == 0:
-        with open(plan["out"], "w") as f:
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
             json.dump([r for per_rank in gathered for r in per_rank], f)
     topo.close()
     dist.destroy_process_group()

@@ -25,6 +25,7 @@ from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.ddp_hook import register_ddp_hook, register_site_ddp_hook
 from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
 from multidc.hierarchical.tools._bench_model import TinyGPT, TopicData, next_token_loss
+from multidc.hierarchical.tools._bench_worker import finish
 from multidc.hierarchical.topology import Topology
 
 
@@ -71,7 +72,7 @@ class _Run:
 
 def main(plan: dict) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     topo = Topology.build(wan=WanConfig(streams=plan["streams"]))
     sites, local = topo.num_sites, topo.local_rank_in_site
     data = TopicData(vocab=plan["model"]["vocab"], topics=plan["topics"], seed=plan["seed"])
@@ -108,13 +109,7 @@ def main(plan: dict) -> None:
                         "payload_bytes": topo.wan_stats.snapshot()["bytes_sent"] - sent0,
                         "iface_tx_bytes": (_tx_bytes(plan["iface"]) - tx0) if local == 0 and plan["iface"] else 0,
                         "stats": _window(run, stats0)})
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, records)
-    if rank == 0:
-        with open(plan["out"], "w") as f:
-            json.dump([r for per_rank in gathered for r in per_rank], f)
-    topo.close()
-    dist.destroy_process_group()
+    finish(records, plan["out"], topo)
 
 
 def _warmup_cosine(steps: int):

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, WanConfig
-from multidc.hierarchical.diloco.config import CROSS_SITE_MODES
+from multidc.hierarchical.diloco.config import CROSS_SITE_MODES, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.strategies.parallel.data_parallel import _MeshTopology
 from multidc.strategies.parallel.layout import submesh
@@ -140,21 +140,11 @@ def _agree(parallel: ParallelModel, config: DiLoCoConfig | None) -> tuple[DiLoCo
     ranks fail (they would wait in the next pipeline or FSDP collective)."""
     blocks, error = parallel.blocks or None, None
     try:
-        config = config if config is not None else DiLoCoConfig()
-        if not isinstance(config, DiLoCoConfig):
-            raise ValueError(f"diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(config).__name__}.")
+        config = config_or_default(config)
         _check_fragments(parallel, config.fragments, blocks)
     except ValueError as exc:
         error = str(exc)
-    claims: list = [None] * dist.get_world_size()
-    dist.all_gather_object(claims, (error, config if error is None else None))
-    for rank, (message, _) in enumerate(claims):
-        if message:
-            raise ValueError(f"DiLoCo on rank {rank}: {message}")
-    if any(claim[1] != claims[0][1] for claim in claims):
-        seen = {rank: claim[1] for rank, claim in enumerate(claims)}
-        raise ValueError(f"ranks disagree on the DiLoCo settings ({seen}); pass the same DiLoCoConfig / "
-                         f"MULTIDC_DILOCO_* on every rank.")
+    agree(error, config)  # over the whole job
     return config, blocks
 
 
