@@ -127,13 +127,19 @@ def _listening_ports() -> list[int]:
 
 
 def _measure(topo, numel: int, repeats: int, device) -> dict:
-    """Median seconds of an all-reduce inside this site and over this rank's rail (``None`` off-rail)."""
+    """Median seconds of an all-reduce inside this site and over this rank's rail (``None`` off-rail).
+
+    The rails of a site share its WAN link and run at once. Each rank's rail time lasts until every rail of its
+    site is done (a barrier inside the site), so the site's slowest time spans from the earliest rail's start to
+    the last rail's end: a rail that leaves the start barrier late, and finds the link half free, cannot make the
+    link look faster than it is.
+    """
     import torch
     import torch.distributed as dist
 
     tensor = torch.ones(numel, device=device)
 
-    def timed(group) -> float:
+    def timed(group, until_done=None) -> float:
         times = []
         for _ in range(repeats + 1):  # the first call sets up connections
             dist.barrier()
@@ -142,11 +148,14 @@ def _measure(topo, numel: int, repeats: int, device) -> dict:
                 dist.all_reduce(tensor, group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                if until_done is not None:
+                    dist.barrier(group=until_done)
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
 
     intra = timed(topo.intra_group if topo.site_size > 1 else None)
-    rail = timed(topo.rail_groups[0] if topo.rail_groups and topo.num_sites > 1 else None)
+    rail = timed(topo.rail_groups[0] if topo.rail_groups and topo.num_sites > 1 else None,
+                 topo.intra_group if topo.site_size > 1 else None)
     return {"intra_s": intra if topo.site_size > 1 else None, "rail_s": rail if topo.rail_groups else None}
 
 
