@@ -107,3 +107,7 @@ def describe(config, name: str, from_env: dict[str, str], variables: dict[str, s
     if variable is not None:
         return f"{variable}={value!r} ({cls}.{name})"
     return f"{cls}.{name}={value!r} (also settable via {variables[name]})"
+
+# Elastic sites (torchft): opt-in, and where the lighthouse listens.
+ELASTIC = "MULTIDC_ELASTIC"
+LIGHTHOUSE = "MULTIDC_LIGHTHOUSE"

@@ -1,4 +1,5 @@
-"""The ``multidc`` command: ``multidc bench allreduce|diloco``, ``multidc lab run``, ``multidc doctor``.
+"""The ``multidc`` command: ``multidc bench allreduce|diloco``, ``multidc lab run``, ``multidc lighthouse``,
+``multidc doctor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up and imports just the module of the subcommand being run.
@@ -16,6 +17,8 @@ _COMMANDS = {
     ("bench", "diloco"): ("multidc.hierarchical.tools.bench_diloco",
                           "hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone over a lab WAN"),
     ("lab", "run"): ("multidc.hierarchical.tools.launch", "run a command as several sites over a lab WAN"),
+    ("lighthouse",): ("multidc.hierarchical.tools.lighthouse",
+                      "run the torchft lighthouse that keeps elastic sites' quorum"),
     ("doctor",): ("multidc.hierarchical.tools.doctor",
                   "print the detected sites and measure intra/inter-site bandwidth"),
 }

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help="gloo, nccl, or auto (nccl when CUDA is available)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="rendezvous and collective timeout (s)")
     parser.add_argument("--json", default=None, help="rank 0 also writes the report to this file")
+    parser.add_argument("--lighthouse", default=None,
+                        help="elastic sites: check every rank reaches this torchft lighthouse (host:port; default "
+                             "MULTIDC_LIGHTHOUSE when set)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,10 +51,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from multidc.hierarchical import _env
     from multidc.hierarchical.config import WanConfig
     from multidc.hierarchical.topology import Topology
 
     wan = WanConfig()  # validates MULTIDC_WAN_* before anyone connects
+    lighthouse = args.lighthouse or _env.read(_env.LIGHTHOUSE)
+    if lighthouse:
+        from multidc.hierarchical.elastic import lighthouse_url
+
+        lighthouse = lighthouse_url(lighthouse)  # a malformed address fails here, on every rank
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -59,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         topo = Topology.build(wan=wan)
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        info = _rank_info(topo)
+        info = {**_rank_info(topo), "lighthouse_error": _reach(lighthouse, args.timeout_s)}
         timings = _measure(topo, int(args.size_mb * 2**20) // 4, args.repeats, device)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {**info, **timings})
+        report = _report(gathered, topo, wan, backend, args.size_mb, lighthouse)
         if dist.get_rank() == 0:
-            report = _report(gathered, topo, wan, backend, args.size_mb)
             print(_format(report), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
@@ -72,7 +81,20 @@ def run(args: argparse.Namespace) -> int:
         topo.close()
     finally:
         dist.destroy_process_group()
-    return 0
+    return 1 if report["lighthouse"] and report["lighthouse"]["unreachable_from"] else 0
+
+
+def _reach(lighthouse: str | None, timeout_s: float) -> str | None:
+    """Why this rank cannot reach the lighthouse, or None (also when none is configured)."""
+    if not lighthouse:
+        return None
+    from multidc.hierarchical.elastic import LighthouseUnreachable, check_lighthouse
+
+    try:
+        check_lighthouse(lighthouse, timeout_s=min(timeout_s, 10.0))
+    except (LighthouseUnreachable, ImportError) as exc:
+        return str(exc)
+    return None
 
 
 def _rank_info(topo) -> dict:
@@ -166,7 +188,7 @@ def _bus_mbps(nbytes: float, members: int, seconds: float | None) -> float | Non
     return 2 * (members - 1) / members * nbytes / seconds / 1e6
 
 
-def _report(ranks: list[dict], topo, wan, backend: str, size_mb: float) -> dict:
+def _report(ranks: list[dict], topo, wan, backend: str, size_mb: float, lighthouse: str | None = None) -> dict:
     nbytes = size_mb * 2**20
     sites = []
     for site, members in enumerate(topo.layout.site_ranks):
@@ -187,6 +209,9 @@ def _report(ranks: list[dict], topo, wan, backend: str, size_mb: float) -> dict:
         "rendezvous": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         "wan": {k: v for k, v in vars(wan).items() if not k.startswith("_")},
         "ephemeral_ports": _ephemeral_range(), "sites": sites, "ranks": ranks, "warnings": _warnings(sites),
+        "lighthouse": {"url": lighthouse, "unreachable_from": [r["rank"] for r in ranks if r["lighthouse_error"]],
+                       "error": next((r["lighthouse_error"] for r in ranks if r["lighthouse_error"]), None)}
+        if lighthouse else None,
     }
 
 
@@ -231,6 +256,12 @@ def _format(report: dict) -> str:
         rail = "-" if r["rail"] is None else str(r["rail"])
         lines.append(f"{r['rank']:4d}  {r['site']:4d}  {rail:>4s}  {str(r['iface'] or '-'):8s}  "
                      f"{str(r['address']):15s}  {' '.join(map(str, r['listen_ports'])) or '-'}")
+    lighthouse = report["lighthouse"]
+    if lighthouse is not None:
+        bad = lighthouse["unreachable_from"]
+        lines += ["", f"torchft lighthouse {lighthouse['url']}: "
+                  + ("reached from every rank" if not bad else
+                     f"UNREACHABLE from ranks {','.join(map(str, bad))}: {lighthouse['error']}")]
     lines += [
         "",
         f"Between sites, every rank must reach every other rank's address on its listening ports (the backend "

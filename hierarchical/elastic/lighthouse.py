@@ -1,0 +1,100 @@
+"""The torchft lighthouse, as multidc starts and reaches it.
+
+One lighthouse serves the whole job: every site's rank 0 (torchft's per-replica-group manager) registers with it,
+heartbeats, and asks it for the quorum of sites present. Run it on a host every site reaches (a small VM at one
+site, or the site least likely to fail); its port must be open to every site.
+"""
+
+from __future__ import annotations
+
+import datetime
+from types import ModuleType
+
+from multidc.hierarchical import _env
+
+
+class LighthouseUnreachable(ConnectionError):
+    """No lighthouse answers at the configured address."""
+
+
+def import_torchft() -> ModuleType:
+    """``torchft``, or an ImportError saying how to install it (elastic sites are the optional ``elastic`` extra)."""
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ImportError(
+            "elastic sites run on torchft, which is not installed: pip install 'multidc[elastic]' (torchft 0.2)."
+        ) from exc
+    return torchft
+
+
+def lighthouse_url(address: str | None = None) -> str:
+    """``http://host:port`` for ``address`` (``host:port`` or a URL); default ``MULTIDC_LIGHTHOUSE``.
+
+    Raises:
+        ValueError: no address given and ``MULTIDC_LIGHTHOUSE`` unset, or not ``host:port``.
+    """
+    source = "lighthouse address"
+    if address is None:
+        address, source = _env.read(_env.LIGHTHOUSE), _env.LIGHTHOUSE
+    if not address:
+        raise ValueError(
+            f"elastic sites need the lighthouse address: set {_env.LIGHTHOUSE}=host:port on every site (start the "
+            f"lighthouse with `multidc lighthouse --bind 0.0.0.0:29510`)."
+        )
+    url = address if "://" in address else f"http://{address}"
+    host_port = url.split("://", 1)[1].rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{source}={address!r} must be host:port (e.g. 10.0.0.5:29510) or http://host:port.")
+    return f"http://{host_port}"
+
+
+def check_lighthouse(address: str | None = None, *, timeout_s: float = 10.0) -> str:
+    """Connect to the lighthouse (nothing is registered: no heartbeat, no quorum request). Returns its URL.
+
+    Raises:
+        ValueError: a malformed address, or none configured.
+        LighthouseUnreachable: nothing answers within ``timeout_s``; the message names the address and what to do.
+    """
+    url = lighthouse_url(address)
+    import_torchft()
+    from torchft.coordination import LighthouseClient
+
+    try:
+        LighthouseClient(url, connect_timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise LighthouseUnreachable(
+            f"no torchft lighthouse answers at {url} (from {_env.LIGHTHOUSE} or the given address) within "
+            f"{timeout_s:g} s: start it there (`multidc lighthouse --bind 0.0.0.0:PORT`), or fix the address, or "
+            f"open the port between the sites. ({exc})"
+        ) from exc
+    return url
+
+
+def start_lighthouse(bind: str, *, min_sites: int = 1, join_timeout_ms: int = 60_000, quorum_tick_ms: int = 100,
+                     heartbeat_timeout_ms: int = 5_000):
+    """Start torchft's lighthouse in this process (``LighthouseServer``); returns it (``.shutdown()`` stops it).
+
+    Args:
+        bind: ``host:port`` to listen on (port 0: any free port).
+        min_sites: sites a quorum needs (torchft's ``min_replicas``); 1 lets a lone surviving site go on.
+        join_timeout_ms: how long a new quorum waits for sites that heartbeat but have not asked to join.
+        quorum_tick_ms: how often the lighthouse recomputes the quorum.
+        heartbeat_timeout_ms: a site whose heartbeats stop this long is dropped from the next quorum.
+
+    Raises:
+        ValueError: a bad setting.
+    """
+    host, _, port = bind.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--bind {bind!r} must be host:port, e.g. 0.0.0.0:29510 (port 0: any free port).")
+    for name, value in (("min_sites", min_sites), ("join_timeout_ms", join_timeout_ms),
+                        ("quorum_tick_ms", quorum_tick_ms), ("heartbeat_timeout_ms", heartbeat_timeout_ms)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    import_torchft()
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind=bind, min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
+                            quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)

@@ -1,0 +1,109 @@
+"""Elastic sites' lighthouse: ``multidc lighthouse`` serves torchft's lighthouse until SIGTERM, ``check_lighthouse``
+reaches it without registering anything, and ``multidc doctor`` reports whether every rank reaches it. Bad
+addresses and a lighthouse that is not there give errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+from multidc.hierarchical.tools.processes import ProcessTree
+from tests._resources import require_module
+
+require_module("torchft", "elastic")
+
+from multidc.hierarchical.elastic import (  # noqa: E402
+    LighthouseUnreachable,
+    check_lighthouse,
+    lighthouse_url,
+    start_lighthouse,
+)
+from tests.hierarchical.test_doctor import _doctor  # noqa: E402
+
+MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse():
+    """``multidc lighthouse`` on a free loopback port: (address, the process tree)."""
+    with ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0"], env=dict(os.environ)) as tree:
+        line = tree.process.stdout.readline()
+        match = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
+        assert match, line
+        yield match.group(1), tree
+
+
+def test_cli_serves_until_sigterm_and_check_reaches_it(lighthouse):
+    address, tree = lighthouse
+    assert check_lighthouse(address, timeout_s=5) == f"http://{address}"
+    tree.process.send_signal(signal.SIGTERM)
+    output, _ = tree.process.communicate(timeout=20)
+    assert tree.process.returncode == 0 and "stopped" in output
+    with pytest.raises(LighthouseUnreachable, match=re.escape(f"http://{address}")):
+        check_lighthouse(address, timeout_s=1)
+
+
+def test_unreachable_lighthouse_says_where_and_what_to_do():
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    with pytest.raises(LighthouseUnreachable) as err:
+        check_lighthouse(address, timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert f"http://{address}" in str(err.value) and "multidc lighthouse --bind" in str(err.value)
+
+
+def test_lighthouse_address_comes_from_the_environment_and_is_checked(monkeypatch):
+    monkeypatch.delenv("MULTIDC_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="set MULTIDC_LIGHTHOUSE=host:port"):
+        lighthouse_url()
+    monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5:29510")
+    assert lighthouse_url() == "http://10.0.0.5:29510"
+    monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5")
+    with pytest.raises(ValueError, match="MULTIDC_LIGHTHOUSE='10.0.0.5' must be host:port"):
+        lighthouse_url()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bind": "29510"}, "must be host:port"),
+    ({"bind": "127.0.0.1:0", "min_sites": 0}, "min_sites=0 must be a positive integer"),
+    ({"bind": "127.0.0.1:0", "heartbeat_timeout_ms": -5}, "heartbeat_timeout_ms=-5"),
+])
+def test_bad_lighthouse_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        start_lighthouse(**kwargs)
+
+
+def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse, tmp_path):
+    address, _ = lighthouse
+    proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert report["lighthouse"] == {"url": f"http://{address}", "unreachable_from": [], "error": None}
+    assert f"torchft lighthouse http://{address}: reached from every rank" in proc.stdout
+
+
+def test_doctor_fails_when_the_lighthouse_is_not_there(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"
+    proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
+    assert proc.returncode != 0
+    assert report["lighthouse"]["unreachable_from"] == [0, 1, 2, 3]
+    assert f"UNREACHABLE from ranks 0,1,2,3: no torchft lighthouse answers at http://{address}" in proc.stdout
+
+
+def test_without_torchft_the_error_says_which_extra_to_install(monkeypatch):
+    from multidc.hierarchical.elastic import import_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    with pytest.raises(ImportError, match=re.escape("pip install 'multidc[elastic]'")):
+        import_torchft()
