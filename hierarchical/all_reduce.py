@@ -175,9 +175,9 @@ class _Pipeline:
         intra = topology.intra_group
         self.leaders = [dist.get_global_rank(intra, r) for r in range(topology.num_rails)]
         self.state: list[_ChunkState] = []  # chunk i's, once _reduce_in_site(i) started it
-        # Rows of a rail all-gather follow the rail group's rank order, which torch sorts by global rank: not
-        # the site order when a higher site index holds lower ranks (MULTIDC_SITE=1 on the first machine).
-        self.own_row = dist.get_group_rank(topology.rail_groups[0], dist.get_rank()) if topology.rail_groups else None
+        self.own_row = topology.rail_row
+        # a tolerated WAN failure (elastic sites): no more WAN traffic in this all-reduce
+        self.wan_failed = not topology.wan_usable()
 
     def run(self) -> None:
         started = finished = 0
@@ -199,7 +199,7 @@ class _Pipeline:
             finished += 1
         state = self.state[i]
         self._wait_in_site(state, i, "reduce")
-        if self.topo.rail is None:
+        if self.topo.rail is None or self.wan_failed:
             return finished
         shard = state.shard
         group = self.topo.rail_groups[i % self.streams]
@@ -223,9 +223,11 @@ class _Pipeline:
     def _finish_wan(self, i: int) -> None:
         state = self.state[i]
         chunk = self.chunks[i]
-        if state.wan is not None:
+        if state.wan is not None and not self.wan_failed:
             self._wait_wan(state.wan, i)
-            state.wan = None
+        state.wan = None
+        if state.gathered is not None and self.wan_failed:
+            state.gathered = state.values = None  # the site keeps its own values: the step is discarded anyway
         if state.gathered is not None:
             gathered, values, state.gathered, state.values = state.gathered, state.values, None, None
             if self.residual is not None:
@@ -288,7 +290,11 @@ class _Pipeline:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            raise WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc)) from exc
+            error = WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc))
+            if not self.topo.tolerate_wan_error(error):
+                raise error from exc
+            # Elastic sites: the site's ranks still do the same intra-site steps, and every site discards the step
+            self.wan_failed = True
 
     def _wait_in_site(self, state: _ChunkState, i: int, what: str) -> None:
         works, state.works = state.works, []

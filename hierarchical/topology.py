@@ -291,6 +291,22 @@ class Topology:
         """This rank's rail index, or ``None`` for a rank that never talks over the WAN."""
         return self.local_rank_in_site if self.local_rank_in_site < self.num_rails else None
 
+    @property
+    def rail_row(self) -> int | None:
+        """This rank's row in an all-gather over its rail: torch orders a rail group by global rank, which is not
+        the site order when a higher site index holds lower ranks. ``None`` off the rails."""
+        return dist.get_group_rank(self.rail_groups[0], dist.get_rank()) if self.rail_groups else None
+
+    def wan_usable(self) -> bool:
+        """Whether an all-reduce starting now may send over the WAN (elastic sites: not once this step failed;
+        the site's ranks still do the intra-site stages together). Here: always."""
+        return True
+
+    def tolerate_wan_error(self, error: Exception) -> bool:
+        """Whether a failed WAN transfer may be survived (elastic sites: the step is then discarded by every
+        site, see ``multidc.hierarchical.elastic``). Here: no, the all-reduce raises it."""
+        return False
+
     def executor(self):
         """The one worker thread that issues this topology's hierarchical collectives, in call order."""
         from multidc.hierarchical._executor import SerialExecutor

@@ -1,0 +1,178 @@
+"""One site of an elastic job: a torchft replica group whose quorum decides, step by step, which sites train.
+
+Each site is its own job (its own ``torchrun``, its own rendezvous): its default process group holds its ranks
+only, and the intra-site stages of the hierarchical all-reduce run there. Every rank holds a torchft ``Manager``
+(rank 0 of the site serves the site's ``ManagerServer``, which registers with the lighthouse) whose reconfigurable
+gloo group joins the ranks with the same local index in every site present: the rail. The WAN hop of
+``multidc.hierarchical.all_reduce`` runs over it, chunked as configured.
+
+A training step::
+
+    site = ElasticSite(state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+                       load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])))
+    while site.step < steps:
+        topology = site.start_step()      # quorum; a (re)joining site receives the live sites' state here
+        loss_fn(model(x), y).backward()
+        site.all_reduce(flat_grads)       # average over the sites present (failures make the step be discarded)
+        if site.commit():                 # every site present agrees, or every one discards the step
+            opt.step()
+        opt.zero_grad()
+
+A site that dies (or whose link is cut) fails the WAN transfers of the step in flight: every site discards that
+step (``commit()`` is False), the next quorum leaves the dead site out once the lighthouse stops hearing it, and the
+others go on, averaging over the sites present. A restarted site joins at the next quorum and receives the model,
+optimizer and step from a live site's same-index rank (torchft's HTTP checkpoint transport), not from storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.elastic.lighthouse import import_torchft, lighthouse_url
+from multidc.hierarchical.errors import WanError
+from multidc.hierarchical.stats import WanStats
+from multidc.hierarchical.topology import SiteLayout, Topology
+
+
+class ElasticTopology(Topology):
+    """The sites of the current quorum, as the hierarchical all-reduce sees them. This site's job is the default
+    group; its one rail group is torchft's, reconfigured at each new quorum; the site index is the site's rank in
+    the quorum. A failed WAN transfer is reported to the manager instead of raised, so the step is discarded."""
+
+    def __init__(self, manager, rail, wan: WanConfig, site_name: str, stats: WanStats) -> None:  # noqa: D107
+        num_sites, per_site = manager.num_participants(), dist.get_world_size()
+        self.layout = SiteLayout(
+            site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
+            site_names=tuple(str(s) for s in range(num_sites)),
+        )
+        self.group = None
+        self.wan = wan
+        self.streams = 1
+        self.wan_stats = stats
+        self._lock = threading.Lock()
+        self._executor = None
+        self._manager = manager
+        self.site = manager.participating_rank()
+        self.site_name = site_name
+        self.num_sites = num_sites
+        self.site_size = per_site
+        self.local_rank_in_site = dist.get_rank()
+        self.rank = self.site * per_site + self.local_rank_in_site
+        self.intra_group = dist.group.WORLD
+        self.rail_groups = [rail] if num_sites > 1 else []
+        self.error: WanError | None = None
+
+    @property
+    def rail_row(self) -> int | None:
+        return self.site if self.rail_groups else None
+
+    def wan_usable(self) -> bool:
+        return self._manager.errored() is None  # e.g. a failed recovery: peers time out and discard the step too
+
+    def tolerate_wan_error(self, error: Exception) -> bool:
+        self.error = error
+        self._manager.report_error(error)
+        return True
+
+
+class ElasticSite:
+    """This rank's part in an elastic job. Every rank of the site builds one, after ``init_process_group`` (the
+    site's own job: ``torchrun`` with its own rendezvous).
+
+    Args:
+        state_dict: what a rejoining site receives (model, optimizer, ...): called on a live site's ranks.
+        load_state_dict: applies it on the rejoining site's ranks, before its first step.
+        site: this site's name (default ``MULTIDC_SITE``); sites must have distinct names.
+        wan: WAN settings of the rail hop (``timeout_s``: how long a step waits for a dead site before the step
+            is discarded; ``chunk_mb``); default ``WanConfig()``. One WAN stream per rail (torchft reconfigures
+            one group per rank), whatever ``streams`` says.
+        lighthouse: ``host:port`` of ``multidc lighthouse`` (default ``MULTIDC_LIGHTHOUSE``).
+        min_sites: sites a step needs to commit.
+        quorum_timeout_s: how long a quorum may take (a site starting or healing waits this long at most).
+
+    Raises:
+        ImportError: torchft is missing. ValueError: bad settings, before connecting.
+    """
+
+    def __init__(
+        self,
+        *,
+        state_dict: Callable[[], dict],
+        load_state_dict: Callable[[dict], None],
+        site: str | None = None,
+        wan: WanConfig | None = None,
+        lighthouse: str | None = None,
+        min_sites: int = 1,
+        quorum_timeout_s: float = 120.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ElasticSite needs the site's process group: call init_process_group first.")
+        site = site if site is not None else _env.read(_env.SITE)
+        if not site:
+            raise ValueError(f"elastic sites need a name per site: pass site= or set {_env.SITE} (e.g. us-east).")
+        # torchft reconfigures one group per rank: one WAN stream per rail (WanConfig.streams does not apply)
+        wan = dataclasses.replace(wan if wan is not None else WanConfig(), streams=1)
+        if isinstance(min_sites, bool) or not isinstance(min_sites, int) or min_sites < 1:
+            raise ValueError(f"min_sites={min_sites!r} must be a positive integer.")
+        url = lighthouse_url(lighthouse)
+        torchft = import_torchft()
+        from torchft.process_group import ProcessGroupGloo
+
+        timeout = datetime.timedelta(seconds=wan.timeout_s)
+        self.name = str(site)
+        self.wan = wan
+        self.wan_stats = WanStats()
+        self.rail = ProcessGroupGloo(timeout=timeout)
+        self.manager = torchft.Manager(
+            pg=self.rail, state_dict=state_dict, load_state_dict=load_state_dict, min_replica_size=min_sites,
+            use_async_quorum=False, timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s), lighthouse_addr=url, replica_id=self.name,
+            rank=dist.get_rank(), world_size=dist.get_world_size(),
+        )
+        self.topology: ElasticTopology | None = None
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the job so far (a rejoined site takes the live sites' count)."""
+        return self.manager.current_step()
+
+    def start_step(self) -> ElasticTopology:
+        """Join this step's quorum (collective over the site, blocks until the quorum forms); a site that needs
+        the live state receives it here. Returns the topology of the sites present."""
+        if self.topology is not None:
+            self.topology.close()
+        self.manager.start_quorum()
+        self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
+        return self.topology
+
+    @property
+    def num_sites(self) -> int:
+        """Sites in this step's quorum."""
+        return self.topology.num_sites if self.topology is not None else 0
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
+        """Hierarchical all-reduce of ``tensor`` over the sites of this step, in place (``op`` ``"avg"``: over
+        every rank present). A failed WAN transfer does not raise: the step will not commit. Every rank of the
+        site does the intra-site stages, also after an error on one of them, so the site stays in step."""
+        assert self.topology is not None, "start_step() first"
+        all_reduce(tensor, self.topology, op=op)
+        return tensor
+
+    def commit(self) -> bool:
+        """Whether every rank of every site present may apply this step (collective over the site)."""
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        """Stop the site's manager (its server on rank 0) and the topology's worker."""
+        if self.topology is not None:
+            self.topology.close()
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,92 @@
+"""One site of an elastic job, run by tests/hierarchical/test_elastic.py (one ``torchrun`` per site).
+
+    torchrun --nproc-per-node K --master-port P tests/hierarchical/_elastic_script.py --site site1 \\
+        --steps 30 --sites 3 --out DIR
+
+Each rank trains ``model()`` with SGD on its rows (``rows(site, local rank, step)``), averaging gradients over the
+sites present through ``ElasticSite``. The job ends once ``--steps`` steps are committed with all ``--sites``
+sites in the quorum (or at ``--max-steps``). Every committed step is logged with the sites that took part; each
+rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (the committed step count) as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from multidc.hierarchical import WanConfig  # noqa: E402
+from multidc.hierarchical.elastic.site import ElasticSite  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--sites", type=int, required=True)
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, index = dist.get_rank(), int(args.site.removeprefix("site"))
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+    def state_dict() -> dict:
+        return {"model": net.state_dict(), "optim": opt.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+
+    site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
+                       wan=WanConfig(timeout_s=args.timeout_s))
+    log, discarded, joined_at = [], 0, None
+    while True:
+        site.start_step()
+        step = site.step
+        if joined_at is None:  # the state this rank starts from (a site joining late receives it in start_step)
+            joined_at, initial = step, {n: p.detach().clone() for n, p in net.named_parameters()}
+        if (step >= args.steps and site.num_sites == args.sites) or step >= args.max_steps:
+            break
+        x, y = rows(index, rank, step)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        present = torch.zeros(MAX_SITES)
+        present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per site present
+        site.all_reduce(grads, op="avg")
+        site.all_reduce(present, op="sum")
+        if site.commit():
+            offset = 0
+            for p in net.parameters():
+                p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            opt.step()
+            log.append({"step": step, "sites": [s for s in range(MAX_SITES) if present[s] > 0.5]})
+        else:
+            discarded += 1
+        opt.zero_grad()
+        if rank == 0:
+            with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
+                f.write(str(site.step))
+        time.sleep(args.sleep)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
+                "initial": initial,
+                "final_step": site.step, "num_sites": site.num_sites},
+               os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
+    site.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The model, data and single-process reference of tests/hierarchical/test_elastic.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LR, MAX_SITES, ROWS = 0.05, 4, 4
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * site + 1000 * local + step)
+    x = torch.randn(ROWS, 8, generator=g)
+    return x, torch.sin(x[:, :4] * (1 + site))
+
+
+def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One process replays the committed steps from the parameters ``initial``: each step's gradient is the mean
+    over the ranks of the sites that took part (``log``: ``{"step", "sites"}`` per committed step, in order)."""
+    net = model()
+    net.load_state_dict(initial)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for entry in log:
+        grads = None
+        for site in entry["sites"]:
+            for local in range(per_site):
+                net.zero_grad()
+                x, y = rows(site, local, entry["step"])
+                nn.functional.mse_loss(net(x), y).backward()
+                g = [p.grad.clone() for p in net.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(net.parameters(), grads):
+            p.grad = g / (len(entry["sites"]) * per_site)
+        opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}

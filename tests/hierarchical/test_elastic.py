@@ -1,0 +1,117 @@
+"""Elastic sites on torchft, through ``multidc.hierarchical.elastic.ElasticSite`` (tests/hierarchical/
+_elastic_script.py, one ``torchrun`` per site, gloo on CPU, a real torchft lighthouse in this process).
+
+One site is SIGKILLed (all its processes) mid-training: the others keep committing steps without it, no step is
+lost or applied twice, the killed site restarts with the same command, receives the live state from a peer site and
+rejoins; the job ends with every site, every rank bitwise identical, equal to a single-process replay of the
+committed steps (each averaged over the sites that took part)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from multidc.hierarchical.tools.processes import ProcessTree
+from tests._resources import require_module
+
+require_module("torchft", "elastic")
+
+from multidc.hierarchical.elastic import start_lighthouse  # noqa: E402
+from tests.hierarchical.elastic_reference import reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_script.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+STEPS, KILL_AT, TIMEOUT_S = 30, 8, 240
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse():
+    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000)
+    try:
+        yield f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    finally:
+        server.shutdown()
+
+
+def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path) -> ProcessTree:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_"))}
+    env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", "127.0.0.1", "--master-port",
+            str(_free_port()), SCRIPT, "--site", name, "--steps", str(STEPS), "--sites", str(sites), "--out", str(out)]
+    log = open(out / f"{name}.{len(list(out.glob(f'{name}.*.log')))}.log", "w")  # the tree owns it until it ends
+    return ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _progress(out: Path, name: str) -> int:
+    try:
+        return int((out / f"{name}.progress").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int) -> dict:
+    names = [f"site{i}" for i in range(sites)]
+    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path) for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while _progress(tmp_path, names[victim]) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never reached the kill step"
+            assert trees[names[victim]].process.poll() is None, trees[names[victim]].wait(5)[1][-3000:]
+            time.sleep(0.05)
+        trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
+        killed_at = _progress(tmp_path, names[victim])
+        before = {n: _progress(tmp_path, n) for n in names if n != names[victim]}
+        time.sleep(3)
+        survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
+        (tmp_path / f"{names[victim]}.progress").unlink()
+        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path)  # same command
+        outputs = {}
+        for name, tree in trees.items():
+            code, output = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{output[-4000:]}"
+            outputs[name] = output
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = {(name, r): torch.load(tmp_path / f"{name}_rank{r}.pt") for name in names for r in range(per_site)}
+    return {"ranks": ranks, "killed_at": killed_at, "survivors_went_on": survivors_went_on, "victim": victim}
+
+
+@pytest.mark.parametrize("sites,per_site", [(3, 1), (2, 2)], ids=["3x1", "2x2"])
+def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site):
+    run = _run_with_a_kill(tmp_path, lighthouse, sites, per_site, victim=sites - 1)
+    ranks, victim = run["ranks"], run["victim"]
+    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
+    first = next(iter(ranks.values()))
+    final = first["final_step"]
+    for key, rank in ranks.items():  # the job ended with every site, everywhere at the same step
+        assert rank["final_step"] == final >= STEPS and rank["num_sites"] == sites, key
+        for name, value in rank["params"].items():
+            assert torch.equal(value, first["params"][name]), (key, name)  # bitwise identical
+    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
+    for rank in survivors:  # every step committed exactly once, none lost
+        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
+    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
+    assert any(e["step"] > run["killed_at"] for e in degraded), "no step ran without the killed site"
+    restarted = ranks[(f"site{victim}", 0)]
+    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's step, not from step 0
+    assert all(victim in e["sites"] for e in restarted["log"])
+    survivor = survivors[0]  # from the state it started with (received from a peer if it joined after step 0)
+    expected = reference(survivor["log"], per_site, survivor["initial"])
+    for name, value in first["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
