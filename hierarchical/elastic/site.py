@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -97,6 +98,9 @@ class ElasticSite:
             one group per rank), whatever ``streams`` says.
         lighthouse: ``host:port`` of ``multidc lighthouse`` (default ``MULTIDC_LIGHTHOUSE``).
         min_sites: sites a step needs to commit.
+        sites: the sites the job starts with (default ``MULTIDC_NUM_SITES``, else 1). A site that has not trained
+            with the job yet waits until it either receives the live state from a peer or, at step 0, every one of
+            these sites is present: a (re)started site never trains alone beside the job.
         quorum_timeout_s: how long a quorum may take (a site starting or healing waits this long at most).
 
     Raises:
@@ -112,6 +116,7 @@ class ElasticSite:
         wan: WanConfig | None = None,
         lighthouse: str | None = None,
         min_sites: int = 1,
+        sites: int | None = None,
         quorum_timeout_s: float = 120.0,
     ) -> None:
         if not dist.is_initialized():
@@ -123,6 +128,10 @@ class ElasticSite:
         wan = dataclasses.replace(wan if wan is not None else WanConfig(), streams=1)
         if isinstance(min_sites, bool) or not isinstance(min_sites, int) or min_sites < 1:
             raise ValueError(f"min_sites={min_sites!r} must be a positive integer.")
+        sites = sites if sites is not None else (_env.read_int(_env.NUM_SITES) or 1)
+        if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
+            raise ValueError(f"sites={sites!r} must be a positive integer (the sites the job starts with).")
+        self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
         url = lighthouse_url(lighthouse)
         torchft = import_torchft()
         from torchft.process_group import ProcessGroupGloo
@@ -132,13 +141,46 @@ class ElasticSite:
         self.wan = wan
         self.wan_stats = WanStats()
         self.rail = ProcessGroupGloo(timeout=timeout)
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.manager = torchft.Manager(
-            pg=self.rail, state_dict=state_dict, load_state_dict=load_state_dict, min_replica_size=min_sites,
+            pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
             use_async_quorum=False, timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s), lighthouse_addr=url, replica_id=self.name,
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
         self.topology: ElasticTopology | None = None
+
+    def _claim(self, state: dict) -> dict:
+        """What a joining site must share with the live ones: the site size, the WAN settings, tensor shapes."""
+        return {"site": self.name, "site_size": dist.get_world_size(),
+                "wan": {"compression": self.wan.compression, "chunk_mb": self.wan.chunk_mb},
+                "tensors": dict(_tensor_shapes(state))}
+
+    def _send_state(self) -> dict:
+        state = self._state_dict()
+        return {"user": state, "multidc": self._claim(state)}
+
+    def _receive_state(self, received: dict) -> None:
+        """Check the live state against this site before loading it: a site started with another model, site size
+        or WAN settings fails here, with what differs, and the live sites go on without it."""
+        theirs, mine = received["multidc"], self._claim(self._state_dict())
+        problems = [f"{key}: {mine[key]} here, {theirs[key]} there" for key in ("site_size", "wan")
+                    if mine[key] != theirs[key]]
+        shapes = [f"{path} {mine['tensors'][path]} here, {theirs['tensors'][path]} there"
+                  for path in mine["tensors"].keys() & theirs["tensors"].keys()
+                  if mine["tensors"][path] != theirs["tensors"][path]]
+        problems += [f"tensor shapes differ: {', '.join(sorted(shapes)[:5])}"] if shapes else []
+        try:
+            if not problems:
+                self._load_state_dict(received["user"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            problems.append(f"the live state does not load: {exc}")
+        if problems:
+            raise ValueError(
+                f"site {self.name!r} cannot join: it differs from site {theirs['site']!r}, which sent the live "
+                f"state: {'; '.join(problems)}. Start every site with the same model, optimizer, ranks per site and "
+                f"WAN settings."
+            )
 
     @property
     def step(self) -> int:
@@ -150,7 +192,19 @@ class ElasticSite:
         the live state receives it here. Returns the topology of the sites present."""
         if self.topology is not None:
             self.topology.close()
-        self.manager.start_quorum()
+        deadline = time.monotonic() + self._quorum_timeout_s
+        while True:
+            self.manager.start_quorum()
+            if self._joined or self.manager.current_step() > 0 or self.manager.num_participants() >= self.start_sites:
+                break  # trained with the job before, received the live state, or the job starts with every site
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"site {self.name!r} found no live site to join and not all {self.start_sites} sites to start "
+                    f"with within {self._quorum_timeout_s:g} s (quorum of {self.manager.num_participants()}): start "
+                    f"the other sites, or check that they reach the lighthouse (multidc doctor)."
+                )
+            time.sleep(0.1)
+        self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
         return self.topology
 
@@ -176,3 +230,15 @@ class ElasticSite:
         if self.topology is not None:
             self.topology.close()
         self.manager.shutdown(wait=False)
+
+
+def _tensor_shapes(value, path: str = ""):
+    """``(path, (shape, dtype))`` of every tensor in a nested state dict."""
+    if isinstance(value, torch.Tensor):
+        yield path, (tuple(value.shape), str(value.dtype))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensor_shapes(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensor_shapes(item, f"{path}.{index}")

@@ -3,10 +3,11 @@
     torchrun --nproc-per-node K --master-port P tests/hierarchical/_elastic_script.py --site site1 \\
         --steps 30 --sites 3 --out DIR
 
-Each rank trains ``model()`` with SGD on its rows (``rows(site, local rank, step)``), averaging gradients over the
-sites present through ``ElasticSite``. The job ends once ``--steps`` steps are committed with all ``--sites``
-sites in the quorum (or at ``--max-steps``). Every committed step is logged with the sites that took part; each
-rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (the committed step count) as it goes.
+Each rank trains ``model()`` with SGD on its rows (``rows(site, local rank, step)``), averaging gradients over
+the sites present through ``ElasticSite``. The job ends once ``--steps`` steps are committed and all ``--sites``
+sites took part in the last one (or at ``--max-steps``). Every committed step is logged with the sites that took
+part; each rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (the committed step count) as it
+goes.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--hidden", type=int, default=16, help="another value: a site with another model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, index = dist.get_rank(), int(args.site.removeprefix("site"))
-    net = model()
+    net = model(args.hidden)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
 
     def state_dict() -> dict:
@@ -49,15 +51,16 @@ def main() -> None:
         opt.load_state_dict(state["optim"])
 
     site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
-                       wan=WanConfig(timeout_s=args.timeout_s))
-    log, discarded, joined_at = [], 0, None
+                       wan=WanConfig(timeout_s=args.timeout_s), sites=args.sites)
+    log, discarded, joined_at, last = [], 0, None, []
     while True:
         site.start_step()
         step = site.step
+        # the end: every site took part in the last committed step (a site that just received the state included)
+        if (step >= args.steps and len(last) == args.sites) or step >= args.max_steps:
+            break
         if joined_at is None:  # the state this rank starts from (a site joining late receives it in start_step)
             joined_at, initial = step, {n: p.detach().clone() for n, p in net.named_parameters()}
-        if (step >= args.steps and site.num_sites == args.sites) or step >= args.max_steps:
-            break
         x, y = rows(index, rank, step)
         torch.nn.functional.mse_loss(net(x), y).backward()
         grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
@@ -71,7 +74,8 @@ def main() -> None:
                 p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             opt.step()
-            log.append({"step": step, "sites": [s for s in range(MAX_SITES) if present[s] > 0.5]})
+            last = [s for s in range(MAX_SITES) if present[s] > 0.5]
+            log.append({"step": step, "sites": last})
         else:
             discarded += 1
         opt.zero_grad()

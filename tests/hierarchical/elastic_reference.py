@@ -8,9 +8,9 @@ from torch import nn
 LR, MAX_SITES, ROWS = 0.05, 4, 4
 
 
-def model() -> nn.Module:
+def model(hidden: int = 16) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
 
 
 def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,20 +39,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Lighthouse:
+    """A torchft lighthouse in this process, on a free loopback port; ``restart`` brings it back on the same port."""
+
+    def __init__(self) -> None:
+        self.server = self._start("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.server.address().rsplit(':', 1)[1]}"
+
+    @staticmethod
+    def _start(bind: str):
+        return start_lighthouse(bind, min_sites=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000)
+
+    def restart(self, down_s: float) -> None:
+        self.server.shutdown()
+        time.sleep(down_s)
+        self.server = self._start(self.address)
+
+
 @pytest.fixture
 def lighthouse():
-    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000)
+    server = Lighthouse()
     try:
-        yield f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+        yield server
     finally:
-        server.shutdown()
+        server.server.shutdown()
 
 
-def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path) -> ProcessTree:
+def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str) -> ProcessTree:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_"))}
     env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", "127.0.0.1", "--master-port",
-            str(_free_port()), SCRIPT, "--site", name, "--steps", str(STEPS), "--sites", str(sites), "--out", str(out)]
+            str(_free_port()), SCRIPT, "--site", name, "--steps", str(STEPS), "--sites", str(sites), "--out", str(out),
+            *extra]
     log = open(out / f"{name}.{len(list(out.glob(f'{name}.*.log')))}.log", "w")  # the tree owns it until it ends
     return ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -80,11 +98,9 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
         (tmp_path / f"{names[victim]}.progress").unlink()
         trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path)  # same command
-        outputs = {}
         for name, tree in trees.items():
-            code, output = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{output[-4000:]}"
-            outputs[name] = output
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
     finally:
         for tree in trees.values():
             tree.kill()
@@ -94,7 +110,7 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
 
 @pytest.mark.parametrize("sites,per_site", [(3, 1), (2, 2)], ids=["3x1", "2x2"])
 def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site):
-    run = _run_with_a_kill(tmp_path, lighthouse, sites, per_site, victim=sites - 1)
+    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim=sites - 1)
     ranks, victim = run["ranks"], run["victim"]
     assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
     first = next(iter(ranks.values()))
@@ -115,3 +131,58 @@ def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lig
     expected = reference(survivor["log"], per_site, survivor["initial"])
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path) for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never reached the restart step"
+            time.sleep(0.05)
+        lighthouse.restart(down_s=2.0)
+        for name, tree in trees.items():
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
+    for rank in ranks:
+        assert rank["num_sites"] == 2 and [e["step"] for e in rank["log"]] == list(range(rank["joined_at"],
+                                                                                          rank["final_step"]))
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def _logs(out: Path, name: str) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob(f"{name}.*.log")))
+
+
+@pytest.mark.parametrize("per_site,extra,message", [
+    (1, ["--hidden", "32"], "tensor shapes differ: "),
+    (2, [], "site_size: 2 here, 1 there"),
+], ids=["another-model", "another-site-size"])
+def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse, per_site, extra, message):
+    names = ["site0", "site1"]  # long enough to be there when the odd site comes
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "250") for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        odd = _site("site2", per_site, 3, lighthouse.address, tmp_path, *extra)
+        code, _ = odd.wait(max(1.0, deadline - time.monotonic()))
+        assert code != 0
+        log = _logs(tmp_path, "site2")
+        assert "site 'site2' cannot join: it differs from site 'site" in log and message in log, log
+        for name, tree in trees.items():  # the live sites went on without it and finished
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
