@@ -201,13 +201,23 @@ class _Pipeline:
         self._wait_in_site(state, i, "reduce")
         if self.topo.rail is None or self.wan_failed:
             return finished
+        try:
+            self._issue_wan(state, i)
+        except (RuntimeError, ValueError) as exc:
+            error = WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc))
+            if not self.topo.tolerate_wan_error(error):
+                raise
+            self.wan_failed = True
+        return finished
+
+    def _issue_wan(self, state: _ChunkState, i: int) -> None:
         shard = state.shard
         group = self.topo.rail_groups[i % self.streams]
         if self.codec is None:
             state.wan = dist.all_reduce(shard, group=group, async_op=True)
             ring = shard.numel() * shard.element_size() * 2 * (self.topo.num_sites - 1) // self.topo.num_sites
             self.topo.wan_stats.add(sent=ring, received=ring)
-            return finished
+            return
         values = shard.to(torch.float32, copy=True)
         if self.residual is not None:
             values += self._residual_slice(i)
@@ -215,10 +225,9 @@ class _Pipeline:
         wire = self.codec.encode(values)
         gathered = wire.new_empty(self.topo.num_sites * wire.numel())  # gloo wants a flat output
         state.gathered = gathered.view(self.topo.num_sites, wire.numel())
-        state.wan = _compat.all_gather_single(gathered, wire, group=group, async_op=True)
+        state.wan = self.topo.rail_all_gather(gathered, wire, group)
         moved = wire.numel() * wire.element_size() * (self.topo.num_sites - 1)
         self.topo.wan_stats.add(sent=moved, received=moved)
-        return finished
 
     def _finish_wan(self, i: int) -> None:
         state = self.state[i]

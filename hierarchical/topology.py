@@ -10,9 +10,10 @@ import datetime
 import threading
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from multidc.hierarchical import _env
+from multidc.hierarchical import _compat, _env
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.stats import WanStats
 
@@ -296,6 +297,10 @@ class Topology:
         """This rank's row in an all-gather over its rail: torch orders a rail group by global rank, which is not
         the site order when a higher site index holds lower ranks. ``None`` off the rails."""
         return dist.get_group_rank(self.rail_groups[0], dist.get_rank()) if self.rail_groups else None
+
+    def rail_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
+        """Start an all-gather of ``tensor`` into the flat ``output`` over a rail group (the compressed WAN hop)."""
+        return _compat.all_gather_single(output, tensor, group=group, async_op=True)
 
     def wan_usable(self) -> bool:
         """Whether an all-reduce starting now may send over the WAN (elastic sites: not once this step failed;

@@ -76,6 +76,12 @@ class ElasticTopology(Topology):
     def rail_row(self) -> int | None:
         return self.site if self.rail_groups else None
 
+    def rail_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
+        # torchft's group is not in torch's group map (dist.* refuses it): call it directly
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        return group.allgather_into_tensor_coalesced([output], [tensor], AllgatherOptions())
+
     def wan_usable(self) -> bool:
         return self._manager.errored() is None  # e.g. a failed recovery: peers time out and discard the step too
 

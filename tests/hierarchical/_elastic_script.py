@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--compression", default="none")
     parser.add_argument("--hidden", type=int, default=16, help="another value: a site with another model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -51,7 +52,8 @@ def main() -> None:
         opt.load_state_dict(state["optim"])
 
     site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
-                       wan=WanConfig(timeout_s=args.timeout_s), sites=args.sites)
+                       wan=WanConfig(timeout_s=args.timeout_s, compression=args.compression),
+                       sites=args.sites)
     log, discarded, joined_at, last = [], 0, None, []
     while True:
         site.start_step()

@@ -4,7 +4,9 @@ _elastic_script.py, one ``torchrun`` per site, gloo on CPU, a real torchft light
 One site is SIGKILLed (all its processes) mid-training: the others keep committing steps without it, no step is
 lost or applied twice, the killed site restarts with the same command, receives the live state from a peer site and
 rejoins; the job ends with every site, every rank bitwise identical, equal to a single-process replay of the
-committed steps (each averaged over the sites that took part)."""
+committed steps (each averaged over the sites that took part; with int8 on the WAN hop, within its rounding).
+A lighthouse restart leaves the sites training; a site started with another model or another number of ranks
+fails alone, saying what differs, while the live sites go on."""
 
 from __future__ import annotations
 
@@ -82,9 +84,9 @@ def _progress(out: Path, name: str) -> int:
         return 0
 
 
-def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int) -> dict:
+def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str) -> dict:
     names = [f"site{i}" for i in range(sites)]
-    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path) for name in names}
+    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while _progress(tmp_path, names[victim]) < KILL_AT:
@@ -97,7 +99,7 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         time.sleep(3)
         survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
         (tmp_path / f"{names[victim]}.progress").unlink()
-        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path)  # same command
+        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra)  # same command
         for name, tree in trees.items():
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
@@ -108,9 +110,11 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
     return {"ranks": ranks, "killed_at": killed_at, "survivors_went_on": survivors_went_on, "victim": victim}
 
 
-@pytest.mark.parametrize("sites,per_site", [(3, 1), (2, 2)], ids=["3x1", "2x2"])
-def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site):
-    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim=sites - 1)
+@pytest.mark.parametrize("sites,per_site,compression,atol", [(3, 1, "none", 1e-6), (2, 2, "int8", 1e-3)],
+                         ids=["3x1", "2x2-int8"])
+def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site,
+                                                                    compression, atol):
+    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, "--compression", compression)
     ranks, victim = run["ranks"], run["victim"]
     assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
     first = next(iter(ranks.values()))
@@ -130,7 +134,7 @@ def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lig
     survivor = survivors[0]  # from the state it started with (received from a peer if it joined after step 0)
     expected = reference(survivor["log"], per_site, survivor["initial"])
     for name, value in first["params"].items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=atol)  # int8: the codec's rounding
 
 
 def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
