@@ -12,8 +12,8 @@ A training step::
                        load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])))
     while site.step < steps:
         topology = site.start_step()      # quorum; a (re)joining site receives the live sites' state here
-        loss_fn(model(x), y).backward()
-        site.all_reduce(flat_grads)       # average over the sites present (failures make the step be discarded)
+        loss_fn(model(x), y).backward()   # model: plain, or DDP over the site's ranks
+        site.sync_gradients(model)        # average over the sites present (failures make the step be discarded)
         if site.commit():                 # every site present agrees, or every one discards the step
             opt.step()
         opt.zero_grad()
@@ -213,6 +213,32 @@ class ElasticSite:
         self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
         return self.topology
+
+    def sync_gradients(self, module: torch.nn.Module) -> None:
+        """Average the gradients of ``module``'s trainable parameters over the sites of this step, in place
+        (parameter order, so every site lays them out alike). Under ``DistributedDataParallel`` over the site's
+        group, DDP has already averaged them inside the site: then each rank sends only its share over its rail
+        (``replicated``). Otherwise the whole hierarchical average (inside the site, then across). A failed WAN
+        transfer does not raise: the step will not commit.
+
+        Not a DDP communication hook: a site that rejoins starts DDP afresh, and DDP re-buckets gradients after
+        its first step, so bucket layouts would differ between sites.
+        """
+        assert self.topology is not None, "start_step() first"
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        site_averaged = isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        all_reduce(flat, self.topology, op="avg", replicated=site_averaged)
+        offset = 0
+        for p in params:
+            values = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = values.clone()
+            else:
+                p.grad.copy_(values)
+            offset += p.numel()
 
     @property
     def num_sites(self) -> int:

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel over the site's ranks")
     parser.add_argument("--hidden", type=int, default=16, help="another value: a site with another model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -51,6 +52,9 @@ def main() -> None:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
 
+    trained = net
+    if args.ddp:
+        trained = torch.nn.parallel.DistributedDataParallel(net)  # the site's group: this torchrun's ranks
     site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
                        wan=WanConfig(timeout_s=args.timeout_s, compression=args.compression),
                        sites=args.sites)
@@ -64,17 +68,12 @@ def main() -> None:
         if joined_at is None:  # the state this rank starts from (a site joining late receives it in start_step)
             joined_at, initial = step, {n: p.detach().clone() for n, p in net.named_parameters()}
         x, y = rows(index, rank, step)
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        torch.nn.functional.mse_loss(trained(x), y).backward()  # under DDP: averaged inside the site
+        site.sync_gradients(trained)
         present = torch.zeros(MAX_SITES)
         present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per site present
-        site.all_reduce(grads, op="avg")
         site.all_reduce(present, op="sum")
         if site.commit():
-            offset = 0
-            for p in net.parameters():
-                p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
             opt.step()
             last = [s for s in range(MAX_SITES) if present[s] > 0.5]
             log.append({"step": step, "sites": last})
