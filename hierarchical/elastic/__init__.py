@@ -1,6 +1,7 @@
-"""Elastic sites on torchft (opt-in; the ``elastic`` extra): the lighthouse that keeps the sites' quorum, and the
-checks that every site reaches it. ``multidc lighthouse`` starts one; ``multidc doctor`` checks it when
-``MULTIDC_LIGHTHOUSE`` is set.
+"""Elastic sites on torchft (opt-in; the ``elastic`` extra): ``ElasticSite`` (one site of a job whose sites may
+fail and rejoin live, see ``multidc.hierarchical.elastic.site``), the lighthouse that keeps the sites' quorum,
+and the checks that every site reaches it. ``multidc lighthouse`` starts one; ``multidc doctor`` checks it when
+``MULTIDC_LIGHTHOUSE`` is set. torchft is imported only when one is built.
 
 The lighthouse's traffic (gRPC over HTTP/2) is as unauthenticated and unencrypted as gloo's: run it on the private
 interconnect or VPN the sites already share.
@@ -13,5 +14,14 @@ from multidc.hierarchical.elastic.lighthouse import (
     lighthouse_url,
     start_lighthouse,
 )
+from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
 
-__all__ = ["LighthouseUnreachable", "check_lighthouse", "import_torchft", "lighthouse_url", "start_lighthouse"]
+__all__ = [
+    "ElasticSite",
+    "ElasticTopology",
+    "LighthouseUnreachable",
+    "check_lighthouse",
+    "import_torchft",
+    "lighthouse_url",
+    "start_lighthouse",
+]
