@@ -108,6 +108,5 @@ def describe(config, name: str, from_env: dict[str, str], variables: dict[str, s
         return f"{variable}={value!r} ({cls}.{name})"
     return f"{cls}.{name}={value!r} (also settable via {variables[name]})"
 
-# Elastic sites (torchft): opt-in, and where the lighthouse listens.
-ELASTIC = "MULTIDC_ELASTIC"
+# Elastic sites (torchft): where the lighthouse listens.
 LIGHTHOUSE = "MULTIDC_LIGHTHOUSE"

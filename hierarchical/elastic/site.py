@@ -63,6 +63,9 @@ class ElasticTopology(Topology):
         self._executor = None
         self._manager = manager
         self.site = manager.participating_rank()
+        if self.site is None:  # torchft leaves a group out of a quorum it asked for only in modes we do not use
+            raise RuntimeError(f"site {site_name!r} is not in the quorum it joined; torchft's world-size mode must "
+                               f"be DYNAMIC (the default).")
         self.site_name = site_name
         self.num_sites = num_sites
         self.site_size = per_site
