@@ -108,5 +108,6 @@ def describe(config, name: str, from_env: dict[str, str], variables: dict[str, s
         return f"{variable}={value!r} ({cls}.{name})"
     return f"{cls}.{name}={value!r} (also settable via {variables[name]})"
 
-# Elastic sites (torchft): where the lighthouse listens.
+# Elastic sites (torchft): opt-in (Lightning / Accelerate), and where the lighthouse listens.
+ELASTIC = "MULTIDC_ELASTIC"
 LIGHTHOUSE = "MULTIDC_LIGHTHOUSE"

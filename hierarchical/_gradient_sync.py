@@ -150,12 +150,14 @@ class GradientSync:
     def close(self) -> None:
         """Close DiLoCo (a sync in flight finishes), remove the meter's gradient hooks and stop the topology's worker
         thread (its groups stay usable)."""
-        self.close_diloco()
-        if self.meter is not None:
-            self.meter.close()
-            self.meter = None
-        if self.topology is not None:
-            self.topology.close()
+        try:
+            self.close_diloco()
+        finally:  # also when the sync in flight failed: the hooks and the worker thread must not outlive the fit
+            if self.meter is not None:
+                self.meter.close()
+                self.meter = None
+            if self.topology is not None:
+                self.topology.close()
 
     def release_ddp(self) -> None:
         """Free the reducers of the attached DDP models (see ``release_reducer``). Call on every rank when the

@@ -12,6 +12,7 @@ from typing import Any
 
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
+from multidc.hierarchical.diloco.config import refuse_loss_scaling
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy, pl
@@ -61,8 +62,16 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         if diloco is not None and not isinstance(diloco, DiLoCoConfig):
             raise ValueError(f"diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(diloco).__name__}.")
         config = diloco if diloco is not None else DiLoCoConfig()
+        from multidc.hierarchical.elastic import refuse_elastic_env
+
+        if ddp_kwargs.pop("elastic", None):
+            raise ValueError("DiLoCoStrategy has no elastic mode yet: use HierarchicalDDPStrategy(elastic=True), or "
+                             "drop elastic=True.")
+        refuse_elastic_env("DiLoCoStrategy")
+        ddp_kwargs.setdefault("broadcast_buffers", False)  # each site keeps its own buffers: none cross the WAN
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
-                         checkpoint_storage_options=checkpoint_storage_options, **ddp_kwargs)
+                         checkpoint_storage_options=checkpoint_storage_options, elastic=False,
+                         **ddp_kwargs)
         self.gradient_sync.diloco_config = config
 
     def _sharded_checkpoints(self) -> bool:
@@ -91,6 +100,7 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         return self.gradient_sync.diloco
 
     def setup(self, trainer: pl.Trainer) -> None:
+        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
         super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
         if self.optimizers:  # before a checkpoint is restored into it: Lightning restores after setup
             self.gradient_sync.attach_optimizer(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers])
@@ -106,3 +116,4 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
 
 
 register_all()  # the names, also when this module's own import of Lightning came first (see _registry)
+

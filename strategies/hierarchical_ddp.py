@@ -28,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
+from multidc.strategies._elastic import ElasticMixin
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
@@ -62,7 +63,8 @@ class _HierarchicalSync(HasGradientSync):
             )
 
     def _configure_launcher(self) -> None:
-        self._check_site_split(self.num_nodes * self.num_processes)
+        if not getattr(self, "elastic", False):  # elastic: this job is one site; num_sites counts the jobs
+            self._check_site_split(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     def _build_topology(self) -> None:
@@ -75,7 +77,7 @@ class _HierarchicalSync(HasGradientSync):
         return self.gradient_sync.metrics()
 
 
-class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy):
+class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixin, DDPStrategy):
     """Lightning ``DDPStrategy`` whose gradient all-reduce is hierarchical: site first, then the WAN.
 
     Checkpoints go through multidc's ``Checkpointer`` to any fsspec URL (``default_root_dir`` /
@@ -96,6 +98,12 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
             save and the end of ``fit`` wait for it and raise its error.
         checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
             default the standard AWS environment / config. Never logged.
+        elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one
+            job per site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
+            ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others
+            training and rejoins live when restarted (see ``multidc.strategies._elastic``). No checkpoints or
+            gradient accumulation in this mode yet.
+        lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, ``find_unused_parameters``, ...). Comm-hook arguments are rejected:
             this strategy installs its own. A ``checkpoint_io`` (here or in ``Trainer(plugins=...)``) brings back
@@ -116,6 +124,8 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        elastic: bool | None = None,
+        lighthouse: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         _reject_hook_args(ddp_kwargs)
@@ -123,6 +133,7 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
         self._init_sites(num_sites, site, wan)
         self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
         self._user_checkpoint_io = self._checkpoint_io is not None
+        self._init_elastic(elastic, lighthouse, self.num_sites)
 
     def _sharded_checkpoints(self) -> bool:
         return not self._user_checkpoint_io  # a user's CheckpointIO: Lightning's rank-0 single-file checkpoints
@@ -138,21 +149,29 @@ class HierarchicalDDPStrategy(_HierarchicalSync, CheckpointingMixin, DDPStrategy
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._build_topology()
+        if not self.elastic:  # elastic: the process group is this site's; the quorum decides the sites
+            self._build_topology()
 
     def _register_ddp_hooks(self) -> None:
         # Lightning registers user comm hooks on CUDA only; the hierarchical hook runs on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        self.gradient_sync.attach_ddp(self.model)
+        if not self.elastic:  # elastic: DDP averages inside the site, ElasticSite across the sites present
+            self.gradient_sync.attach_ddp(self.model)
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.elastic and trainer.checkpoint_callback is not None:
+            raise ValueError("elastic=True does not save checkpoints yet: pass Trainer(enable_checkpointing=False).")
         super().setup(trainer)
+        self._setup_elastic(trainer)
         WanMetricsCallback.add_to(trainer, self)
 
     def teardown(self) -> None:
         WanMetricsCallback.remove_from(self.lightning_module)
-        self.gradient_sync.close()  # the worker thread; groups stay valid and the next fit reuses them
-        super().teardown()
+        try:
+            self._teardown_elastic()
+        finally:
+            self.gradient_sync.close()  # the worker thread; groups stay valid and the next fit reuses them
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -176,6 +195,9 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
     ) -> None:
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan)
+        from multidc.hierarchical.elastic import refuse_elastic_env
+
+        refuse_elastic_env("HierarchicalDDPFabricStrategy")
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()

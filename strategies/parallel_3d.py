@@ -42,7 +42,7 @@ import torch
 
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
 from multidc.hierarchical._gradient_sync import GradientSync
-from multidc.hierarchical.diloco.config import resolve_cross_site
+from multidc.hierarchical.diloco.config import refuse_loss_scaling, resolve_cross_site
 from multidc.strategies.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
 from multidc.strategies.parallel.diloco import DiLoCoShardState, build_diloco
 from multidc.strategies.parallel.layout import ParallelLayout, submesh
@@ -147,6 +147,9 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        from multidc.hierarchical.elastic import refuse_elastic_env
+
+        refuse_elastic_env("Parallel3DStrategy")
         self.diloco_config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
         self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
         self.diloco: DiLoCo | None = None
@@ -252,6 +255,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.diloco_config is not None:  # before a checkpoint is restored into it: Lightning restores later
+                refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
                 self._build_diloco()
             WanMetricsCallback.add_to(trainer, self)
 

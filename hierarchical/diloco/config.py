@@ -180,3 +180,15 @@ def agree(error: str | None, config: DiLoCoConfig | None, extra=None, *, group=N
         raise ValueError(f"ranks disagree on the DiLoCo settings ({seen}); pass the same DiLoCoConfig / "
                          f"MULTIDC_DILOCO_* on every rank of every site.")
     return claims
+
+
+def refuse_loss_scaling(scaler) -> None:
+    """A ValueError when fp16 loss scaling (a ``GradScaler``) would drive DiLoCo's inner optimizer: it skips
+    optimizer steps on overflow, each site on its own, so the sites' DiLoCo schedules would drift apart (one site
+    starts a sync the others never issue). Front-ends call it on every rank before training."""
+    if scaler is not None:
+        raise ValueError(
+            "DiLoCo with fp16 loss scaling (precision '16-mixed' / mixed_precision 'fp16'): the GradScaler skips "
+            "optimizer steps on overflow, each site on its own, which would put the sites' DiLoCo schedules apart. "
+            "Use bf16 mixed precision (no scaler) or full precision."
+        )

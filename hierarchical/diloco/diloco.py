@@ -106,6 +106,11 @@ class DiLoCo:
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a multidc.hierarchical.Topology, not {type(topology).__name__}.")
+        if type(topology).tolerate_wan_error is not Topology.tolerate_wan_error:
+            raise ValueError(
+                f"DiLoCo does not run over a {type(topology).__name__} yet: a tolerated WAN failure would leave the "
+                f"sites' global parameters apart. Use a Topology from Topology.build (elastic DiLoCo is not there)."
+            )
         self.topology = topology
         split, self.config = _agree(model, topology, config, blocks)
         base = wan if wan is not None else topology.wan
@@ -265,15 +270,18 @@ class DiLoCo:
         index = int(state["in_flight_fragment"])
         if index >= 0:
             numel = self._fragments[index].global_flat.numel()
-            delta = state["in_flight_delta"][:numel].clone()
+            # the loaded buffer is on the CPU; the merge assigns it as the grad of the (maybe CUDA) global copy
+            delta = state["in_flight_delta"][:numel].to(self._fragments[index].global_flat.device, copy=True)
             self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
 
     def close(self) -> None:
         """Wait for a sync in flight and stop stepping with the inner optimizer. Every rank."""
-        self._settle()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        try:
+            self._settle()
+        finally:  # unhooked also when the sync in flight failed: the optimizer must not start another
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
 
 
 def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -323,8 +331,8 @@ def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig]:
         config = config_or_default(config)
         split = split_fragments(model, config.fragments, blocks)
         sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
-    except ValueError as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     claims = agree(error, config, sizes, group=topology.group, where=" of the sites' group")
     if any(c[2] != claims[0][2] for c in claims):
         seen = {rank: c[2] for rank, c in enumerate(claims)}

@@ -12,6 +12,7 @@ from multidc.hierarchical.elastic.lighthouse import (
     check_lighthouse,
     import_torchft,
     lighthouse_url,
+    refuse_elastic_env,
     start_lighthouse,
 )
 from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
@@ -23,5 +24,6 @@ __all__ = [
     "check_lighthouse",
     "import_torchft",
     "lighthouse_url",
+    "refuse_elastic_env",
     "start_lighthouse",
 ]

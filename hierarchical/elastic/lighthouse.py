@@ -98,3 +98,13 @@ def start_lighthouse(bind: str, *, min_sites: int = 1, join_timeout_ms: int = 60
 
     return LighthouseServer(bind=bind, min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+def refuse_elastic_env(owner: str) -> None:
+    """A ValueError when ``MULTIDC_ELASTIC`` asks for elastic sites from a front-end that has no elastic mode yet,
+    instead of silently training without it."""
+    if _env.read_bool(_env.ELASTIC):
+        raise ValueError(
+            f"{_env.ELASTIC} is set but {owner} has no elastic mode yet; elastic sites run under "
+            f"HierarchicalDDPStrategy(elastic=True) or multidc.hierarchical.elastic.ElasticSite. Unset {_env.ELASTIC}."
+        )

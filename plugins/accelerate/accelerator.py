@@ -29,7 +29,7 @@ from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
 
 try:
     from accelerate import Accelerator
-    from accelerate.utils import DDPCommunicationHookType
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "multidc's Accelerate integration needs Accelerate: pip install 'multidc[accelerate]' (accelerate>=1.10)."
@@ -111,6 +111,10 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                 f"MultiDCAccelerator, which installs its own DDP comm hook. For WAN compression use "
                 f"MultiDCPlugin(wan=WanConfig(compression='bf16'|'int8')) or MULTIDC_WAN_COMPRESSION."
             )
+        if plugin.diloco is not None:  # each site keeps its own buffers (BatchNorm statistics): none cross the WAN
+            if self.ddp_handler is None:
+                self.ddp_handler = DistributedDataParallelKwargs()
+            self.ddp_handler.broadcast_buffers = False
         self.device_mesh = None
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
@@ -203,6 +207,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         sync = self.gradient_sync
         if sync.diloco_config is None or not self._optimizers or not self._models:
             return
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+
+        refuse_loss_scaling(self.scaler)
         optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
         if sync.diloco is not None and len(optimizers) == 1:
             return

@@ -97,6 +97,9 @@ class MultiDCPlugin:
     """The validated pipeline settings (used when ``pipeline_parallel_size > 1``)."""
 
     def __post_init__(self) -> None:
+        from multidc.hierarchical.elastic import refuse_elastic_env
+
+        refuse_elastic_env("MultiDCPlugin")
         source = "MultiDCPlugin.num_sites"
         if self.num_sites is None:
             self.num_sites, source = _env.read_int(_env.NUM_SITES), _env.NUM_SITES

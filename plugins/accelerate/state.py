@@ -101,6 +101,13 @@ class StateMixin:
             raise first
 
     def _through_multidc(self, path, *, loading: bool) -> bool:
+        if self.gradient_sync.diloco_config is not None:  # every site's model and the DiLoCo state: only multidc's
+            if path is None:
+                raise ValueError(
+                    "with cross_site='diloco' save_state / load_state need a URL or directory: the checkpoint holds "
+                    "every site's model and the DiLoCo state, which Accelerate's own format cannot."
+                )
+            return True
         if path is None:
             if self.device_mesh is not None:
                 raise ValueError(
@@ -133,7 +140,8 @@ class StateMixin:
         if sync.diloco_config is None:
             state: dict = dict(models)
         else:  # DiLoCo: each site's model differs between syncs; the DiLoCo state is the same everywhere
-            state = {site_key(sync.topology.site): StatefulDict(models)}
+            site = sync.topology.site if sync.topology is not None else self.device_mesh.get_local_rank("site")
+            state = {site_key(site): StatefulDict(models)}
             if sync.diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
                 from multidc.strategies.parallel import DiLoCoShardState
 

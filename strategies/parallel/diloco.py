@@ -142,8 +142,8 @@ def _agree(parallel: ParallelModel, config: DiLoCoConfig | None) -> tuple[DiLoCo
     try:
         config = config_or_default(config)
         _check_fragments(parallel, config.fragments, blocks)
-    except ValueError as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     agree(error, config)  # over the whole job
     return config, blocks
 

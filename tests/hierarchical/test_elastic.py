@@ -67,12 +67,15 @@ def lighthouse():
         server.server.shutdown()
 
 
-def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str) -> ProcessTree:
+def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
+          script: str = SCRIPT) -> ProcessTree:
+    """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_"))}
     env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", "127.0.0.1", "--master-port",
-            str(_free_port()), SCRIPT, "--site", name, "--steps", str(STEPS), "--sites", str(sites), "--out", str(out),
-            *extra]
+            str(_free_port()), script, "--site", name, "--sites", str(sites), "--out", str(out), *extra]
+    if script == SCRIPT:
+        argv += ["--steps", str(STEPS)] if "--steps" not in extra else []
     log = open(out / f"{name}.{len(list(out.glob(f'{name}.*.log')))}.log", "w")  # the tree owns it until it ends
     return ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 

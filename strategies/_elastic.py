@@ -1,0 +1,101 @@
+"""Elastic sites under Lightning: the strategy side of ``multidc.hierarchical.elastic.ElasticSite``.
+
+``HierarchicalDDPStrategy(elastic=True)`` (env ``MULTIDC_ELASTIC=1``): each site is its own Lightning job (its own
+launch, its own rendezvous; ``devices`` / ``num_nodes`` count that site's ranks), DDP averages gradients inside the
+site, and every optimizer step is one step of the elastic job:
+
+1. ``start_step()``: the quorum of sites present; a (re)started site receives the model, optimizer and LR
+   scheduler states from a live site here (not from storage);
+2. the training step and backward (Lightning's closure), then ``sync_gradients``: the average over the sites;
+3. ``commit()``: the optimizer steps only if every site present agrees; a discarded step changes nothing.
+
+The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
+and a rejoined site continues the job's count. Gradient accumulation is not supported in elastic mode (a site
+receiving the live state mid-accumulation would mix gradients of two models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from multidc.hierarchical import _env
+
+
+class ElasticMixin:
+    """Mixed into a DDP strategy before it: ``optimizer_step`` runs the elastic step when ``elastic``."""
+
+    def _init_elastic(self, elastic: bool | None, lighthouse: str | None, sites: int | None) -> None:
+        if elastic is None:
+            elastic = bool(_env.read_bool(_env.ELASTIC))
+        self.elastic = bool(elastic)
+        self.elastic_site = None
+        """The running ``ElasticSite`` (elastic mode, during ``fit``), else None."""
+        self.elastic_committed = False
+        """Whether the last optimizer step committed (elastic mode)."""
+        self._lighthouse, self._elastic_sites = lighthouse, sites
+        if self.elastic:
+            from multidc.hierarchical.elastic import import_torchft, lighthouse_url
+
+            lighthouse_url(lighthouse)  # a missing or malformed address fails at construction
+            import_torchft()
+
+    def _setup_elastic(self, trainer) -> None:
+        if not self.elastic:
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"elastic=True does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: a site "
+                f"that receives the live state mid-accumulation would mix two models' gradients. Use a larger batch."
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("elastic=True needs automatic optimization (the strategy decides whether a step commits).")
+        from multidc.hierarchical.elastic import ElasticSite
+
+        self.elastic_site = ElasticSite(
+            state_dict=self._elastic_state, load_state_dict=self._load_elastic_state, site=self._site_name(),
+            wan=self.wan, lighthouse=self._lighthouse, sites=self._elastic_sites,
+        )
+
+    def _site_name(self) -> str | None:
+        site = getattr(self, "site", None)
+        return str(site) if site is not None else None
+
+    def _elastic_state(self) -> dict:
+        return {
+            "model": self.lightning_module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+        }
+
+    def _load_elastic_state(self, state: dict) -> None:
+        self.lightning_module.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        site = self.elastic_site
+        if site is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        site.start_step()
+        self._follow_job_step(0)  # training_step sees the job's step (a rejoined site's too)
+        result = closure()  # training_step + backward; DDP averages inside the site
+        site.sync_gradients(self.model)
+        output, self.elastic_committed = result, site.commit()
+        if self.elastic_committed:
+            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        self._follow_job_step(-1)  # the loop adds 1 when this returns
+        return output
+
+    def _follow_job_step(self, offset: int) -> None:
+        """Make the Trainer's ``global_step`` the job's committed steps (plus ``offset``)."""
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        step = progress.optimizer.step.total
+        step.completed = self.elastic_site.step + offset
+        step.ready = step.completed + 1
+
+    def _teardown_elastic(self) -> None:
+        site, self.elastic_site = self.elastic_site, None
+        if site is not None:
+            site.close()

@@ -1,0 +1,88 @@
+"""One site of an elastic Lightning job, run by tests/strategies/test_elastic_strategy.py (one ``torchrun`` per
+site, ``Trainer(strategy=HierarchicalDDPStrategy(elastic=True))`` over that site's ranks).
+
+    torchrun --nproc-per-node K --master-port P tests/strategies/_elastic_lightning_script.py --site site1 \\
+        --sites 2 --max-steps 120 --out DIR
+
+Each rank trains ``tests.hierarchical.elastic_reference.model()`` with SGD on ``rows(site, local rank, step)``
+where ``step`` is the job's committed step (``trainer.global_step``), so a single-process replay can check it.
+Every committed step is logged with the sites that took part; each rank writes DIR/<site>_rank<r>.pt at the end
+and DIR/<site>.progress as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+import lightning.pytorch as pl  # noqa: E402
+
+from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+
+
+class Net(pl.LightningModule):
+    def __init__(self, index: int, sleep: float, out: str, name: str) -> None:
+        super().__init__()
+        self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
+        self.log_steps, self.initial, self.joined_at = [], None, None
+
+    def training_step(self, batch, batch_idx):
+        strategy = self.trainer.strategy
+        step = self.trainer.global_step  # the job's committed steps, also right after a rejoin
+        if self.joined_at is None:
+            self.joined_at = step
+            self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        present = torch.zeros(MAX_SITES)
+        present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site present
+        strategy.elastic_site.all_reduce(present, op="sum")
+        self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5])
+        x, y = rows(self.index, self.global_rank, step)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.strategy.elastic_committed:
+            step, sites = self._pending
+            self.log_steps.append({"step": step, "sites": sites})
+        if self.global_rank == 0:
+            with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
+                f.write(str(self.trainer.global_step))
+        time.sleep(self.sleep)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--sites", type=int, required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    index = int(args.site.removeprefix("site"))
+    module = Net(index, args.sleep, args.out, args.site)
+    trainer = pl.Trainer(
+        strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites),
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
+        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
+                "log": module.log_steps, "joined_at": module.joined_at, "initial": module.initial,
+                "final_step": trainer.global_step},
+               os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``HierarchicalDDPStrategy(elastic=True)`` through a Lightning ``Trainer``, one ``torchrun`` per site (gloo, CPU,
+a real torchft lighthouse): a site SIGKILLed mid-``fit`` leaves the other training, restarts with the same command,
+receives the live model / optimizer / scheduler state and the job's step, and both end at ``max_steps`` bitwise
+identical, equal to a single-process replay of the committed steps. Plus the settings checks, in process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._resources import require_module
+
+require_module("torchft", "elastic")
+require_module("lightning", "lightning")
+
+from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
+from tests.hierarchical.elastic_reference import reference  # noqa: E402
+from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, Lighthouse, _logs, _progress, _site  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
+MAX_STEPS = 250
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+@pytest.fixture
+def lighthouse():
+    server = Lighthouse()
+    try:
+        yield server
+    finally:
+        server.server.shutdown()
+
+
+def _trainer_site(name: str, address: str, out: Path):
+    return _site(name, 1, 2, address, out, "--max-steps", str(MAX_STEPS), "--sleep", "0.08", script=SCRIPT)
+
+
+def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse):
+    names = ["site0", "site1"]
+    trees = {name: _trainer_site(name, lighthouse.address, tmp_path) for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while _progress(tmp_path, "site1") < KILL_AT:
+            assert time.monotonic() < deadline, "the fit never reached the kill step"
+            assert trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+            time.sleep(0.05)
+        trees["site1"].kill()
+        killed_at = _progress(tmp_path, "site1")
+        (tmp_path / "site1.progress").unlink()
+        time.sleep(2)
+        trees["site1"] = _trainer_site("site1", lighthouse.address, tmp_path)
+        for name, tree in trees.items():
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    survivor, restarted = (torch.load(tmp_path / f"{name}_rank0.pt") for name in names)
+    assert survivor["final_step"] == restarted["final_step"] == MAX_STEPS
+    for name, value in survivor["params"].items():
+        assert torch.equal(value, restarted["params"][name]), name
+    assert [e["step"] for e in survivor["log"]] == list(range(survivor["joined_at"], MAX_STEPS))
+    assert any(e["sites"] == [0] and e["step"] > killed_at for e in survivor["log"])  # trained on alone
+    assert restarted["joined_at"] > killed_at and all(e["sites"] == [0, 1] for e in restarted["log"])
+    expected = reference(survivor["log"], 1, survivor["initial"])
+    for name, value in survivor["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_elastic_settings_are_checked_at_construction(monkeypatch):
+    monkeypatch.delenv("MULTIDC_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="set MULTIDC_LIGHTHOUSE=host:port"):
+        HierarchicalDDPStrategy(elastic=True)
+    monkeypatch.setenv("MULTIDC_ELASTIC", "1")
+    monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5")
+    with pytest.raises(ValueError, match="must be host:port"):
+        HierarchicalDDPStrategy()
+    monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5:29510")
+    assert HierarchicalDDPStrategy().elastic and not HierarchicalDDPStrategy(elastic=False).elastic
