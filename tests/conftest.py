@@ -113,3 +113,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 _FIXTURES = {"s3_server", "s3_auth_server", "s3_bucket"}
+
+
+@pytest.fixture
+def lighthouse():
+    """A torchft lighthouse in this process on a free loopback port (tests/hierarchical/test_elastic.py's
+    ``Lighthouse``: ``.address``, ``.restart(down_s)``); shut down after the test."""
+    from tests.hierarchical.test_elastic import Lighthouse
+
+    server = Lighthouse()
+    try:
+        yield server
+    finally:
+        server.server.shutdown()

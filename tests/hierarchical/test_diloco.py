@@ -278,3 +278,21 @@ def test_environment_fills_unset_fields_and_errors_name_the_variable(monkeypatch
     monkeypatch.setenv("MULTIDC_DILOCO_OVERLAP_STEPS", "10")
     with pytest.raises(ValueError, match=r"MULTIDC_DILOCO_OVERLAP_STEPS=10 \(DiLoCoConfig.overlap_steps\)"):
         DiLoCoConfig(fragments=3)
+
+
+def test_fp16_loss_scaling_is_refused_with_the_reason():
+    from multidc.hierarchical.diloco.config import refuse_loss_scaling
+
+    refuse_loss_scaling(None)
+    with pytest.raises(ValueError, match="GradScaler skips optimizer steps on overflow"):
+        refuse_loss_scaling(torch.amp.GradScaler("cpu"))
+
+
+def test_an_elastic_topology_is_refused_before_any_collective():
+    pytest.importorskip("torchft")
+    from multidc.hierarchical.elastic import ElasticTopology
+
+    model = _model()
+    with pytest.raises(ValueError, match="DiLoCo does not run over a ElasticTopology yet"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), ElasticTopology.__new__(ElasticTopology),
+               DiLoCoConfig(sync_every=4))

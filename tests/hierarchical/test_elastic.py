@@ -58,15 +58,6 @@ class Lighthouse:
         self.server = self._start(self.address)
 
 
-@pytest.fixture
-def lighthouse():
-    server = Lighthouse()
-    try:
-        yield server
-    finally:
-        server.server.shutdown()
-
-
 def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
           script: str = SCRIPT) -> ProcessTree:
     """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop)."""

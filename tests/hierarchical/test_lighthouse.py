@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def lighthouse():
+def lighthouse_cli():
     """``multidc lighthouse`` on a free loopback port: (address, the process tree)."""
     with ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0"], env=dict(os.environ)) as tree:
         line = tree.process.stdout.readline()
@@ -45,8 +45,8 @@ def lighthouse():
         yield match.group(1), tree
 
 
-def test_cli_serves_until_sigterm_and_check_reaches_it(lighthouse):
-    address, tree = lighthouse
+def test_cli_serves_until_sigterm_and_check_reaches_it(lighthouse_cli):
+    address, tree = lighthouse_cli
     assert check_lighthouse(address, timeout_s=5) == f"http://{address}"
     tree.process.send_signal(signal.SIGTERM)
     output, _ = tree.process.communicate(timeout=20)
@@ -85,8 +85,8 @@ def test_bad_lighthouse_settings_are_refused(kwargs, message):
         start_lighthouse(**kwargs)
 
 
-def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse, tmp_path):
-    address, _ = lighthouse
+def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse_cli, tmp_path):
+    address, _ = lighthouse_cli
     proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["lighthouse"] == {"url": f"http://{address}", "unreachable_from": [], "error": None}

@@ -108,3 +108,21 @@ def test_plugin_reads_cross_site_and_diloco_from_the_environment(monkeypatch):
     monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "16")
     plugin = MultiDCPlugin()
     assert plugin.cross_site == "diloco" and plugin.diloco == DiLoCoConfig(sync_every=16)
+
+
+def test_diloco_checkpoints_never_fall_back_to_accelerates_format():
+    from types import SimpleNamespace
+
+    from multidc.plugins.accelerate.state import StateMixin
+
+    stub = SimpleNamespace(gradient_sync=SimpleNamespace(diloco_config=DiLoCoConfig(sync_every=4)), device_mesh=None,
+                           multidc_plugin=SimpleNamespace(shard_local_checkpoints=False))
+    assert StateMixin._through_multidc(stub, "plain/local/dir", loading=False)  # every site's model + DiLoCo state
+    with pytest.raises(ValueError, match="need a URL or directory"):
+        StateMixin._through_multidc(stub, None, loading=False)
+
+
+def test_the_plugin_refuses_the_elastic_variable(monkeypatch):
+    monkeypatch.setenv("MULTIDC_ELASTIC", "1")
+    with pytest.raises(ValueError, match="MULTIDC_ELASTIC is set but MultiDCPlugin has no elastic mode yet"):
+        MultiDCPlugin()

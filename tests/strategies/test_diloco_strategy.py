@@ -119,3 +119,12 @@ def test_the_example_trains_across_two_sites_and_reports_both_validation_losses(
     # sync_every 10, 2 fragments, 2 overlap steps: syncs start at 5, 10, 15, 20 and merge 2 steps later
     assert "done: 4 ranks in 2 sites [2, 2]" in log and "step   20" in log
     assert "MiB sent in 3 fragment syncs" in log and "global parameters" in log
+
+
+def test_each_site_keeps_its_buffers_and_elastic_mode_is_refused(monkeypatch):
+    assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))._ddp_kwargs["broadcast_buffers"] is False
+    with pytest.raises(ValueError, match="DiLoCoStrategy has no elastic mode yet"):
+        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4), elastic=True)
+    monkeypatch.setenv("MULTIDC_ELASTIC", "1")
+    with pytest.raises(ValueError, match="MULTIDC_ELASTIC is set but DiLoCoStrategy has no elastic mode yet"):
+        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))

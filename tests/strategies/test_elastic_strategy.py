@@ -18,20 +18,11 @@ require_module("lightning", "lightning")
 
 from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
-from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, Lighthouse, _logs, _progress, _site  # noqa: E402
+from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, _logs, _progress, _site  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
 MAX_STEPS = 250
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
-
-
-@pytest.fixture
-def lighthouse():
-    server = Lighthouse()
-    try:
-        yield server
-    finally:
-        server.server.shutdown()
 
 
 def _trainer_site(name: str, address: str, out: Path):
@@ -80,3 +71,13 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
         HierarchicalDDPStrategy()
     monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5:29510")
     assert HierarchicalDDPStrategy().elastic and not HierarchicalDDPStrategy(elastic=False).elastic
+
+
+def test_front_ends_without_an_elastic_mode_refuse_the_variable(monkeypatch):
+    from multidc.strategies import HierarchicalDDPFabricStrategy, Parallel3DStrategy
+
+    monkeypatch.setenv("MULTIDC_ELASTIC", "1")
+    for build, owner in ((lambda: Parallel3DStrategy(), "Parallel3DStrategy"),
+                         (lambda: HierarchicalDDPFabricStrategy(), "HierarchicalDDPFabricStrategy")):
+        with pytest.raises(ValueError, match=f"MULTIDC_ELASTIC is set but {owner} has no elastic mode yet"):
+            build()
