@@ -111,3 +111,5 @@ def describe(config, name: str, from_env: dict[str, str], variables: dict[str, s
 # Elastic sites (torchft): opt-in (Lightning / Accelerate), and where the lighthouse listens.
 ELASTIC = "MULTIDC_ELASTIC"
 LIGHTHOUSE = "MULTIDC_LIGHTHOUSE"
+# The address this host advertises to the other sites for torchft's manager and state transfer (default: its name).
+ELASTIC_HOST = "MULTIDC_ELASTIC_HOST"

@@ -205,7 +205,8 @@ class _Pipeline:
             self._issue_wan(state, i)
         except (RuntimeError, ValueError) as exc:
             error = WanError(_wan_message(self.topo, self.timeout_s, i, len(self.chunks), exc))
-            if not self.topo.tolerate_wan_error(error):
+            # a ValueError is a mistake in the call, never a failed link: not tolerated
+            if not isinstance(exc, RuntimeError) or not self.topo.tolerate_wan_error(error):
                 raise
             self.wan_failed = True
         return finished

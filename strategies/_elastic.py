@@ -7,11 +7,13 @@ site, and every optimizer step is one step of the elastic job:
 1. ``start_step()``: the quorum of sites present; a (re)started site receives the model, optimizer and LR
    scheduler states from a live site here (not from storage);
 2. the training step and backward (Lightning's closure), then ``sync_gradients``: the average over the sites;
-3. ``commit()``: the optimizer steps only if every site present agrees; a discarded step changes nothing.
+3. ``commit()``: the optimizer and the LR schedulers step only if the step commits; a discarded step changes no
+   weight, optimizer or scheduler state (its batch is consumed, not retried).
 
 The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
-and a rejoined site continues the job's count. Gradient accumulation is not supported in elastic mode (a site
-receiving the live state mid-accumulation would mix gradients of two models).
+and a rejoined site continues the job's count. Refused, with a clear error: gradient accumulation (a site
+receiving the live state mid-accumulation would mix gradients of two models), fp16 loss scaling (the scale is not
+shared), and LR schedulers other than ``interval="step"``, ``frequency=1`` (epochs and batch counts differ per site).
 """
 
 from __future__ import annotations
@@ -49,7 +51,25 @@ class ElasticMixin:
             )
         if not self.lightning_module.automatic_optimization:
             raise ValueError("elastic=True needs automatic optimization (the strategy decides whether a step commits).")
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
         from multidc.hierarchical.elastic import ElasticSite
+
+        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None), mode="elastic")
+        for config in self.lr_scheduler_configs:
+            if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
+                raise ValueError(
+                    f"elastic=True steps LR schedulers once per committed step; {type(config.scheduler).__name__} "
+                    f"has interval={config.interval!r}, frequency={config.frequency}"
+                    f"{', reduce_on_plateau' if config.reduce_on_plateau else ''}. Return it from configure_optimizers "
+                    f"with {{'interval': 'step', 'frequency': 1}} (epochs and batch counts differ between sites)."
+                )
+        module, original = self.lightning_module, self.lightning_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric) -> None:  # a discarded step leaves the schedulers as they are
+            if self.elastic_committed:
+                original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # instance attribute: the hook Lightning calls; undone in teardown
 
         self.elastic_site = ElasticSite(
             state_dict=self._elastic_state, load_state_dict=self._load_elastic_state, site=self._site_name(),
@@ -96,6 +116,9 @@ class ElasticMixin:
         step.ready = step.completed + 1
 
     def _teardown_elastic(self) -> None:
+        module = self.lightning_module
+        if module is not None and "lr_scheduler_step" in vars(module):
+            del module.lr_scheduler_step
         site, self.elastic_site = self.elastic_site, None
         if site is not None:
             site.close()

@@ -182,13 +182,21 @@ def agree(error: str | None, config: DiLoCoConfig | None, extra=None, *, group=N
     return claims
 
 
-def refuse_loss_scaling(scaler) -> None:
-    """A ValueError when fp16 loss scaling (a ``GradScaler``) would drive DiLoCo's inner optimizer: it skips
-    optimizer steps on overflow, each site on its own, so the sites' DiLoCo schedules would drift apart (one site
-    starts a sync the others never issue). Front-ends call it on every rank before training."""
+_LOSS_SCALING_HARM = {
+    "DiLoCo": "the GradScaler skips optimizer steps on overflow, each site on its own, which would put the sites' "
+              "DiLoCo schedules apart",
+    "elastic": "the GradScaler's scale is neither averaged over the sites nor part of the state a rejoining site "
+               "receives, so the sites would sum gradients scaled differently",
+}
+
+
+def refuse_loss_scaling(scaler, *, mode: str = "DiLoCo") -> None:
+    """A ValueError when fp16 loss scaling (a ``GradScaler``) would drive a training mode that cannot follow it:
+    ``"DiLoCo"`` (the scaler skips optimizer steps per site, so the sites' schedules drift apart) or
+    ``"elastic"`` (the scale differs between a rejoined site and the others). Front-ends call it on every rank
+    before training."""
     if scaler is not None:
         raise ValueError(
-            "DiLoCo with fp16 loss scaling (precision '16-mixed' / mixed_precision 'fp16'): the GradScaler skips "
-            "optimizer steps on overflow, each site on its own, which would put the sites' DiLoCo schedules apart. "
-            "Use bf16 mixed precision (no scaler) or full precision."
+            f"{mode} with fp16 loss scaling (precision '16-mixed' / mixed_precision 'fp16'): "
+            f"{_LOSS_SCALING_HARM[mode]}. Use bf16 mixed precision (no scaler) or full precision."
         )

@@ -14,12 +14,13 @@ A training step::
         topology = site.start_step()      # quorum; a (re)joining site receives the live sites' state here
         loss_fn(model(x), y).backward()   # model: plain, or DDP over the site's ranks
         site.sync_gradients(model)        # average over the sites present (failures make the step be discarded)
-        if site.commit():                 # every site present agrees, or every one discards the step
+        if site.commit():                 # this site's ranks vote together
             opt.step()
         opt.zero_grad()
 
-A site that dies (or whose link is cut) fails the WAN transfers of the step in flight: every site discards that
-step (``commit()`` is False), the next quorum leaves the dead site out once the lighthouse stops hearing it, and the
+A site that dies (or whose link is cut) fails the WAN transfers of the step in flight: the sites that see the failure
+discard that step (``commit()`` is False; one that completed it commits, and the next quorum heals the sites behind
+it from one that committed), the next quorum leaves the dead site out once the lighthouse stops hearing it, and the
 others go on, averaging over the sites present. A restarted site joins at the next quorum and receives the model,
 optimizer and step from a live site's same-index rank (torchft's HTTP checkpoint transport), not from storage.
 """
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +45,8 @@ from multidc.hierarchical.elastic.lighthouse import import_torchft, lighthouse_u
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology
+
+_log = logging.getLogger("multidc.hierarchical.elastic")
 
 
 class ElasticTopology(Topology):
@@ -89,7 +94,9 @@ class ElasticTopology(Topology):
         return self._manager.errored() is None  # e.g. a failed recovery: peers time out and discard the step too
 
     def tolerate_wan_error(self, error: Exception) -> bool:
-        self.error = error
+        if self.error is None:  # the first failure of the step says why; the later ones follow from it
+            _log.warning("site %r discards this step: %s", self.site_name, error)
+            self.error = error
         self._manager.report_error(error)
         return True
 
@@ -111,6 +118,13 @@ class ElasticSite:
             with the job yet waits until it either receives the live state from a peer or, at step 0, every one of
             these sites is present: a (re)started site never trains alone beside the job.
         quorum_timeout_s: how long a quorum may take (a site starting or healing waits this long at most).
+        heal_timeout_s: how long sending or receiving the live state may take (HTTP between same-index ranks of
+            two sites), and how long a site's ranks wait for each other's commit vote. Larger than
+            ``wan.timeout_s``, which bounds each WAN transfer of a step: a large model heals for longer.
+        host: the address of this host that the other sites reach (default ``MULTIDC_ELASTIC_HOST``, else the
+            host's name): torchft advertises it for the site's manager (rank 0) and for each rank's state server.
+        max_failed_steps: after this many steps in a row discarded because of a failure (a WAN transfer, a
+            recovery), every rank of the site raises the last failure instead of trying again; None: never.
 
     Raises:
         ImportError: torchft is missing. ValueError: bad settings, before connecting.
@@ -127,6 +141,9 @@ class ElasticSite:
         min_sites: int = 1,
         sites: int | None = None,
         quorum_timeout_s: float = 120.0,
+        heal_timeout_s: float = 600.0,
+        max_failed_steps: int | None = 10,
+        host: str | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ElasticSite needs the site's process group: call init_process_group first.")
@@ -140,20 +157,28 @@ class ElasticSite:
         sites = sites if sites is not None else (_env.read_int(_env.NUM_SITES) or 1)
         if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
             raise ValueError(f"sites={sites!r} must be a positive integer (the sites the job starts with).")
+        for name, value in (("quorum_timeout_s", quorum_timeout_s), ("heal_timeout_s", heal_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds.")
+        if max_failed_steps is not None and (not isinstance(max_failed_steps, int) or max_failed_steps < 1):
+            raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
+        self.max_failed_steps, self._failed_steps = max_failed_steps, 0
         url = lighthouse_url(lighthouse)
         torchft = import_torchft()
         from torchft.process_group import ProcessGroupGloo
 
-        timeout = datetime.timedelta(seconds=wan.timeout_s)
         self.name = str(site)
         self.wan = wan
         self.wan_stats = WanStats()
-        self.rail = ProcessGroupGloo(timeout=timeout)
+        self.rail = ProcessGroupGloo(timeout=datetime.timedelta(seconds=wan.timeout_s))
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        host = host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+        heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
         self.manager = torchft.Manager(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
-            use_async_quorum=False, timeout=timeout,
+            hostname=host, checkpoint_transport=_state_server(host, heal_timeout),
+            use_async_quorum=False, timeout=heal_timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s), lighthouse_addr=url, replica_id=self.name,
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
@@ -204,15 +229,21 @@ class ElasticSite:
         deadline = time.monotonic() + self._quorum_timeout_s
         while True:
             self.manager.start_quorum()
-            if self._joined or self.manager.current_step() > 0 or self.manager.num_participants() >= self.start_sites:
-                break  # trained with the job before, received the live state, or the job starts with every site
-            if time.monotonic() > deadline:
+            # trained with the job before, received the live state, or the job starts with every site
+            manager = self.manager
+            ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
+            ready, late = _site_decides(ready, time.monotonic() > deadline)
+            if ready:
+                break
+            if late:
                 raise TimeoutError(
                     f"site {self.name!r} found no live site to join and not all {self.start_sites} sites to start "
                     f"with within {self._quorum_timeout_s:g} s (quorum of {self.manager.num_participants()}): start "
                     f"the other sites, or check that they reach the lighthouse (multidc doctor)."
                 )
             time.sleep(0.1)
+        if self.manager.current_step() == 0 and self.manager.num_participants() > 1 and dist.get_world_size() > 1:
+            self._share_in_site()
         self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
         return self.topology
@@ -224,6 +255,10 @@ class ElasticSite:
         (``replicated``). Otherwise the whole hierarchical average (inside the site, then across). A failed WAN
         transfer does not raise: the step will not commit.
 
+        As under DDP, a parameter without a gradient counts as zeros in the average, and keeps no gradient only
+        if no rank of any site has one (found by a small uncompressed exchange, skipped under DDP without
+        ``find_unused_parameters``, where every parameter has a gradient).
+
         Not a DDP communication hook: a site that rejoins starts DDP afresh, and DDP re-buckets gradients after
         its first step, so bucket layouts would differ between sites.
         """
@@ -232,12 +267,19 @@ class ElasticSite:
         if not params:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        site_averaged = isinstance(module, torch.nn.parallel.DistributedDataParallel)
-        all_reduce(flat, self.topology, op="avg", replicated=site_averaged)
+        ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        all_reduce(flat, self.topology, op="avg", replicated=ddp)
+        used = [True] * len(params)
+        if not ddp or module.find_unused_parameters:
+            present = torch.tensor([float(p.grad is not None) for p in params], device=flat.device)
+            all_reduce(present, self.topology, wan=dataclasses.replace(self.wan, compression="none"), op="sum")
+            used = (present > 0).tolist()
         offset = 0
-        for p in params:
+        for p, has_grad in zip(params, used, strict=True):
             values = flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
+            if not has_grad:
+                p.grad = None
+            elif p.grad is None:
                 p.grad = values.clone()
             else:
                 p.grad.copy_(values)
@@ -256,15 +298,74 @@ class ElasticSite:
         all_reduce(tensor, self.topology, op=op)
         return tensor
 
+    def _share_in_site(self) -> None:
+        """At step 0 torchft makes the sites equal rank by rank, each rank index from its own source site (its
+        first quorum spreads the sources over the sites), so the ranks of one site can hold different sites'
+        initial weights: every rank takes its site's rank 0 state, the same in every site."""
+        box = [_to_cpu(self._state_dict()) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if dist.get_rank() != 0:
+            self._load_state_dict(box[0])
+
     def commit(self) -> bool:
-        """Whether every rank of every site present may apply this step (collective over the site)."""
-        return self.manager.should_commit()
+        """Whether every rank of this site may apply this step (collective over the site: the site's ranks vote
+        together). Each site decides from what it saw: when a transfer fails on one site only, another may commit
+        the step; the next quorum then heals the site that is behind from one that committed it.
+
+        Raises:
+            RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
+        """
+        committed = self.manager.should_commit()
+        failure = self.topology.error if self.topology is not None else None
+        failure = failure or self.manager.errored()
+        self._failed_steps = 0 if committed or failure is None else self._failed_steps + 1
+        if self.max_failed_steps is not None and self._failed_steps >= self.max_failed_steps:
+            raise RuntimeError(
+                f"site {self.name!r}: {self._failed_steps} steps in a row failed and were discarded (max_failed_steps="
+                f"{self.max_failed_steps}); the last failure: {failure}. Check the WAN between the sites (multidc "
+                f"doctor) and the other sites' logs."
+            )
+        return committed
 
     def close(self) -> None:
         """Stop the site's manager (its server on rank 0) and the topology's worker."""
         if self.topology is not None:
             self.topology.close()
         self.manager.shutdown(wait=False)
+
+
+def _state_server(host: str, timeout: datetime.timedelta):
+    """torchft's HTTP state server, advertised under ``host`` (torchft's own uses the host's name, which other
+    sites may not resolve to this host)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _Advertised(HTTPTransport):
+        def address(self) -> str:
+            scheme, rest = super().address().split("://", 1)
+            return f"{scheme}://{host}:{rest.split(':', 1)[1]}"
+
+    return _Advertised(timeout=timeout, num_chunks=0)
+
+
+def _site_decides(ready: bool, late: bool) -> tuple[bool, bool]:
+    """Every rank of the site acts alike: ready when all are, late when any is (collective over the site)."""
+    votes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, (ready, late))
+    return all(vote[0] for vote in votes), any(vote[1] for vote in votes)
+
+
+def _to_cpu(value):
+    """A nested state with its tensors copied to the CPU (so any rank can unpickle it)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    if isinstance(value, tuple):
+        items = [_to_cpu(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 def _tensor_shapes(value, path: str = ""):

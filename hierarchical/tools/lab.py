@@ -103,6 +103,15 @@ class Lab:
         """``argv`` run inside ``site``'s namespace."""
         return ["ip", "netns", "exec", self.netns(site), *argv]
 
+    @property
+    def hub_ip(self) -> str:
+        """An address on the WAN's bridge, reached by every site over its WAN link (e.g. for a lighthouse)."""
+        return f"{_SUBNET}.2"
+
+    def wrap_hub(self, argv: list[str]) -> list[str]:
+        """``argv`` run on the WAN's bridge (address ``hub_ip``): a service every site reaches, none holds."""
+        return ["ip", "netns", "exec", self.wan_netns, *argv]
+
     # -- lifecycle -----------------------------------------------------------------------------------------
     def __enter__(self) -> Lab:
         reason = lab_available()
@@ -144,6 +153,7 @@ class Lab:
         self._add_netns(wan)
         _sh("ip", "-n", wan, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", wan, "link", "set", "br0", "up")
+        _sh("ip", "-n", wan, "addr", "add", f"{self.hub_ip}/24", "dev", "br0")
         for site in range(self.num_sites):
             ns = self.netns(site)
             self._add_netns(ns)

@@ -37,12 +37,15 @@ def main() -> None:
     parser.add_argument("--compression", default="none")
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel over the site's ranks")
     parser.add_argument("--hidden", type=int, default=16, help="another value: a site with another model")
+    parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
+    parser.add_argument("--max-failed-steps", type=int, default=10)
+    parser.add_argument("--stall-s", type=float, default=0.0, help="sleep inside every step (a site too slow)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, index = dist.get_rank(), int(args.site.removeprefix("site"))
-    net = model(args.hidden)
+    net = model(args.hidden, seed=index if args.seed_per_site else 0)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
 
     def state_dict() -> dict:
@@ -57,16 +60,17 @@ def main() -> None:
         trained = torch.nn.parallel.DistributedDataParallel(net)  # the site's group: this torchrun's ranks
     site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
                        wan=WanConfig(timeout_s=args.timeout_s, compression=args.compression),
-                       sites=args.sites)
-    log, discarded, joined_at, last = [], 0, None, []
+                       sites=args.sites, max_failed_steps=args.max_failed_steps)
+    log, discarded, joined_at, last, last_step = [], 0, None, [], -1
     while True:
         site.start_step()
         step = site.step
         # the end: every site took part in the last committed step (a site that just received the state included)
-        if (step >= args.steps and len(last) == args.sites) or step >= args.max_steps:
+        if (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps:
             break
         if joined_at is None:  # the state this rank starts from (a site joining late receives it in start_step)
             joined_at, initial = step, {n: p.detach().clone() for n, p in net.named_parameters()}
+        time.sleep(args.stall_s)
         x, y = rows(index, rank, step)
         torch.nn.functional.mse_loss(trained(x), y).backward()  # under DDP: averaged inside the site
         site.sync_gradients(trained)
@@ -75,7 +79,7 @@ def main() -> None:
         site.all_reduce(present, op="sum")
         if site.commit():
             opt.step()
-            last = [s for s in range(MAX_SITES) if present[s] > 0.5]
+            last, last_step = [s for s in range(MAX_SITES) if present[s] > 0.5], step
             log.append({"step": step, "sites": last})
         else:
             discarded += 1

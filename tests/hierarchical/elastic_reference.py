@@ -8,8 +8,8 @@ from torch import nn
 LR, MAX_SITES, ROWS = 0.05, 4, 4
 
 
-def model(hidden: int = 16) -> nn.Module:
-    torch.manual_seed(0)
+def model(hidden: int = 16, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
 
 
@@ -19,13 +19,22 @@ def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x[:, :4] * (1 + site))
 
 
-def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def lr_factor(step: int) -> float:
+    """The LR schedule of the Lightning test (``LambdaLR``): the factor at the job's committed step ``step``."""
+    return 1.0 / (1.0 + 0.05 * step)
+
+
+def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
+              scheduled: bool = False) -> dict[str, torch.Tensor]:
     """One process replays the committed steps from the parameters ``initial``: each step's gradient is the mean
-    over the ranks of the sites that took part (``log``: ``{"step", "sites"}`` per committed step, in order)."""
+    over the ranks of the sites that took part (``log``: ``{"step", "sites"}`` per committed step, in order); with
+    ``scheduled``, step ``k`` runs at ``LR * lr_factor(k)``."""
     net = model()
     net.load_state_dict(initial)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     for entry in log:
+        if scheduled:
+            opt.param_groups[0]["lr"] = LR * lr_factor(entry["step"])
         grads = None
         for site in entry["sites"]:
             for local in range(per_site):

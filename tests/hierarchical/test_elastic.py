@@ -59,14 +59,21 @@ class Lighthouse:
 
 
 def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
-          script: str = SCRIPT) -> ProcessTree:
-    """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop)."""
+          script: str = SCRIPT, lab=None) -> ProcessTree:
+    """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop);
+    with ``lab``, inside site ``name``'s namespace, advertising its WAN address."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_"))}
     env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", "127.0.0.1", "--master-port",
+    host = "127.0.0.1"
+    if lab is not None:
+        host = lab.site_ip(int(name.removeprefix("site")))
+        env |= {"MULTIDC_ELASTIC_HOST": host, "GLOO_SOCKET_IFNAME": "wan0"}
+    argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", host, "--master-port",
             str(_free_port()), script, "--site", name, "--sites", str(sites), "--out", str(out), *extra]
     if script == SCRIPT:
         argv += ["--steps", str(STEPS)] if "--steps" not in extra else []
+    if lab is not None:
+        argv = lab.wrap(int(name.removeprefix("site")), argv)
     log = open(out / f"{name}.{len(list(out.glob(f'{name}.*.log')))}.log", "w")  # the tree owns it until it ends
     return ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -186,3 +193,49 @@ def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse,
     ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_path, lighthouse):
+    # torchft's first quorum makes the sites equal rank index by rank index, from different source sites: the
+    # ranks of one site must still end up holding one state (each site seeds its model differently here)
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 2, 2, lighthouse.address, tmp_path, "--seed-per-site", "--steps", "6")
+             for name in names}
+    try:
+        for name, tree in trees.items():
+            code, _ = tree.wait(TIMEOUT_S)
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt") for name in names for r in range(2)]
+    for rank in ranks:
+        assert rank["joined_at"] == 0
+        for name, value in rank["initial"].items():
+            assert torch.equal(value, ranks[0]["initial"][name]), name  # one starting state everywhere
+        for name, value in rank["params"].items():
+            assert torch.equal(value, ranks[0]["params"][name]), name
+    expected = reference(ranks[0]["log"], 2, ranks[0]["initial"])
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path):
+    # site1 stalls longer than the WAN timeout inside every step: every step fails; after max_failed_steps in a
+    # row both sites raise, saying why, instead of retrying for ever (a long join timeout keeps them in one quorum)
+    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=10_000, join_timeout_ms=20_000)
+    address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    common = ("--timeout-s", "1", "--max-failed-steps", "3", "--steps", "50")
+    trees = {"site0": _site("site0", 1, 2, address, tmp_path, *common),
+             "site1": _site("site1", 1, 2, address, tmp_path, *common, "--stall-s", "3")}
+    try:
+        for name, tree in trees.items():
+            code, _ = tree.wait(TIMEOUT_S)
+            log = _logs(tmp_path, name)
+            assert code != 0, log
+            assert f"site '{name}': 3 steps in a row failed and were discarded (max_failed_steps=3)" in log, log
+            assert "the last failure: " in log, log
+    finally:
+        for tree in trees.values():
+            tree.kill()
+        server.shutdown()

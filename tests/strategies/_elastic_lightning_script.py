@@ -22,14 +22,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 import lightning.pytorch as pl  # noqa: E402
 
+from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
 
 
 class Net(pl.LightningModule):
-    def __init__(self, index: int, sleep: float, out: str, name: str) -> None:
+    def __init__(self, index: int, sleep: float, out: str, name: str, interval: str, stall: tuple[int, float]) -> None:
         super().__init__()
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
+        self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
 
     def training_step(self, batch, batch_idx):
@@ -42,6 +44,9 @@ class Net(pl.LightningModule):
         present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site present
         strategy.elastic_site.all_reduce(present, op="sum")
         self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5])
+        if step == self.stall[0]:  # once (the retried step goes through), longer than the WAN timeout
+            seconds, self.stall = self.stall[1], (-1, 0.0)
+            time.sleep(seconds)
         x, y = rows(self.index, self.global_rank, step)
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -49,16 +54,29 @@ class Net(pl.LightningModule):
         if self.trainer.strategy.elastic_committed:
             step, sites = self._pending
             self.log_steps.append({"step": step, "sites": sites})
+        else:
+            self.discarded += 1
         if self.global_rank == 0:
             with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
                 f.write(str(self.trainer.global_step))
         time.sleep(self.sleep)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=LR)
+        optimizer = torch.optim.SGD(self.net.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # stepped once per committed step
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
+
+
+def _precision(precision: str) -> list:
+    """Lightning turns '16-mixed' into bf16 on CPU: build fp16 loss scaling explicitly to check its refusal."""
+    if precision == "32-true":
+        return []
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return [MixedPrecision(precision, "cpu", scaler=torch.amp.GradScaler("cpu"))]
 
 
 def main() -> None:
@@ -67,19 +85,27 @@ def main() -> None:
     parser.add_argument("--sites", type=int, required=True)
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--interval", default="step", help="the LR scheduler's interval")
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--stall-at", type=int, default=-1, help="the job step at which this site stalls")
+    parser.add_argument("--stall-s", type=float, default=0.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
-    module = Net(index, args.sleep, args.out, args.site)
+    module = Net(index, args.sleep, args.out, args.site, args.interval, (args.stall_at, args.stall_s))
     trainer = pl.Trainer(
-        strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites),
+        strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
+                                         wan=WanConfig(timeout_s=args.timeout_s)),
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
-        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        plugins=_precision(args.precision), enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module)
     torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
-                "log": module.log_steps, "joined_at": module.joined_at, "initial": module.initial,
+                "log": module.log_steps, "discarded": module.discarded, "joined_at": module.joined_at,
+                "initial": module.initial,
                 "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 

@@ -56,9 +56,50 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse):
     assert [e["step"] for e in survivor["log"]] == list(range(survivor["joined_at"], MAX_STEPS))
     assert any(e["sites"] == [0] and e["step"] > killed_at for e in survivor["log"])  # trained on alone
     assert restarted["joined_at"] > killed_at and all(e["sites"] == [0, 1] for e in restarted["log"])
-    expected = reference(survivor["log"], 1, survivor["initial"])
+    # the LR schedule follows the committed steps: a discarded step (the one in flight at the kill) steps nothing
+    expected = reference(survivor["log"], 1, survivor["initial"], scheduled=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path, lighthouse):
+    # site1 stalls inside step 5 longer than the WAN timeout: that step fails and is discarded; the LR schedule
+    # still follows the committed steps only (a replay with the schedule of the committed steps matches)
+    common = ("--max-steps", "20", "--sleep", "0.02", "--timeout-s", "2")
+    trees = {"site0": _site("site0", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT),
+             "site1": _site("site1", 1, 2, lighthouse.address, tmp_path, *common, "--stall-at", "5", "--stall-s",
+                            "5", script=SCRIPT)}
+    try:
+        for name, tree in trees.items():
+            code, _ = tree.wait(TIMEOUT_S)
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1")]
+    assert ranks[0]["discarded"] >= 1, "no step was discarded"
+    assert [e["step"] for e in ranks[0]["log"]] == list(range(20))
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+    expected = reference(ranks[0]["log"], 1, ranks[0]["initial"], scheduled=True)
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--precision", "16-mixed"], "elastic with fp16 loss scaling"),
+    (["--interval", "epoch"], "elastic=True steps LR schedulers once per committed step; LambdaLR has "
+                              "interval='epoch'"),
+], ids=["loss-scaling", "epoch-scheduler"])
+def test_a_fit_that_elastic_mode_cannot_follow_is_refused_before_training(tmp_path, lighthouse, extra, message):
+    tree = _site("site0", 1, 1, lighthouse.address, tmp_path, "--max-steps", "5", *extra, script=SCRIPT)
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    log = _logs(tmp_path, "site0")
+    assert code != 0 and message in log, log
+    assert not (tmp_path / "site0.progress").exists()  # no step ran
 
 
 def test_elastic_settings_are_checked_at_construction(monkeypatch):
