@@ -42,7 +42,7 @@ class ElasticMixin:
             import_torchft()
 
     def _setup_elastic(self, trainer) -> None:
-        if not self.elastic:
+        if not self.elastic or trainer.state.fn != "fit":  # validate / test / predict: no steps to agree on
             return
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -63,13 +63,14 @@ class ElasticMixin:
                     f"{', reduce_on_plateau' if config.reduce_on_plateau else ''}. Return it from configure_optimizers "
                     f"with {{'interval': 'step', 'frequency': 1}} (epochs and batch counts differ between sites)."
                 )
-        module, original = self.lightning_module, self.lightning_module.lr_scheduler_step
+        loop = trainer.fit_loop.epoch_loop
+        original = loop.update_lr_schedulers
 
-        def lr_scheduler_step(scheduler, metric) -> None:  # a discarded step leaves the schedulers as they are
-            if self.elastic_committed:
-                original(scheduler, metric)
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            if self.elastic_committed:  # a discarded step leaves the schedulers (and their progress) as they are
+                original(interval, update_plateau_schedulers)
 
-        module.lr_scheduler_step = lr_scheduler_step  # instance attribute: the hook Lightning calls; undone in teardown
+        loop.update_lr_schedulers = update_lr_schedulers  # on Lightning's loop, not the module; undone in teardown
 
         self.elastic_site = ElasticSite(
             state_dict=self._elastic_state, load_state_dict=self._load_elastic_state, site=self._site_name(),
@@ -116,9 +117,9 @@ class ElasticMixin:
         step.ready = step.completed + 1
 
     def _teardown_elastic(self) -> None:
-        module = self.lightning_module
-        if module is not None and "lr_scheduler_step" in vars(module):
-            del module.lr_scheduler_step
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and "update_lr_schedulers" in vars(trainer.fit_loop.epoch_loop):
+            del trainer.fit_loop.epoch_loop.update_lr_schedulers
         site, self.elastic_site = self.elastic_site, None
         if site is not None:
             site.close()

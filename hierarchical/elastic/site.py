@@ -163,7 +163,9 @@ class ElasticSite:
         if max_failed_steps is not None and (not isinstance(max_failed_steps, int) or max_failed_steps < 1):
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
-        self.max_failed_steps, self._failed_steps = max_failed_steps, 0
+        self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
+        # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
+        self._votes = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         url = lighthouse_url(lighthouse)
         torchft = import_torchft()
         from torchft.process_group import ProcessGroupGloo
@@ -174,6 +176,7 @@ class ElasticSite:
         self.rail = ProcessGroupGloo(timeout=datetime.timedelta(seconds=wan.timeout_s))
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         host = host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal in a URL
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
         self.manager = torchft.Manager(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
@@ -226,13 +229,16 @@ class ElasticSite:
         the live state receives it here. Returns the topology of the sites present."""
         if self.topology is not None:
             self.topology.close()
-        deadline = time.monotonic() + self._quorum_timeout_s
+        deadline, manager = time.monotonic() + self._quorum_timeout_s, self.manager
         while True:
-            self.manager.start_quorum()
+            manager.start_quorum()
             # trained with the job before, received the live state, or the job starts with every site
-            manager = self.manager
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
-            ready, late = _site_decides(ready, time.monotonic() > deadline)
+            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step()), self._votes)
+            steps = {vote[2] for vote in votes}
+            ready, late = all(vote[0] for vote in votes) and len(steps) == 1, any(vote[1] for vote in votes)
+            if len(steps) > 1:  # a rank failed to heal: the whole site registers as behind, and heals next quorum
+                manager.load_state_dict({"step": min(steps), "batches_committed": manager.batches_committed()})
             if ready:
                 break
             if late:
@@ -242,7 +248,8 @@ class ElasticSite:
                     f"the other sites, or check that they reach the lighthouse (multidc doctor)."
                 )
             time.sleep(0.1)
-        if self.manager.current_step() == 0 and self.manager.num_participants() > 1 and dist.get_world_size() > 1:
+        # the same on every rank of the site: one step everywhere, one quorum
+        if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
         self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
@@ -303,7 +310,7 @@ class ElasticSite:
         first quorum spreads the sources over the sites), so the ranks of one site can hold different sites'
         initial weights: every rank takes its site's rank 0 state, the same in every site."""
         box = [_to_cpu(self._state_dict()) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._votes)
         if dist.get_rank() != 0:
             self._load_state_dict(box[0])
 
@@ -316,10 +323,12 @@ class ElasticSite:
             RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
         """
         committed = self.manager.should_commit()
-        failure = self.topology.error if self.topology is not None else None
-        failure = failure or self.manager.errored()
-        self._failed_steps = 0 if committed or failure is None else self._failed_steps + 1
+        # the site's vote and quorum are the same on every rank: its ranks count (and raise) together
+        failed = not committed and self.manager.num_participants() >= self._min_sites
+        self._failed_steps = self._failed_steps + 1 if failed else 0
         if self.max_failed_steps is not None and self._failed_steps >= self.max_failed_steps:
+            failure = (self.topology.error if self.topology is not None else None) or self.manager.errored()
+            failure = failure or "on another rank of this site"
             raise RuntimeError(
                 f"site {self.name!r}: {self._failed_steps} steps in a row failed and were discarded (max_failed_steps="
                 f"{self.max_failed_steps}); the last failure: {failure}. Check the WAN between the sites (multidc "
@@ -347,11 +356,11 @@ def _state_server(host: str, timeout: datetime.timedelta):
     return _Advertised(timeout=timeout, num_chunks=0)
 
 
-def _site_decides(ready: bool, late: bool) -> tuple[bool, bool]:
-    """Every rank of the site acts alike: ready when all are, late when any is (collective over the site)."""
+def _site_votes(vote: tuple, group) -> list[tuple]:
+    """Every rank's ``vote``, so that the site's ranks decide alike (collective over the site)."""
     votes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(votes, (ready, late))
-    return all(vote[0] for vote in votes), any(vote[1] for vote in votes)
+    dist.all_gather_object(votes, vote, group=group)
+    return votes
 
 
 def _to_cpu(value):

@@ -56,7 +56,9 @@ def test_a_site_whose_link_is_cut_leaves_the_others_training_and_rejoins(tmp_pat
             lab.set_link(2, up=False)
             cut_at = _progress(tmp_path, "site2")
             before = {n: _progress(tmp_path, n) for n in names[:2]}
-            time.sleep(CUT_S)
+            time.sleep(CUT_S)  # then until the others made a few steps without site2 (a slow 2-core machine)
+            while min(_progress(tmp_path, n) - before[n] for n in before) < 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
             went_on = {n: _progress(tmp_path, n) - before[n] for n in before}
             lab.set_link(2, up=True)
             for name, tree in trees.items():  # the cut site was not restarted: it rejoins on its own
@@ -66,9 +68,9 @@ def test_a_site_whose_link_is_cut_leaves_the_others_training_and_rejoins(tmp_pat
             for tree in trees.values():
                 tree.kill()
             lighthouse.kill()
-    print(f"cut at step {cut_at}; the others went on by {went_on} steps in {CUT_S} s")
+    print(f"cut at step {cut_at}; the others went on by {went_on} steps while it was cut off")
     ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
-    assert all(steps > 0 for steps in went_on.values()), went_on  # the survivors never stopped for the cut
+    assert all(steps >= 5 for steps in went_on.values()), went_on  # the survivors never stopped for the cut
     first = ranks["site0"]
     for name, rank in ranks.items():  # the job ended with every site, bitwise identical
         assert rank["final_step"] == first["final_step"] >= STEPS and rank["num_sites"] == 3, name
