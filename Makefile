@@ -53,12 +53,14 @@ bench-pipeline: $(STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py
 
 # The long fault scripts (figures in README.md): >= 50 random-rank kills mid-save on a local dir and on SeaweedFS S3,
-# then WAN cuts in the lab (needs root: network namespaces). Each exits non-zero on a lost or corrupt checkpoint,
-# a late or silent failure, or a resume that lost a committed step.
+# then WAN cuts in the lab, then elastic sites under random kills, cuts and lighthouse restarts (needs root:
+# network namespaces). Each exits non-zero on a lost or corrupt checkpoint, a late or silent failure, a resume
+# that lost a committed step, or an elastic step lost, applied twice, stalled too long or diverged.
 faults: $(STAMP)
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/fault_checkpoint_kills.py --kills 50 --store both --json bench-results/fault_kills.json
 	$(BIN)/python benchmarks/fault_wan_cut.py --repeats 3 --json bench-results/fault_wan_cut.json
+	$(BIN)/python benchmarks/fault_elastic.py --faults 20 --steps 200 --json bench-results/fault_elastic.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info bench-results demo-logs

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import logging
 import socket
 import threading
@@ -113,7 +114,9 @@ class ElasticSite:
             is discarded; ``chunk_mb``); default ``WanConfig()``. One WAN stream per rail (torchft reconfigures
             one group per rank), whatever ``streams`` says.
         lighthouse: ``host:port`` of ``multidc lighthouse`` (default ``MULTIDC_LIGHTHOUSE``).
-        min_sites: sites a step needs to commit.
+        min_sites: sites a step needs to commit. Use a majority of the sites (and the same ``--min-sites`` on
+            the lighthouse) if the lighthouse may restart mid-run: with fewer, a restarted lighthouse can form two
+            quorums on the same step, and their sites' weights stay apart (see the README's lighthouse section).
         sites: the sites the job starts with (default ``MULTIDC_NUM_SITES``, else 1). A site that has not trained
             with the job yet waits until it either receives the live state from a peer or, at step 0, every one of
             these sites is present: a (re)started site never trains alone beside the job.
@@ -180,11 +183,15 @@ class ElasticSite:
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
         self.manager = torchft.Manager(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
-            hostname=host, checkpoint_transport=_state_server(host, heal_timeout),
+            hostname=host, checkpoint_transport=_state_server(host, heal_timeout, wan.timeout_s),
             use_async_quorum=False, timeout=heal_timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s), lighthouse_addr=url, replica_id=self.name,
+            # the site's manager retries an unreachable lighthouse about once a second (a restart, a flap)
+            # instead of failing the quorum at the first refused connection
+            quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
+        self.manager._client = _QuorumIdentity(self.manager._client)
         self.topology: ElasticTopology | None = None
 
     def _claim(self, state: dict) -> dict:
@@ -343,17 +350,76 @@ class ElasticSite:
         self.manager.shutdown(wait=False)
 
 
-def _state_server(host: str, timeout: datetime.timedelta):
+class _QuorumIdentity:
+    """The manager's client, with each lighthouse quorum given an id no earlier quorum of this job had.
+
+    torchft's manager reconfigures the rail groups only when the quorum id changes, and rendezvouses them under
+    ``<store>/torchft/<quorum_id>/<rank>`` (``Manager._async_quorum``, torchft 0.2). The lighthouse numbers its quorums
+    from 1 in memory, so after a lighthouse restart the ids repeat: a site whose last id comes again keeps a group
+    with the old members, and the others rendezvous among keys left by the earlier quorum of that id (gloo then
+    dials ports closed long ago and times out). Here the id is a hash of the lighthouse's id, the members and the
+    step at which this site first saw that quorum: every member first sees a quorum in the same round, at the same
+    ``max_step``, so they agree on it, and it differs from every earlier quorum of the job."""
+
+    def __init__(self, client) -> None:
+        self._client, self._seen, self._id = client, None, -1
+
+    def _quorum(self, *args, **kwargs):
+        quorum = self._client._quorum(*args, **kwargs)
+        seen = (quorum.quorum_id, tuple(quorum.replica_ids))
+        if seen != self._seen:
+            key = f"{seen[0]}|{','.join(seen[1])}|{quorum.max_step}".encode()
+            self._seen, self._id = seen, int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
+        return _Renumbered(quorum, self._id)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+class _Renumbered:
+    """A torchft ``QuorumResult`` with another ``quorum_id``."""
+
+    def __init__(self, quorum, quorum_id: int) -> None:
+        self._quorum, self.quorum_id = quorum, quorum_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._quorum, name)
+
+
+def _state_server(host: str, timeout: datetime.timedelta, wait_s: float):
     """torchft's HTTP state server, advertised under ``host`` (torchft's own uses the host's name, which other
-    sites may not resolve to this host)."""
+    sites may not resolve to this host), that makes a request for a state it does not serve wait ``wait_s`` at
+    most. torchft's server holds each request until the site serves a state (``HTTPTransport.do_GET`` waits on
+    its lock for the transport's whole ``timeout``): a site told to heal from a peer that never got that quorum
+    (the lighthouse restarted between their answers) would wait ``heal_timeout_s`` instead of failing the heal and
+    trying again at the next quorum."""
     from torchft.checkpointing import HTTPTransport
+    from torchft.checkpointing._rwlock import RWLock
+
+    class _ReadWait(RWLock):
+        def r_acquire(self) -> None:  # RWLock.r_acquire with its own timeout (writers keep the long one)
+            if not self._num_r_lock.acquire(timeout=wait_s):
+                raise TimeoutError(f"this site serves no state now (waited {wait_s:g} s)")
+            try:
+                self._num_r += 1
+                if self._num_r == 1 and not self._w_lock.acquire(timeout=wait_s):
+                    self._num_r -= 1
+                    raise TimeoutError(f"this site serves no state now (waited {wait_s:g} s)")
+            finally:
+                self._num_r_lock.release()
 
     class _Advertised(HTTPTransport):
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout, num_chunks=0)
+            lock = _ReadWait(timeout=timeout.total_seconds())
+            lock.w_acquire()  # torchft's server starts disallowed (its lock held for writing)
+            self._checkpoint_lock = lock
+
         def address(self) -> str:
             scheme, rest = super().address().split("://", 1)
             return f"{scheme}://{host}:{rest.split(':', 1)[1]}"
 
-    return _Advertised(timeout=timeout, num_chunks=0)
+    return _Advertised()
 
 
 def _site_votes(vote: tuple, group) -> list[tuple]:

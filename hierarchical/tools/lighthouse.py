@@ -1,9 +1,10 @@
 """``multidc lighthouse``: run torchft's lighthouse for elastic sites, in the foreground until SIGINT / SIGTERM.
 
-    multidc lighthouse --bind 0.0.0.0:29510 --min-sites 1
+    multidc lighthouse --bind 0.0.0.0:29510 --min-sites 2     # a majority of 3 sites
 
 Then set ``MULTIDC_LIGHTHOUSE=<this host>:29510`` on every site; ``multidc doctor`` checks that each rank reaches
-it. Its traffic is unauthenticated, unencrypted gRPC, like gloo's: keep the port on the sites' private network.
+it. ``--min-sites`` should be a majority of the sites: a restarted lighthouse that has not yet heard every site
+can otherwise give two groups of sites a quorum each on the same step (their weights then stay apart). Its traffic is unauthenticated, unencrypted gRPC, like gloo's: keep the port on the sites' private network.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import threading
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="0.0.0.0:29510", help="host:port to listen on (default 0.0.0.0:29510)")
     parser.add_argument("--min-sites", type=int, default=1,
-                        help="sites a quorum needs (default 1: a lone surviving site trains on)")
+                        help="sites a quorum needs (default 1); use a majority of the sites, N // 2 + 1, so that a "
+                             "restarted lighthouse cannot form two quorums on the same step")
     parser.add_argument("--join-timeout-ms", type=int, default=60_000,
                         help="how long a new quorum waits for heartbeating sites to join (default 60000)")
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="quorum recomputation interval (default 100)")

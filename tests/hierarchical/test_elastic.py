@@ -239,3 +239,60 @@ def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path)
         for tree in trees.values():
             tree.kill()
         server.shutdown()
+
+
+def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every_site():
+    """torchft's manager reconfigures (and rendezvouses under ``torchft/<quorum_id>``) only when the id changes; a
+    restarted lighthouse numbers its quorums from 1 again. Each distinct quorum must get an id no earlier one had,
+    the same one in every member, and keep it while it lasts."""
+    from types import SimpleNamespace
+
+    from multidc.hierarchical.elastic.site import _QuorumIdentity
+
+    class Client:
+        def __init__(self, quorums):
+            self.quorums = iter(quorums)
+
+        def _quorum(self, **kwargs):
+            return next(self.quorums)
+
+    def quorum(qid, members, step):
+        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1")
+
+    site_a = _QuorumIdentity(Client([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+                                     quorum(1, ["a"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
+    site_b = _QuorumIdentity(Client([quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+                                     quorum(1, ["b"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
+    results = [site_a._quorum() for _ in range(6)]  # the lighthouse restarts after the third quorum
+    ids_a = [result.quorum_id for result in results]
+    ids_b = [site_b._quorum().quorum_id for _ in range(5)]
+    assert ids_a[1] == ids_a[2] and ids_a[4] == ids_a[5]  # one id while a quorum lasts
+    assert len(set(ids_a)) == 4 and ids_a[4] not in ids_a[:4]  # the lighthouse's repeated id 2: a new quorum here
+    assert ids_b[0] == ids_a[1] and ids_b[3] == ids_b[4] == ids_a[4]  # its members agree on it
+    assert results[0].store_address == "s:1" and results[0].max_step == 0  # the rest is torchft's result
+
+
+def test_a_site_asked_for_a_state_it_does_not_serve_answers_within_the_wan_timeout():
+    """torchft's state server holds a request until the site serves a state, for the transport's whole (heal)
+    timeout; a site sent to heal from a peer that never got its quorum must fail that heal within seconds."""
+    import datetime
+    import urllib.error
+    import urllib.request
+
+    from multidc.hierarchical.elastic.site import _state_server
+
+    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=1.0)
+    try:
+        url = f"{server.address()}3/full"
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError, match="serves no state"):
+            urllib.request.urlopen(url, timeout=60)
+        assert time.monotonic() - started < 10
+        server.send_checkpoint([1], step=3, state_dict={"w": torch.arange(4.0)}, timeout=datetime.timedelta(60))
+        state = server.recv_checkpoint(0, server.metadata(), step=3, timeout=datetime.timedelta(seconds=60))
+        assert torch.equal(state["w"], torch.arange(4.0))
+        server.disallow_checkpoint()  # the commit: served no longer
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(url, timeout=60)
+    finally:
+        server.shutdown(wait=False)
