@@ -181,9 +181,10 @@ class ElasticSite:
         host = host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal in a URL
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
+        transport = _state_server(host, heal_timeout, wan.timeout_s)
         self.manager = torchft.Manager(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
-            hostname=host, checkpoint_transport=_state_server(host, heal_timeout, wan.timeout_s),
+            hostname=host, checkpoint_transport=transport,
             use_async_quorum=False, timeout=heal_timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s), lighthouse_addr=url, replica_id=self.name,
             # the site's manager retries an unreachable lighthouse about once a second (a restart, a flap)
@@ -191,7 +192,7 @@ class ElasticSite:
             quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
-        self.manager._client = _QuorumIdentity(self.manager._client)
+        self.manager._client = _QuorumIdentity(self.manager._client, on_quorum=transport.expect)
         self.topology: ElasticTopology | None = None
 
     def _claim(self, state: dict) -> dict:
@@ -361,11 +362,13 @@ class _QuorumIdentity:
     step at which this site first saw that quorum: every member first sees a quorum in the same round, at the same
     ``max_step``, so they agree on it, and it differs from every earlier quorum of the job."""
 
-    def __init__(self, client) -> None:
-        self._client, self._seen, self._id = client, None, -1
+    def __init__(self, client, on_quorum=None) -> None:
+        self._client, self._seen, self._id, self._on_quorum = client, None, -1, on_quorum
 
     def _quorum(self, *args, **kwargs):
         quorum = self._client._quorum(*args, **kwargs)
+        if self._on_quorum is not None:
+            self._on_quorum(quorum)
         seen = (quorum.quorum_id, tuple(quorum.replica_ids))
         if seen != self._seen:
             key = f"{seen[0]}|{','.join(seen[1])}|{quorum.max_step}".encode()
@@ -388,23 +391,27 @@ class _Renumbered:
 
 def _state_server(host: str, timeout: datetime.timedelta, wait_s: float):
     """torchft's HTTP state server, advertised under ``host`` (torchft's own uses the host's name, which other
-    sites may not resolve to this host), that makes a request for a state it does not serve wait ``wait_s`` at
-    most. torchft's server holds each request until the site serves a state (``HTTPTransport.do_GET`` waits on
-    its lock for the transport's whole ``timeout``): a site told to heal from a peer that never got that quorum
-    (the lighthouse restarted between their answers) would wait ``heal_timeout_s`` instead of failing the heal and
-    trying again at the next quorum."""
+    sites may not resolve to this host), that makes a request for a state it is not about to serve wait
+    ``wait_s`` at most. torchft's server holds each request until the site serves a state (``HTTPTransport.do_GET``
+    waits on its lock for the transport's whole ``timeout``): a site told to heal from a peer that never got that
+    quorum (the lighthouse restarted between their answers) would wait ``heal_timeout_s`` instead of failing the
+    heal and trying again at the next quorum. A site whose quorum names it a source (``expect``) holds requests
+    for the whole ``timeout``: it is still copying its state (``state_dict``, to CPU) before it serves it."""
     from torchft.checkpointing import HTTPTransport
     from torchft.checkpointing._rwlock import RWLock
 
+    sending = threading.Event()  # this rank's quorum made it a source of the live state
+
     class _ReadWait(RWLock):
-        def r_acquire(self) -> None:  # RWLock.r_acquire with its own timeout (writers keep the long one)
-            if not self._num_r_lock.acquire(timeout=wait_s):
-                raise TimeoutError(f"this site serves no state now (waited {wait_s:g} s)")
+        def r_acquire(self) -> None:  # RWLock.r_acquire, waiting wait_s unless a send is expected
+            wait = self.timeout if sending.is_set() else wait_s
+            if not self._num_r_lock.acquire(timeout=wait):
+                raise TimeoutError(f"this site serves no state now (waited {wait:g} s)")
             try:
                 self._num_r += 1
-                if self._num_r == 1 and not self._w_lock.acquire(timeout=wait_s):
+                if self._num_r == 1 and not self._w_lock.acquire(timeout=wait):
                     self._num_r -= 1
-                    raise TimeoutError(f"this site serves no state now (waited {wait_s:g} s)")
+                    raise TimeoutError(f"this site serves no state now (waited {wait:g} s)")
             finally:
                 self._num_r_lock.release()
 
@@ -414,6 +421,14 @@ def _state_server(host: str, timeout: datetime.timedelta, wait_s: float):
             lock = _ReadWait(timeout=timeout.total_seconds())
             lock.w_acquire()  # torchft's server starts disallowed (its lock held for writing)
             self._checkpoint_lock = lock
+
+        @staticmethod
+        def expect(quorum) -> None:
+            """Called with each quorum: whether it makes this rank send its state to healing sites."""
+            if quorum.recover_dst_replica_ranks:
+                sending.set()
+            else:
+                sending.clear()
 
         def address(self) -> str:
             scheme, rest = super().address().split("://", 1)

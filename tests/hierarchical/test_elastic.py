@@ -296,3 +296,36 @@ def test_a_site_asked_for_a_state_it_does_not_serve_answers_within_the_wan_timeo
             urllib.request.urlopen(url, timeout=60)
     finally:
         server.shutdown(wait=False)
+
+
+def test_a_site_that_its_quorum_makes_a_source_holds_requests_until_it_serves():
+    """A source still copying its state when the healing site asks must not fail that heal after wait_s."""
+    import datetime
+    import threading
+    import types
+
+    from multidc.hierarchical.elastic.site import _state_server
+
+    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=0.5)
+    try:
+        server.expect(types.SimpleNamespace(recover_dst_replica_ranks=[1]))
+        got = {}
+
+        def heal():
+            got["state"] = server.recv_checkpoint(0, server.metadata(), step=5,
+                                                  timeout=datetime.timedelta(seconds=60))
+
+        healer = threading.Thread(target=heal)
+        healer.start()
+        time.sleep(2.0)  # four times wait_s: the request must still be held
+        server.send_checkpoint([1], step=5, state_dict={"w": torch.ones(3)}, timeout=datetime.timedelta(60))
+        healer.join(30)
+        assert torch.equal(got["state"]["w"], torch.ones(3))
+        server.disallow_checkpoint()
+        server.expect(types.SimpleNamespace(recover_dst_replica_ranks=[]))  # the next quorum: no heal from here
+        started = time.monotonic()
+        with pytest.raises(Exception, match="500|serves no state"):
+            server.recv_checkpoint(0, server.metadata(), step=6, timeout=datetime.timedelta(seconds=60))
+        assert time.monotonic() - started < 10
+    finally:
+        server.shutdown(wait=False)
