@@ -329,3 +329,40 @@ def test_a_site_that_its_quorum_makes_a_source_holds_requests_until_it_serves():
         assert time.monotonic() - started < 10
     finally:
         server.shutdown(wait=False)
+
+
+def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_heal_timeout():
+    """A link cut mid-heal leaves a half-open connection: the fault benchmark saw a healing site block 7+ minutes in
+    a read of the state (heal_timeout_s=600). Both ends of a state transfer must probe the peer (TCP keepalive
+    after wait_s idle) and give up on unacknowledged data after wait_s + 5 s."""
+    import datetime
+    import http.client
+    import socket
+
+    from multidc.hierarchical.elastic.site import _dead_peer_timeout, _state_server
+
+    def options(sock):
+        return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+
+    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=3.0)
+    try:
+        assert options(server._server.socket) == (1, 3, 8000)  # the listening socket: its connections inherit
+        opened, real = [], http.client.HTTPConnection.getresponse
+
+        def spy(self):  # the request is sent: the connection is open
+            opened.append(options(self.sock))
+            return real(self)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(http.client.HTTPConnection, "getresponse", spy)
+            with pytest.raises(Exception, match="500|serves no state"):
+                server.recv_checkpoint(0, server.metadata(), step=1, timeout=datetime.timedelta(seconds=60))
+        assert opened == [(1, 3, 8000)], opened
+    finally:
+        server.shutdown(wait=False)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # Linux: accepted sockets inherit the options
+        _dead_peer_timeout(listener, 3.0)
+        with socket.create_connection(listener.getsockname()) as _client, listener.accept()[0] as accepted:
+            assert options(accepted) == (1, 3, 8000)
