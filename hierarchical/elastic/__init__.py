@@ -1,5 +1,6 @@
 """Elastic sites on torchft (opt-in; the ``elastic`` extra): ``ElasticSite`` (one site of a job whose sites may
-fail and rejoin live, see ``multidc.hierarchical.elastic.site``), the lighthouse that keeps the sites' quorum,
+fail and rejoin live, see ``multidc.hierarchical.elastic.site``), ``ElasticDiLoCo`` (DiLoCo with a quorum per
+outer round, ``multidc.hierarchical.elastic.diloco``), the lighthouse that keeps the sites' quorum,
 and the checks that every site reaches it. ``multidc lighthouse`` starts one; ``multidc doctor`` checks it when
 ``MULTIDC_LIGHTHOUSE`` is set. torchft is imported only when one is built.
 
@@ -7,6 +8,7 @@ The lighthouse's traffic (gRPC over HTTP/2) is as unauthenticated and unencrypte
 interconnect or VPN the sites already share.
 """
 
+from multidc.hierarchical.elastic.diloco import ElasticDiLoCo
 from multidc.hierarchical.elastic.lighthouse import (
     LighthouseUnreachable,
     check_lighthouse,
@@ -18,6 +20,7 @@ from multidc.hierarchical.elastic.lighthouse import (
 from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
 
 __all__ = [
+    "ElasticDiLoCo",
     "ElasticSite",
     "ElasticTopology",
     "LighthouseUnreachable",

@@ -47,3 +47,36 @@ def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
             p.grad = g / (len(entry["sites"]) * per_site)
         opt.step()
     return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor], *, sync_every: int,
+                     outer_lr: float, outer_momentum: float) -> dict[str, torch.Tensor]:
+    """One process replays the committed DiLoCo rounds from the global parameters ``initial``: in each round
+    (``log``: ``{"step", "sites", "t0"}``, in order) every site that took part trains a copy of the global
+    parameters for ``sync_every`` inner SGD steps (inner step ``t`` of site ``s``: the mean gradient over its ranks
+    on ``rows(s, rank, t)``, ``t`` from ``t0``); the outer SGD (Nesterov momentum) steps the global parameters
+    with the mean of ``global - local`` over the sites."""
+    glob = model()
+    glob.load_state_dict(initial)
+    params = [p.detach().float().clone() for p in glob.parameters()]
+    outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    for entry in log:
+        deltas = []
+        for site in entry["sites"]:
+            net = model()
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), params):
+                    p.copy_(g)
+            inner = torch.optim.SGD(net.parameters(), lr=LR)
+            for t in range(entry["t0"], entry["t0"] + sync_every):
+                net.zero_grad()
+                for local in range(per_site):
+                    x, y = rows(site, local, t)
+                    (nn.functional.mse_loss(net(x), y) / per_site).backward()
+                inner.step()
+            deltas.append([g - p.detach() for g, p in zip(params, net.parameters())])
+        for i, p in enumerate(params):
+            p.grad = sum(d[i] for d in deltas) / len(deltas)
+        outer.step()
+        outer.zero_grad()
+    return {name: p for (name, _), p in zip(glob.named_parameters(), params)}

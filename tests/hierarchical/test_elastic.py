@@ -85,12 +85,15 @@ def _progress(out: Path, name: str) -> int:
         return 0
 
 
-def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str) -> dict:
+def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str,
+                     script: str = SCRIPT, kill_at: int = KILL_AT) -> dict:
+    """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it 3 s later with the same
+    command; every site must end cleanly. Returns each rank's results and whether the others went on meanwhile."""
     names = [f"site{i}" for i in range(sites)]
-    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra) for name in names}
+    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra, script=script) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while _progress(tmp_path, names[victim]) < KILL_AT:
+        while _progress(tmp_path, names[victim]) < kill_at:
             assert time.monotonic() < deadline, "the job never reached the kill step"
             assert trees[names[victim]].process.poll() is None, trees[names[victim]].wait(5)[1][-3000:]
             time.sleep(0.05)
@@ -100,7 +103,8 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         time.sleep(3)
         survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
         (tmp_path / f"{names[victim]}.progress").unlink()
-        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra)  # same command
+        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
+                                     script=script)  # the same command
         for name, tree in trees.items():
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"

@@ -1,0 +1,176 @@
+"""``ElasticDiLoCo``: DiLoCo whose outer rounds are the steps of an elastic job (torchft quorum per outer sync).
+
+A round is ``sync_every`` inner steps. Its quorum forms at its start, right after the previous sync (a site that
+(re)joins receives the live global parameters, outer optimizer state, inner optimizer state and step counts there,
+and trains the whole round with the others). At its end the pseudo-gradients ``global - local`` are averaged over
+the round's sites (the hierarchical all-reduce in ``replicated`` mode over each rail, compressed as configured),
+and the sites' ranks vote: a committed round steps the outer optimizer; a discarded one (a site died or its link
+was cut during the round) changes no global parameter and puts the local parameters back to the global ones, so
+no half-reduced update is ever applied. Either way every site then starts its next round from the same global
+parameters, and the next quorum heals a site that discarded a round another committed.
+
+Plain DiLoCo only: streaming fragments and overlapped syncs keep a sync in flight across a round boundary, where a
+membership change has no consistent meaning, so ``fragments`` must be 1 and ``overlap_steps`` 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.diloco.config import DiLoCoConfig, config_or_default
+from multidc.hierarchical.diloco.diloco import DiLoCo, _views
+from multidc.hierarchical.elastic.site import ElasticSite
+from multidc.hierarchical.topology import Topology
+
+
+class ElasticDiLoCo(DiLoCo):
+    """DiLoCo across the sites of an elastic job. Every rank of a site builds one, after ``init_process_group``
+    (the site's own job: its own ``torchrun``); construction joins the first quorum (a late or restarted site
+    receives the live state here). Then train as usual: ``step()`` runs after each inner optimizer step (its step
+    post-hook) and at every ``sync_every``-th it ends the round (average, vote, outer step) and joins the next
+    quorum. Loop on ``inner_steps``, which a rejoined site takes from the live ones::
+
+        diloco = ElasticDiLoCo(model, inner_opt, DiLoCoConfig(sync_every=100), site="us-east")
+        while diloco.inner_steps < total:
+            loss_fn(model(next_batch(diloco.inner_steps)), ...).backward()
+            inner_opt.step()           # the post-hook: at a round's end, the sync and the next quorum
+            inner_opt.zero_grad()
+        diloco.close()
+
+    Args:
+        model, inner_optimizer, outer_optimizer, blocks: as for ``DiLoCo``; ``inner_optimizer`` is required (its
+            state travels to a rejoining site).
+        config: ``DiLoCoConfig`` with ``fragments=1`` and ``overlap_steps=0``; ``None``: ``DiLoCoConfig()``.
+        wan: WAN settings of the syncs (``timeout_s``: how long a round's sync waits for a dead site before the
+            round is discarded); ``config.compression`` is its codec.
+        state_dict, load_state_dict: more state that travels to a rejoining site (LR schedulers, data loader
+            position): called on a live site's ranks / on the rejoining site's ranks.
+        **site_options: ``site``, ``lighthouse``, ``min_sites``, ``sites``, ``quorum_timeout_s``,
+            ``heal_timeout_s``, ``max_failed_steps`` (counted in rounds), ``host``: see ``ElasticSite``.
+
+    Raises:
+        ValueError: bad or unsupported settings (streaming, overlap), differing settings inside the site; a site
+            whose model or settings differ from the live sites' fails when it joins, and they go on without it.
+        ImportError: torchft is missing.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: DiLoCoConfig | None = None,
+        *,
+        wan: WanConfig | None = None,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        blocks: Sequence[nn.Module] | None = None,
+        state_dict: Callable[[], dict] | None = None,
+        load_state_dict: Callable[[dict], None] | None = None,
+        **site_options,
+    ) -> None:
+        config = config_or_default(config)
+        if config.fragments != 1 or config.overlap_steps != 0:
+            raise ValueError(
+                f"elastic DiLoCo runs plain DiLoCo: fragments={config.fragments}, overlap_steps={config.overlap_steps}"
+                f" must be 1 and 0 (a streaming or overlapped sync spans a change of the sites present); set "
+                f"MULTIDC_DILOCO_FRAGMENTS=1 and MULTIDC_DILOCO_OVERLAP_STEPS=0, or train without elastic."
+            )
+        if inner_optimizer is None:
+            raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
+        wan = wan if wan is not None else WanConfig()
+        # DiLoCo's own set-up (settings agreed, fragments, outer optimizer) runs inside the site; the sites are
+        # made equal by the first quorum instead (torchft's step-0 sync from one site)
+        super().__init__(model, inner_optimizer, Topology.build(num_sites=1, site=0, wan=wan), config, wan=wan,
+                         outer_optimizer=outer_optimizer, blocks=blocks)
+        self._model, self._inner = model, inner_optimizer
+        self._user_state, self._load_user_state = state_dict, load_state_dict
+        self.synced: bool | None = None
+        """After each inner step: None if it ended no round, else whether the round committed."""
+        self.site = ElasticSite(state_dict=self._live_state, load_state_dict=self._load_live_state, wan=self.wan,
+                                **site_options)
+        try:
+            self._round = self.site.start_step()
+        except BaseException:
+            self.site.close()
+            raise
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps of the job so far (a rejoined site takes the live sites' count)."""
+        return self.stats.inner_steps
+
+    @property
+    def outer_steps(self) -> int:
+        """Rounds committed by the job so far."""
+        return self.site.step
+
+    @property
+    def num_sites(self) -> int:
+        """Sites in the current round."""
+        return self.site.num_sites
+
+    def _live_state(self) -> dict:
+        # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
+        state = {"model": self._model.state_dict(), "inner": self._inner.state_dict(),
+                 "diloco": DiLoCo.state_dict(self), "user": self._user_state() if self._user_state else None}
+        return _snapshot(state)
+
+    def _load_live_state(self, state: dict) -> None:
+        DiLoCo.load_state_dict(self, state["diloco"])
+        self._model.load_state_dict(state["model"])
+        self._inner.load_state_dict(state["inner"])
+        if self._load_user_state is not None:
+            self._load_user_state(state["user"])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Count one inner step; at a round's end average the pseudo-gradients over the round's sites, step the
+        outer optimizer if the site's ranks commit the round, and join the next quorum. Every rank of the site."""
+        self.stats.inner_steps += 1
+        self.synced = None
+        if self.stats.inner_steps % self.config.sync_every:
+            return
+        started = time.perf_counter()
+        fragment = self._fragments[0]
+        delta = fragment.global_flat.clone()
+        for local, view in zip(fragment.params, _views(delta, fragment.params)):
+            view.sub_(local)
+        before = self.site.wan_stats.snapshot()["bytes_sent"]
+        all_reduce(delta, self._round, wan=self._round.wan, op="avg", replicated=True)  # failures: not committed
+        self.stats.bytes_sent += self.site.wan_stats.snapshot()["bytes_sent"] - before
+        self.synced = self.site.commit()
+        if self.synced:
+            for view, grad in zip(fragment.global_views, _views(delta, fragment.params)):
+                view.grad = grad
+            fragment.outer.step()
+            fragment.outer.zero_grad(set_to_none=True)
+            self.stats.outer_syncs += 1
+        for local, view in zip(fragment.params, fragment.global_views):
+            local.copy_(view)  # the next round starts from the global parameters, also after a discarded one
+        self._round = self.site.start_step()
+        self.stats.exposed_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Stop stepping with the inner optimizer and leave the job (this site's manager). Every rank."""
+        try:
+            super().close()
+        finally:
+            self.site.close()
+            self.topology.close()
+
+
+def _snapshot(value):
+    """``value`` with every tensor copied to the CPU (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_snapshot(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

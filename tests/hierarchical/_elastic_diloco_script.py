@@ -1,0 +1,91 @@
+"""One site of an elastic DiLoCo job, run by tests/hierarchical/test_elastic_diloco.py (one ``torchrun`` per site).
+
+    torchrun --nproc-per-node K --master-port P tests/hierarchical/_elastic_diloco_script.py --site site1 \\
+        --rounds 8 --sites 3 --out DIR
+
+Each rank trains ``model()`` (under DDP over its site's ranks) with inner SGD on its rows (``rows(site, local rank,
+inner step)``); ``ElasticDiLoCo`` averages the pseudo-gradients over the sites of each round. The job ends once
+``--rounds`` rounds are committed and all ``--sites`` sites took part in the last one. Every committed round is
+logged with its sites and first inner step; each rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress
+(committed rounds) as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
+from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+
+SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--sites", type=int, required=True)
+    parser.add_argument("--max-rounds", type=int, default=100)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--sync-every", type=int, default=SYNC_EVERY)
+    parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, index = dist.get_rank(), int(args.site.removeprefix("site"))
+    net = model(seed=index if args.seed_per_site else 0)
+    trained = torch.nn.parallel.DistributedDataParallel(net) if dist.get_world_size() > 1 else net
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    diloco = ElasticDiLoCo(trained, opt, config, site=args.site, wan=WanConfig(timeout_s=args.timeout_s),
+                           sites=args.sites)
+
+    def round_start() -> tuple[list[int], int, int]:
+        present = torch.zeros(MAX_SITES)
+        present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per site present
+        diloco.site.all_reduce(present, op="sum")  # inside the round: a failure discards the round
+        return [s for s in range(MAX_SITES) if present[s] > 0.5], diloco.inner_steps, diloco.outer_steps
+
+    joined_at, initial = diloco.outer_steps, {n: p.detach().clone() for n, p in net.named_parameters()}
+    log, discarded, last, last_step = [], 0, [], -1
+    sites, t0, step = round_start()
+    while True:
+        x, y = rows(index, rank, diloco.inner_steps)
+        torch.nn.functional.mse_loss(trained(x), y).backward()  # DDP: averaged inside the site
+        opt.step()  # the post-hook: at a round's end, the sync and the next quorum
+        opt.zero_grad()
+        if diloco.synced is None:
+            continue
+        if diloco.synced:
+            log.append({"step": step, "sites": sites, "t0": t0})
+            last, last_step = sites, step
+        else:
+            discarded += 1
+        if rank == 0:
+            with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
+                f.write(str(diloco.outer_steps))
+        done = diloco.outer_steps
+        if (done >= args.rounds and last_step == done - 1 and len(last) == args.sites) or done >= args.max_rounds:
+            break
+        time.sleep(args.sleep)
+        sites, t0, step = round_start()
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
+                "initial": initial, "final_step": diloco.outer_steps, "num_sites": diloco.num_sites},
+               os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
+    diloco.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

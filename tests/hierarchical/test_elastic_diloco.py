@@ -1,0 +1,94 @@
+"""Elastic DiLoCo on torchft, through ``multidc.hierarchical.elastic.ElasticDiLoCo`` (tests/hierarchical/
+_elastic_diloco_script.py, one ``torchrun`` per site, gloo on CPU, a real torchft lighthouse in this process).
+
+One site is SIGKILLed (all its processes) mid-training: the others keep committing rounds without it (the round
+in flight is discarded, never half-applied), no round is lost or applied twice, the killed site restarts with the
+same command, receives the live global parameters, outer and inner optimizer states from a peer site, and rejoins;
+the job ends with every site, every rank bitwise identical, equal to a single-process replay of the committed
+rounds (each averaged over the sites that took part)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._resources import require_module
+
+require_module("torchft", "elastic")
+
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
+from tests.hierarchical.test_elastic import TIMEOUT_S, _logs, _progress, _run_with_a_kill, _site  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_diloco_script.py")
+ROUNDS, KILL_AT = 8, 3
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+@pytest.mark.parametrize("sites,per_site", [(3, 1), (2, 2)], ids=["3x1", "2x2-ddp"])
+def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site):
+    victim = sites - 1
+    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
+                           "--sleep", "0.3", script=SCRIPT, kill_at=KILL_AT)
+    ranks = run["ranks"]
+    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
+    first = next(iter(ranks.values()))
+    final = first["final_step"]
+    for key, rank in ranks.items():  # the job ended with every site, everywhere at the same round
+        assert rank["final_step"] == final >= ROUNDS and rank["num_sites"] == sites, key
+        for name, value in rank["params"].items():
+            assert torch.equal(value, first["params"][name]), (key, name)  # bitwise identical
+    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
+    for rank in survivors:  # every round committed exactly once, none lost
+        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
+    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
+    assert any(e["step"] >= run["killed_at"] for e in degraded), "no round ran without the killed site"
+    restarted = ranks[(f"site{victim}", 0)]
+    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's round, not from round 0
+    assert all(victim in e["sites"] for e in restarted["log"])
+    survivor = survivors[0]
+    assert survivor["joined_at"] == 0
+    expected = diloco_reference(survivor["log"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
+                                outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    for name, value in first["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+
+
+def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse):
+    names = ["site0", "site1"]  # long enough to be there when the odd site comes
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--rounds", "60", "--sleep", "0.2",
+                         script=SCRIPT) for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        odd = _site("site2", 1, 3, lighthouse.address, tmp_path, "--rounds", "60", "--sync-every", "6", script=SCRIPT)
+        code, _ = odd.wait(max(1.0, deadline - time.monotonic()))
+        assert code != 0
+        log = _logs(tmp_path, "site2")
+        assert "site 'site2' cannot join: it differs from site 'site" in log, log
+        assert "sync_every=4" in log and "sync_every=6" in log, log
+        for name, tree in trees.items():  # the live sites went on without it and finished
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+@pytest.mark.parametrize("fragments,overlap", [(2, 0), (1, 1)])
+def test_streaming_or_overlapped_diloco_is_refused_before_connecting(fragments, overlap):
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    config = DiLoCoConfig(sync_every=4, fragments=fragments, overlap_steps=overlap)
+    with pytest.raises(ValueError, match="fragments=.*overlap_steps=.*must be 1 and 0"):
+        ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), config, site="a")
