@@ -44,25 +44,25 @@ class ElasticMixin:
     def _setup_elastic(self, trainer) -> None:
         if not self.elastic or trainer.state.fn != "fit":  # validate / test / predict: no steps to agree on
             return
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("elastic=True needs automatic optimization (the strategy decides whether a step commits).")
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+
+        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None), mode="elastic")
+        refuse_per_epoch_schedulers(self.lr_scheduler_configs)
+        self._start_elastic(trainer)
+
+    def _start_elastic(self, trainer) -> None:
+        """Quorum per optimizer step: an ``ElasticSite`` that ``optimizer_step`` drives, and LR schedulers that
+        step only on committed steps."""
+        from multidc.hierarchical.elastic import ElasticSite
+
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"elastic=True does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: a site "
                 f"that receives the live state mid-accumulation would mix two models' gradients. Use a larger batch."
             )
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError("elastic=True needs automatic optimization (the strategy decides whether a step commits).")
-        from multidc.hierarchical.diloco.config import refuse_loss_scaling
-        from multidc.hierarchical.elastic import ElasticSite
 
-        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None), mode="elastic")
-        for config in self.lr_scheduler_configs:
-            if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
-                raise ValueError(
-                    f"elastic=True steps LR schedulers once per committed step; {type(config.scheduler).__name__} "
-                    f"has interval={config.interval!r}, frequency={config.frequency}"
-                    f"{', reduce_on_plateau' if config.reduce_on_plateau else ''}. Return it from configure_optimizers "
-                    f"with {{'interval': 'step', 'frequency': 1}} (epochs and batch counts differ between sites)."
-                )
         loop = trainer.fit_loop.epoch_loop
         original = loop.update_lr_schedulers
 
@@ -100,21 +100,21 @@ class ElasticMixin:
         if site is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         site.start_step()
-        self._follow_job_step(0)  # training_step sees the job's step (a rejoined site's too)
+        self._follow_job_step(site.step)  # training_step sees the job's step (a rejoined site's too)
         result = closure()  # training_step + backward; DDP averages inside the site
         site.sync_gradients(self.model)
         output, self.elastic_committed = result, site.commit()
         if self.elastic_committed:
             output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-        self._follow_job_step(-1)  # the loop adds 1 when this returns
+        self._follow_job_step(site.step - 1)  # the loop adds 1 when this returns
         return output
 
-    def _follow_job_step(self, offset: int) -> None:
-        """Make the Trainer's ``global_step`` the job's committed steps (plus ``offset``)."""
+    def _follow_job_step(self, step: int) -> None:
+        """Make the Trainer's ``global_step`` the job's ``step``."""
         progress = self.lightning_module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
-        step = progress.optimizer.step.total
-        step.completed = self.elastic_site.step + offset
-        step.ready = step.completed + 1
+        total = progress.optimizer.step.total
+        total.completed = step
+        total.ready = step + 1
 
     def _teardown_elastic(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -123,3 +123,15 @@ class ElasticMixin:
         site, self.elastic_site = self.elastic_site, None
         if site is not None:
             site.close()
+
+
+def refuse_per_epoch_schedulers(configs) -> None:
+    """Elastic sites step LR schedulers per optimizer step, on every site alike: refuse the others."""
+    for config in configs:
+        if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
+            raise ValueError(
+                f"elastic=True steps LR schedulers once per committed step; {type(config.scheduler).__name__} "
+                f"has interval={config.interval!r}, frequency={config.frequency}"
+                f"{', reduce_on_plateau' if config.reduce_on_plateau else ''}. Return it from configure_optimizers "
+                f"with {{'interval': 'step', 'frequency': 1}} (epochs and batch counts differ between sites)."
+            )

@@ -57,21 +57,21 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        elastic: bool | None = None,
+        lighthouse: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if diloco is not None and not isinstance(diloco, DiLoCoConfig):
             raise ValueError(f"diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(diloco).__name__}.")
         config = diloco if diloco is not None else DiLoCoConfig()
-        from multidc.hierarchical.elastic import refuse_elastic_env
-
-        if ddp_kwargs.pop("elastic", None):
-            raise ValueError("DiLoCoStrategy has no elastic mode yet: use HierarchicalDDPStrategy(elastic=True), or "
-                             "drop elastic=True.")
-        refuse_elastic_env("DiLoCoStrategy")
         ddp_kwargs.setdefault("broadcast_buffers", False)  # each site keeps its own buffers: none cross the WAN
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
-                         checkpoint_storage_options=checkpoint_storage_options, elastic=False,
-                         **ddp_kwargs)
+                         checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
+                         lighthouse=lighthouse, **ddp_kwargs)
+        if self.elastic:
+            from multidc.hierarchical.elastic.diloco import check_elastic_config
+
+            check_elastic_config(config)
         self.gradient_sync.diloco_config = config
 
     def _sharded_checkpoints(self) -> bool:
@@ -102,8 +102,36 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
         super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
-        if self.optimizers:  # before a checkpoint is restored into it: Lightning restores after setup
-            self.gradient_sync.attach_optimizer(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers])
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if self.elastic and trainer.state.fn == "fit":
+            self._start_elastic_diloco(optimizers)
+        elif optimizers:  # before a checkpoint is restored into it: Lightning restores after setup
+            self.gradient_sync.attach_optimizer(self.model, optimizers)
+
+    def _start_elastic(self, trainer) -> None:
+        """Elastic DiLoCo has its quorum per outer round (``ElasticDiLoCo``, built once the optimizer exists)."""
+
+    def _start_elastic_diloco(self, optimizers: list) -> None:
+        from multidc.hierarchical.elastic import ElasticDiLoCo
+
+        if len(optimizers) != 1:  # the same check and message as without elastic
+            self.gradient_sync.attach_optimizer(self.model, optimizers)
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        diloco = ElasticDiLoCo(
+            self.model, optimizers[0], self.diloco_config, wan=self.wan,
+            state_dict=lambda: {"schedulers": [scheduler.state_dict() for scheduler in schedulers]},
+            load_state_dict=lambda state: [s.load_state_dict(saved) for s, saved in
+                                           zip(schedulers, state["schedulers"], strict=True)],
+            site=self._site_name(), lighthouse=self._lighthouse, sites=self._elastic_sites,
+        )
+        self.gradient_sync.adopt_diloco(diloco)
+        self._follow_job_step(diloco.inner_steps)  # a site that joined late continues the job's count
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # the post-hook: DiLoCo's step
+        if self.elastic and self.diloco is not None:  # a site that received the live state takes its count
+            self._follow_job_step(self.diloco.inner_steps - 1)  # the loop adds 1 when this returns
+        return output
 
     def _checkpoint_sites(self) -> dict[str, Any]:
         return {"site": self.topology.site, "diloco": self.diloco} if self.topology is not None else {}

@@ -73,13 +73,7 @@ class ElasticDiLoCo(DiLoCo):
         load_state_dict: Callable[[dict], None] | None = None,
         **site_options,
     ) -> None:
-        config = config_or_default(config)
-        if config.fragments != 1 or config.overlap_steps != 0:
-            raise ValueError(
-                f"elastic DiLoCo runs plain DiLoCo: fragments={config.fragments}, overlap_steps={config.overlap_steps}"
-                f" must be 1 and 0 (a streaming or overlapped sync spans a change of the sites present); set "
-                f"MULTIDC_DILOCO_FRAGMENTS=1 and MULTIDC_DILOCO_OVERLAP_STEPS=0, or train without elastic."
-            )
+        config = check_elastic_config(config_or_default(config))
         if inner_optimizer is None:
             raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
         wan = wan if wan is not None else WanConfig()
@@ -162,6 +156,17 @@ class ElasticDiLoCo(DiLoCo):
         finally:
             self.site.close()
             self.topology.close()
+
+
+def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
+    """``config``, if elastic DiLoCo can run it; else a ValueError saying what to change."""
+    if config.fragments != 1 or config.overlap_steps != 0:
+        raise ValueError(
+            f"elastic DiLoCo runs plain DiLoCo: fragments={config.fragments}, overlap_steps={config.overlap_steps}"
+            f" must be 1 and 0 (a streaming or overlapped sync spans a change of the sites present); set "
+            f"MULTIDC_DILOCO_FRAGMENTS=1 and MULTIDC_DILOCO_OVERLAP_STEPS=0, or train without elastic."
+        )
+    return config
 
 
 def _snapshot(value):

@@ -121,10 +121,11 @@ def test_the_example_trains_across_two_sites_and_reports_both_validation_losses(
     assert "MiB sent in 3 fragment syncs" in log and "global parameters" in log
 
 
-def test_each_site_keeps_its_buffers_and_elastic_mode_is_refused(monkeypatch):
+def test_each_site_keeps_its_buffers_and_elastic_mode_needs_a_lighthouse(monkeypatch):
     assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))._ddp_kwargs["broadcast_buffers"] is False
-    with pytest.raises(ValueError, match="DiLoCoStrategy has no elastic mode yet"):
+    monkeypatch.delenv("MULTIDC_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="set MULTIDC_LIGHTHOUSE=host:port"):
         DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4), elastic=True)
     monkeypatch.setenv("MULTIDC_ELASTIC", "1")
-    with pytest.raises(ValueError, match="MULTIDC_ELASTIC is set but DiLoCoStrategy has no elastic mode yet"):
+    with pytest.raises(ValueError, match="set MULTIDC_LIGHTHOUSE=host:port"):
         DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4))

@@ -16,11 +16,14 @@ from tests._resources import require_module
 require_module("torchft", "elastic")
 require_module("lightning", "lightning")
 
-from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
-from tests.hierarchical.elastic_reference import reference  # noqa: E402
-from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, _logs, _progress, _site  # noqa: E402
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy  # noqa: E402
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
+from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, _logs, _progress, _run_with_a_kill, _site  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
+DILOCO_SCRIPT = str(Path(__file__).resolve().parent / "_elastic_diloco_lightning_script.py")
 MAX_STEPS = 250
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
@@ -86,6 +89,28 @@ def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path,
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
+def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse):
+    # DiLoCoStrategy(elastic=True): a quorum per outer round; the restarted site receives the global parameters,
+    # the outer and inner optimizer states and the job's inner step, and both sites end at max_steps identical
+    max_steps = 200
+    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--max-steps", str(max_steps), "--sleep", "0.08",
+                           script=DILOCO_SCRIPT, kill_at=40)
+    survivor, restarted = run["ranks"][("site0", 0)], run["ranks"][("site1", 0)]
+    assert run["survivors_went_on"], "the surviving site stopped while the other was down"
+    assert survivor["final_step"] == restarted["final_step"] == max_steps
+    for name, value in survivor["params"].items():
+        assert torch.equal(value, restarted["params"][name]), name
+    rounds = survivor["log"]
+    assert [e["step"] for e in rounds] == list(range(len(rounds))) and rounds[-1]["sites"] == [0, 1]
+    assert any(e["sites"] == [0] and e["t0"] >= run["killed_at"] for e in rounds)  # trained on alone
+    assert restarted["joined_at"] * SYNC_EVERY > run["killed_at"]  # rejoined live, at the job's round
+    assert all(e["sites"] == [0, 1] for e in restarted["log"])
+    expected = diloco_reference(rounds, 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
+                                outer_momentum=OUTER_MOMENTUM)
+    for name, value in survivor["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--precision", "16-mixed"], "elastic with fp16 loss scaling"),
     (["--interval", "epoch"], "elastic=True steps LR schedulers once per committed step; LambdaLR has "
@@ -112,6 +137,10 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
         HierarchicalDDPStrategy()
     monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "10.0.0.5:29510")
     assert HierarchicalDDPStrategy().elastic and not HierarchicalDDPStrategy(elastic=False).elastic
+    config = DiLoCoConfig(sync_every=4)
+    assert DiLoCoStrategy(diloco=config).elastic
+    with pytest.raises(ValueError, match="elastic DiLoCo runs plain DiLoCo: fragments=2"):
+        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2))
 
 
 def test_front_ends_without_an_elastic_mode_refuse_the_variable(monkeypatch):

@@ -1,0 +1,96 @@
+"""One site of an elastic DiLoCo Lightning job, run by tests/strategies/test_elastic_strategy.py (one ``torchrun``
+per site, ``Trainer(strategy=DiLoCoStrategy(elastic=True))`` over that site's ranks).
+
+    torchrun --nproc-per-node 1 --master-port P tests/strategies/_elastic_diloco_lightning_script.py \\
+        --site site1 --sites 2 --max-steps 200 --out DIR
+
+Each rank trains ``tests.hierarchical.elastic_reference.model()`` with inner SGD on ``rows(site, local rank, t)``,
+``t`` the job's inner step (``trainer.global_step``); every ``SYNC_EVERY`` steps DiLoCo averages over the sites of the
+round. Every committed round is logged with its sites and first inner step; each rank writes DIR/<site>_rank<r>.pt
+at the end and DIR/<site>.progress (inner steps) as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+import lightning.pytorch as pl  # noqa: E402
+
+from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
+from multidc.strategies import DiLoCoStrategy  # noqa: E402
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+
+
+class Net(pl.LightningModule):
+    def __init__(self, index: int, sleep: float, out: str, name: str) -> None:
+        super().__init__()
+        self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
+        self.rounds, self.discarded, self.initial, self.joined_at, self._round = [], 0, None, None, None
+
+    def training_step(self, batch, batch_idx):
+        diloco, t = self.trainer.strategy.diloco, self.trainer.global_step  # the job's inner step
+        if self.joined_at is None:
+            self.joined_at = diloco.outer_steps
+            self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        if t % SYNC_EVERY == 0:  # a round starts: which sites are in it
+            present = torch.zeros(MAX_SITES)
+            present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site
+            diloco.site.all_reduce(present, op="sum")
+            self._round = {"step": diloco.outer_steps, "t0": t, "sites": [s for s in range(MAX_SITES)
+                                                                         if present[s] > 0.5]}
+        x, y = rows(self.index, self.global_rank, t)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        synced = self.trainer.strategy.diloco.synced
+        if synced:
+            self.rounds.append(self._round)
+        elif synced is False:
+            self.discarded += 1
+        if self.global_rank == 0:
+            with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
+                f.write(str(self.trainer.global_step))
+        time.sleep(self.sleep)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--sites", type=int, required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    index = int(args.site.removeprefix("site"))
+    module = Net(index, args.sleep, args.out, args.site)
+    config = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    trainer = pl.Trainer(
+        strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
+                                wan=WanConfig(timeout_s=args.timeout_s)),
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
+        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
+                "log": module.rounds, "discarded": module.discarded, "joined_at": module.joined_at,
+                "initial": module.initial, "final_step": trainer.global_step},
+               os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
