@@ -36,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.plugins.accelerate import parallel as _par
+from multidc.plugins.accelerate.elastic import ElasticSteps, build_elastic_diloco, ensure_process_group
 from multidc.plugins.accelerate.plugin import MultiDCPlugin
 from multidc.plugins.accelerate.state import StateMixin
 
@@ -119,7 +120,12 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
         self.gradient_sync = GradientSync(plugin.wan, plugin.diloco)
-        self._build_layout() if plugin.layout is not None else self._build_topology()
+        self.elastic_steps: ElasticSteps | None = None
+        self._own_group = False
+        if plugin.elastic:  # this launch is one site: no topology, the quorum decides the sites of each step
+            self._own_group = ensure_process_group()
+        else:
+            self._build_layout() if plugin.layout is not None else self._build_topology()
 
     def _build_topology(self) -> None:
         plugin = self.multidc_plugin
@@ -171,6 +177,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                 raise ValueError("prepare(blocks=...) needs a parallel layout (MultiDCPlugin sizes); this run is DDP.")
             prepared = super().prepare(*args, device_placement=device_placement)
             self._attach_diloco()
+            self._attach_elastic()
             return prepared
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self.parallel is not None):
@@ -223,6 +230,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
 
             sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
             return
+        if self.multidc_plugin.elastic:
+            return self._attach_elastic_diloco(optimizers)
         ddp_models = sync.ddp_models()
         if len(ddp_models) != 1:
             raise ValueError(
@@ -230,6 +239,36 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                 "Prepare the one model you train, with its optimizer."
             )
         sync.attach_optimizer(ddp_models[0], optimizers)
+
+    def _attach_elastic_diloco(self, optimizers: list) -> None:
+        self.gradient_sync.adopt_diloco(build_elastic_diloco(self._models, optimizers, self._schedulers,
+                                                             self.gradient_sync.diloco_config, self.multidc_plugin))
+
+    def _attach_elastic(self) -> None:
+        """Elastic ``cross_site="allreduce"``: once ``prepare`` has seen the one model and its one optimizer, join
+        the first quorum and take over the optimizer's ``step`` / ``zero_grad`` (see ``ElasticSteps``)."""
+        plugin = self.multidc_plugin
+        ready = self._optimizers and self._models and self.elastic_steps is None
+        if plugin.elastic and plugin.diloco is None and ready:
+            self.elastic_steps = ElasticSteps.build(self._models, self._optimizers, self._schedulers, self.scaler,
+                                                    plugin)
+
+    @property
+    def job_step(self) -> int:
+        """Elastic mode: the job's optimizer steps so far (committed steps; inner steps under DiLoCo), which a
+        rejoined site takes from the live sites: loop on it. Otherwise ``self.step``."""
+        if self.elastic_steps is not None:
+            return self.elastic_steps.job_step
+        if self.multidc_plugin.elastic and self.diloco is not None:
+            return self.diloco.inner_steps
+        return self.step
+
+    @property
+    def elastic_site(self):
+        """The running ``multidc.hierarchical.elastic.ElasticSite`` (elastic mode, after ``prepare``), else None."""
+        if self.elastic_steps is not None:
+            return self.elastic_steps.site
+        return getattr(self.diloco, "site", None) if self.multidc_plugin.elastic else None
 
     @property
     def diloco(self):
@@ -239,7 +278,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if self.device_mesh is not None:
+        if self.device_mesh is not None or self.multidc_plugin.elastic:  # elastic: plain DDP inside the site
             return prepared
         ddp_model = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps the DDP module
         if isinstance(ddp_model, DistributedDataParallel):
@@ -343,8 +382,13 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         try:
             self._close_checkpointers()  # waits for an async save_state and raises its error
         finally:
+            steps, self.elastic_steps = self.elastic_steps, None
+            if steps is not None:
+                steps.close()
             self.gradient_sync.close()  # the topology's worker, before Accelerate destroys the process group
             # Accelerate destroys the process group while the user's DDP models live on; their reducers must not
             # be the groups' last holders, or a rank can hang at exit (see release_reducer).
             self.gradient_sync.release_ddp()
             super().end_training()
+            if self._own_group and dist.is_initialized():
+                dist.destroy_process_group()

@@ -91,15 +91,28 @@ class MultiDCPlugin:
     """Also save / load plain local directories through multidc's sharded checkpoints in a data-parallel run
     (URLs and parallel layouts always go through multidc; see ``MultiDCAccelerator.save_state``)."""
 
+    elastic: bool | None = field(default=None, metadata={"help": "Elastic sites on torchft. Env MULTIDC_ELASTIC."})
+    """Elastic sites on torchft (env ``MULTIDC_ELASTIC``): this ``accelerate launch`` is one site (launch one per
+    site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
+    ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others training and
+    rejoins live when restarted. Data parallelism only, no ``save_state``; see
+    ``multidc.plugins.accelerate.elastic``."""
+
+    lighthouse: str | None = field(default=None, metadata={"help": "Lighthouse host:port. Env MULTIDC_LIGHTHOUSE."})
+    """The lighthouse's ``host:port`` (``multidc lighthouse``), elastic mode only; env ``MULTIDC_LIGHTHOUSE``."""
+
     layout: ParallelLayout | None = field(default=None, init=False)
     """The validated (not yet resolved) layout, or ``None`` for plain data parallelism."""
     pipeline: PipelineConfig | None = field(default=None, init=False)
     """The validated pipeline settings (used when ``pipeline_parallel_size > 1``)."""
 
     def __post_init__(self) -> None:
-        from multidc.hierarchical.elastic import refuse_elastic_env
+        self.elastic = bool(_env.read_bool(_env.ELASTIC)) if self.elastic is None else bool(self.elastic)
+        if self.elastic:
+            from multidc.hierarchical.elastic import import_torchft, lighthouse_url
 
-        refuse_elastic_env("MultiDCPlugin")
+            lighthouse_url(self.lighthouse)  # a missing or malformed address fails here
+            import_torchft()
         source = "MultiDCPlugin.num_sites"
         if self.num_sites is None:
             self.num_sites, source = _env.read_int(_env.NUM_SITES), _env.NUM_SITES
@@ -134,6 +147,11 @@ class MultiDCPlugin:
             return  # plain data parallelism: DDP + hierarchical hook, any site sizes
         from multidc.strategies.parallel import ParallelLayout, PipelineConfig
 
+        if self.elastic:
+            raise ValueError(
+                "MultiDCPlugin(elastic=True) runs data parallelism only (each site its own accelerate launch): drop "
+                f"the parallel sizes ({', '.join(_SIZE_ENV.values())}) or elastic."
+            )
         self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
                                        split_points=self.split_points)
         if self.site is not None:

@@ -49,6 +49,9 @@ class StateMixin:
         Returns:
             Where the checkpoint is (committed when this returns, unless async).
         """
+        if self.multidc_plugin.elastic:
+            raise ValueError("save_state is not available with MultiDCPlugin(elastic=True) yet: a restarted site "
+                             "receives the live state from the others; train without elastic to checkpoint.")
         if not self._through_multidc(output_dir, loading=False):
             if replace:
                 raise ValueError("save_state(replace=True) applies to multidc checkpoints only; this directory "

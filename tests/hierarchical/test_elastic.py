@@ -59,17 +59,23 @@ class Lighthouse:
 
 
 def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
-          script: str = SCRIPT, lab=None) -> ProcessTree:
+          script: str = SCRIPT, lab=None, accelerate: list[str] | None = None) -> ProcessTree:
     """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop);
-    with ``lab``, inside site ``name``'s namespace, advertising its WAN address."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_"))}
+    with ``lab``, inside site ``name``'s namespace, advertising its WAN address; with ``accelerate`` (the
+    ``accelerate launch --config_file ...`` command), that instead of torchrun."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
     env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     host = "127.0.0.1"
     if lab is not None:
         host = lab.site_ip(int(name.removeprefix("site")))
         env |= {"MULTIDC_ELASTIC_HOST": host, "GLOO_SOCKET_IFNAME": "wan0"}
-    argv = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", host, "--master-port",
-            str(_free_port()), script, "--site", name, "--sites", str(sites), "--out", str(out), *extra]
+    launcher = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", host, "--master-port",
+                str(_free_port())]
+    if accelerate is not None:
+        env["HF_HOME"] = str(out / "hf")  # no accelerate config of this machine leaks in
+        launcher = [*accelerate, "--num_processes", str(per_site), "--main_process_ip", host, "--main_process_port",
+                    str(_free_port())]
+    argv = [*launcher, script, "--site", name, "--sites", str(sites), "--out", str(out), *extra]
     if script == SCRIPT:
         argv += ["--steps", str(STEPS)] if "--steps" not in extra else []
     if lab is not None:
@@ -86,11 +92,12 @@ def _progress(out: Path, name: str) -> int:
 
 
 def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str,
-                     script: str = SCRIPT, kill_at: int = KILL_AT) -> dict:
+                     script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None) -> dict:
     """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it 3 s later with the same
     command; every site must end cleanly. Returns each rank's results and whether the others went on meanwhile."""
     names = [f"site{i}" for i in range(sites)]
-    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra, script=script) for name in names}
+    launch = {"script": script, "accelerate": accelerate}
+    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while _progress(tmp_path, names[victim]) < kill_at:
@@ -104,7 +111,7 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
         (tmp_path / f"{names[victim]}.progress").unlink()
         trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
-                                     script=script)  # the same command
+                                     **launch)  # the same command
         for name, tree in trees.items():
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"

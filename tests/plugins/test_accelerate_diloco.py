@@ -120,9 +120,3 @@ def test_diloco_checkpoints_never_fall_back_to_accelerates_format():
     assert StateMixin._through_multidc(stub, "plain/local/dir", loading=False)  # every site's model + DiLoCo state
     with pytest.raises(ValueError, match="need a URL or directory"):
         StateMixin._through_multidc(stub, None, loading=False)
-
-
-def test_the_plugin_refuses_the_elastic_variable(monkeypatch):
-    monkeypatch.setenv("MULTIDC_ELASTIC", "1")
-    with pytest.raises(ValueError, match="MULTIDC_ELASTIC is set but MultiDCPlugin has no elastic mode yet"):
-        MultiDCPlugin()

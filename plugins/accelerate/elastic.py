@@ -1,0 +1,171 @@
+"""Elastic sites under Accelerate: ``MultiDCPlugin(elastic=True)`` (env ``MULTIDC_ELASTIC=1``).
+
+Each site is its own ``accelerate launch`` (its own rendezvous; ``--num_processes`` counts that site's processes) and
+a torchft replica group. ``prepare`` joins the first quorum (a site that starts late or restarts receives the live
+model, optimizer and LR scheduler states there, not from storage). Then:
+
+* ``cross_site="allreduce"``: one quorum per optimizer step. The prepared optimizer's ``step`` averages the
+  gradients over the sites present (DDP has averaged them inside the site) and steps only if the site's ranks
+  commit the step; a discarded step changes no weight, optimizer or scheduler state (the prepared LR schedulers
+  see it as skipped). Its ``zero_grad`` starts the next step's quorum, so call it once per step (before the
+  forward or after ``step``: both work). Gradient accumulation (``accelerator.accumulate``) works: the quorum and
+  the average happen at sync steps only.
+* ``cross_site="diloco"``: one quorum per outer round (``multidc.hierarchical.elastic.ElasticDiLoCo``).
+
+Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
+rejoined site takes from the live ones. Parallel layouts and checkpoints (``save_state``) are refused in this mode.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical import _env
+
+
+class ElasticSteps:
+    """The quorum per optimizer step of one ``MultiDCAccelerator`` (``cross_site="allreduce"``): wraps the one
+    prepared optimizer's ``step`` and ``zero_grad``. Built by ``prepare`` (collective over the site).
+
+    Args:
+        model: the prepared model (DDP over the site's processes, or a plain module in a one-process site).
+        optimizer: the one prepared ``AcceleratedOptimizer``.
+        schedulers: the accelerator's list of prepared schedulers (read when the state is sent or received).
+        plugin: the ``MultiDCPlugin`` (site name, WAN settings, lighthouse, sites the job starts with).
+    """
+
+    def __init__(self, model, optimizer, schedulers: list, plugin) -> None:
+        from multidc.hierarchical.elastic import ElasticSite
+
+        self.model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        self.optimizer, self._schedulers = optimizer, schedulers
+        self.committed = False
+        """Whether the last optimizer step committed."""
+        self._open = False
+        self.site = ElasticSite(state_dict=self._state, load_state_dict=self._load, wan=plugin.wan,
+                                **site_options(plugin))
+        self._step, self._zero_grad = optimizer.step, optimizer.zero_grad
+        optimizer.step, optimizer.zero_grad = self.step, self.zero_grad  # this instance only
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def build(cls, models: list, optimizers: list, schedulers: list, scaler, plugin) -> ElasticSteps:
+        """Check what ``prepare`` got (one model, one optimizer, no fp16 loss scaling), then build."""
+        if len(models) != 1 or len(optimizers) != 1:
+            raise ValueError(
+                f"MultiDCPlugin(elastic=True) trains one model with one optimizer (one quorum and one commit per "
+                f"step); prepare got {len(models)} models and {len(optimizers)} optimizers."
+            )
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+
+        refuse_loss_scaling(scaler, mode="elastic")
+        return cls(models[0], optimizers[0], schedulers, plugin)
+
+    @property
+    def job_step(self) -> int:
+        return self.site.step
+
+    def _start(self) -> None:
+        self.site.start_step()
+        self._open = True
+
+    def _state(self) -> dict:
+        return {"model": _unwrap(self.model).state_dict(), "optimizer": self.optimizer.optimizer.state_dict(),
+                "schedulers": [scheduler.scheduler.state_dict() for scheduler in self._schedulers]}
+
+    def _load(self, state: dict) -> None:
+        _unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.optimizer.load_state_dict(state["optimizer"])
+        load_schedulers(self._schedulers, state["schedulers"])
+
+    def step(self, closure=None) -> None:
+        """Accelerate's step at a sync step: the average over the sites present, the site's vote, then the
+        optimizer step if the step commits. Accumulation micro-steps: Accelerate's own (nothing)."""
+        if not self.optimizer.gradient_state.sync_gradients:
+            return self._step(closure)
+        if not self._open:
+            raise RuntimeError(
+                "elastic mode: optimizer.step() came twice without optimizer.zero_grad() between: call zero_grad() "
+                "once per step (it starts the next step's quorum, where a site that fell behind heals)."
+            )
+        self._open = False
+        self.site.sync_gradients(self.model)
+        self.committed = self.site.commit()
+        if self.committed:
+            self._step(closure)
+        self.optimizer._is_overflow = not self.committed  # step_was_skipped: the prepared schedulers skip it too
+        return None
+
+    def zero_grad(self, set_to_none=None) -> None:
+        """Accelerate's ``zero_grad``; at a sync step after a ``step``, the next step's quorum."""
+        self._zero_grad(set_to_none)
+        if self.optimizer.gradient_state.sync_gradients and not self._open:
+            self._start()
+
+    def close(self) -> None:
+        """Leave the job (this site's manager) and give the optimizer its own methods back."""
+        for name in ("step", "zero_grad"):
+            vars(self.optimizer).pop(name, None)
+        self.site.close()
+
+
+def build_elastic_diloco(models: list, optimizers: list, schedulers: list, config, plugin):
+    """``ElasticDiLoCo`` on the one prepared model and its one (raw) optimizer; the prepared LR schedulers travel
+    with the live state."""
+    from multidc.hierarchical.elastic import ElasticDiLoCo
+
+    if len(models) != 1 or len(optimizers) != 1:
+        raise ValueError(
+            f"MultiDCPlugin(cross_site='diloco', elastic=True) trains one model with one optimizer; prepare got "
+            f"{len(models)} models and {len(optimizers)} optimizers."
+        )
+    return ElasticDiLoCo(
+        models[0], optimizers[0], config, wan=plugin.wan,
+        state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
+        load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]), **site_options(plugin),
+    )
+
+
+def site_options(plugin) -> dict:
+    """``ElasticSite`` keyword arguments from a ``MultiDCPlugin`` (but ``wan``)."""
+    return {"site": None if plugin.site is None else str(plugin.site), "lighthouse": plugin.lighthouse,
+            "sites": plugin.num_sites}
+
+
+def load_schedulers(schedulers: list, states: list) -> None:
+    """Load the live sites' LR scheduler states into this site's prepared schedulers."""
+    if len(schedulers) != len(states):
+        raise ValueError(
+            f"this site prepared {len(schedulers)} LR schedulers, the live site {len(states)}: in elastic mode "
+            f"prepare the model, its optimizer and its LR schedulers in one accelerator.prepare(...) call."
+        )
+    for scheduler, state in zip(schedulers, states):
+        scheduler.scheduler.load_state_dict(state)
+
+
+def ensure_process_group() -> bool:
+    """A one-process site started without a launcher (``python train.py``: Accelerate starts no process group): a
+    one-rank gloo group of its own, as torchrun would make, whose store (``MASTER_ADDR`` / ``MASTER_PORT``, on
+    ``MULTIDC_ELASTIC_HOST`` or the host's name) the site's manager also serves its rail rendezvous from. Returns
+    whether it made one (to destroy at the end)."""
+    if dist.is_initialized():
+        return False
+    host = _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+    store = dist.TCPStore(host, 0, world_size=1, is_master=True, timeout=datetime.timedelta(minutes=30))
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(store.port)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    return True
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

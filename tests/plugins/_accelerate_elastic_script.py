@@ -1,0 +1,96 @@
+"""One site of an elastic Accelerate job, run by tests/plugins/test_accelerate_elastic.py (one ``accelerate launch``
+per site, ``MultiDCAccelerator`` with ``MultiDCPlugin(elastic=True)``).
+
+    accelerate launch --config_file CONFIG --num_processes K tests/plugins/_accelerate_elastic_script.py \\
+        --site site1 --sites 2 --steps 40 --out DIR [--diloco]
+
+An ordinary Accelerate loop: ``prepare``, forward, ``backward``, ``optimizer.step()``, ``scheduler.step()``,
+``optimizer.zero_grad()``; the rows of each step are ``rows(site, process index, accelerator.job_step)``. Every
+committed step (or DiLoCo round, with ``--diloco``) is logged with the sites that took part; each process writes
+DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from accelerate.utils import DataLoaderConfiguration
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
+from multidc.plugins import MultiDCAccelerator, MultiDCPlugin  # noqa: E402
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--sites", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True, help="committed steps (rounds with --diloco)")
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    index = int(args.site.removeprefix("site"))
+    diloco = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    plugin = MultiDCPlugin(elastic=True, site=args.site, num_sites=args.sites, wan=WanConfig(timeout_s=args.timeout_s),
+                           cross_site="diloco" if args.diloco else None, diloco=diloco if args.diloco else None)
+    # split_batches: the scheduler steps once per optimizer step (and skips the steps the optimizer skipped)
+    accelerator = MultiDCAccelerator(multidc_plugin=plugin,
+                                     dataloader_config=DataLoaderConfiguration(split_batches=True))
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if args.diloco else lr_factor(s))
+    prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
+    rank, site = accelerator.process_index, accelerator.elastic_site
+    joined_at = accelerator.job_step
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    log, discarded, last, last_step = [], 0, [], -1
+
+    def done(step: int) -> bool:  # every site took part in the last committed step
+        return (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps
+
+    entry = None
+    while True:
+        step = accelerator.job_step
+        outer = accelerator.diloco.outer_steps if args.diloco else step
+        if (not args.diloco or step % SYNC_EVERY == 0) and done(outer):
+            break
+        if not args.diloco or step % SYNC_EVERY == 0:  # a step (a round) starts: which sites are in it
+            present = torch.zeros(MAX_SITES)
+            present[index] = 1.0 / accelerator.num_processes  # summed over the site's ranks: 1 per site present
+            site.all_reduce(present, op="sum")
+            entry = {"step": outer, "t0": step, "sites": [s for s in range(MAX_SITES) if present[s] > 0.5]}
+        x, y = rows(index, rank, step)
+        accelerator.backward(torch.nn.functional.mse_loss(prepared(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        committed = accelerator.diloco.synced if args.diloco else accelerator.elastic_steps.committed
+        if committed:
+            log.append(entry)
+            last, last_step = entry["sites"], entry["step"]
+        elif committed is False:
+            discarded += 1
+        if rank == 0:
+            with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
+                f.write(str(accelerator.diloco.outer_steps if args.diloco else accelerator.job_step))
+        time.sleep(args.sleep)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
+                "initial": initial, "final_step": accelerator.job_step, "num_sites": site.num_sites,
+                "lr": optimizer.param_groups[0]["lr"]},
+               os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
