@@ -11,7 +11,11 @@ site, and every optimizer step is one step of the elastic job:
    weight, optimizer or scheduler state (its batch is consumed, not retried).
 
 The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
-and a rejoined site continues the job's count. Refused, with a clear error: gradient accumulation (a site
+and a rejoined site continues the job's count. Checkpoints (``ModelCheckpoint`` on every site, as usual) are
+written by the first site of each step's quorum only (``ElasticSite.is_leader``), also in a degraded quorum, so
+each save happens once; ``fit(ckpt_path=...)`` on one site or all resumes the job at the checkpoint's step (the
+first quorum gives that state to sites that start without one). A ``monitor``-ed top-k follows the leader's
+metrics. Refused, with a clear error: gradient accumulation (a site
 receiving the live state mid-accumulation would mix gradients of two models), fp16 loss scaling (the scale is not
 shared), and LR schedulers other than ``interval="step"``, ``frequency=1`` (epochs and batch counts differ per site).
 """
@@ -72,6 +76,7 @@ class ElasticMixin:
 
         loop.update_lr_schedulers = update_lr_schedulers  # on Lightning's loop, not the module; undone in teardown
 
+        self._elastic_started = False
         self.elastic_site = ElasticSite(
             state_dict=self._elastic_state, load_state_dict=self._load_elastic_state, site=self._site_name(),
             wan=self.wan, lighthouse=self._lighthouse, sites=self._elastic_sites,
@@ -99,6 +104,9 @@ class ElasticMixin:
         site = self.elastic_site
         if site is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._elastic_started:  # after Lightning restored a checkpoint (ckpt_path): the job's step is its step
+            self._elastic_started = True
+            site.resume(self.lightning_module.trainer.global_step)
         site.start_step()
         self._follow_job_step(site.step)  # training_step sees the job's step (a rejoined site's too)
         result = closure()  # training_step + backward; DDP averages inside the site
@@ -108,6 +116,18 @@ class ElasticMixin:
             output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         self._follow_job_step(site.step - 1)  # the loop adds 1 when this returns
         return output
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Elastic: only the leader site of the step's quorum writes (one copy of the identical state); the
+        others skip, so every site may run the same ``ModelCheckpoint``."""
+        if self.elastic_site is not None and not self.elastic_site.is_leader:
+            return None
+        return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.elastic_site is not None and not self.elastic_site.is_leader:
+            return None
+        return super().remove_checkpoint(filepath)
 
     def _follow_job_step(self, step: int) -> None:
         """Make the Trainer's ``global_step`` the job's ``step``."""

@@ -100,6 +100,9 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         return self.gradient_sync.diloco
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.elastic and trainer.checkpoint_callback is not None:
+            raise ValueError("DiLoCoStrategy(elastic=True) does not save checkpoints yet: pass "
+                             "Trainer(enable_checkpointing=False) (a restarted site receives the live state).")
         refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
         super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]

@@ -101,8 +101,8 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one
             job per site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
             ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others
-            training and rejoins live when restarted (see ``multidc.strategies._elastic``). No checkpoints or
-            gradient accumulation in this mode yet.
+            training and rejoins live when restarted (see ``multidc.strategies._elastic``). Checkpoints are written
+            once per save, by the first site of the step's quorum; no gradient accumulation in this mode.
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, ``find_unused_parameters``, ...). Comm-hook arguments are rejected:
@@ -159,8 +159,6 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
             self.gradient_sync.attach_ddp(self.model)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.elastic and trainer.checkpoint_callback is not None:
-            raise ValueError("elastic=True does not save checkpoints yet: pass Trainer(enable_checkpointing=False).")
         super().setup(trainer)
         self._setup_elastic(trainer)
         WanMetricsCallback.add_to(trainer, self)

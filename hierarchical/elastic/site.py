@@ -303,6 +303,27 @@ class ElasticSite:
             offset += p.numel()
 
     @property
+    def is_leader(self) -> bool:
+        """Whether this site saves the job's checkpoints at this step: the first site of the step's quorum, one
+        per quorum, the same answer on every rank of the site (the sites of a quorum hold identical states, so one
+        copy is the job's). A checkpoint saved by the leader of a degraded quorum is as complete as any."""
+        return self.topology is not None and self.topology.site == 0
+
+    def resume(self, step: int) -> None:
+        """This site's state was loaded from a checkpoint of the job's step ``step``: call before the first
+        ``start_step`` (every rank of the site). The first quorum then gives the live sites' state to this site if
+        they are further on, and this site's state to sites that start from scratch; one site resuming is enough.
+
+        Raises:
+            RuntimeError: called after the site joined the job.
+        """
+        if self._joined:
+            raise RuntimeError("ElasticSite.resume(step) comes before the first start_step(): this site has joined.")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be the checkpoint's step, a non-negative integer.")
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    @property
     def num_sites(self) -> int:
         """Sites in this step's quorum."""
         return self.topology.num_sites if self.topology is not None else 0

@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--stall-at", type=int, default=-1, help="the job step at which this site stalls")
     parser.add_argument("--stall-s", type=float, default=0.0)
+    parser.add_argument("--ckpt-dir", help="ModelCheckpoint every 10 steps into this directory")
+    parser.add_argument("--resume", help="fit(ckpt_path=...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -99,10 +101,12 @@ def main() -> None:
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
                                          wan=WanConfig(timeout_s=args.timeout_s)),
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
-        plugins=_precision(args.precision), enable_checkpointing=False, logger=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        plugins=_precision(args.precision), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=args.ckpt_dir is not None,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=10,
+                                                save_top_k=-1)] if args.ckpt_dir else [],
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=args.resume)
     torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
                 "log": module.log_steps, "discarded": module.discarded, "joined_at": module.joined_at,
                 "initial": module.initial,

@@ -5,6 +5,7 @@ identical, equal to a single-process replay of the committed steps. Plus the set
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ require_module("torchft", "elastic")
 require_module("lightning", "lightning")
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.plugins import list_checkpoints  # noqa: E402
 from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
@@ -62,6 +64,37 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse):
     # the LR schedule follows the committed steps: a discarded step (the one in flight at the kill) steps nothing
     expected = reference(survivor["log"], 1, survivor["initial"], scheduled=True)
     for name, value in survivor["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, lighthouse):
+    # site0, the leader, is SIGKILLed: site1 alone (a degraded quorum) saves the checkpoints of the steps in between,
+    # each once and committed; the job's checkpoint of such a step loads into a new elastic fit, which continues
+    # the job's step count from there, its weights those of a replay of the committed steps
+    ckpts = tmp_path / "ckpts"
+    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "150", "--sleep", "0.08",
+                           "--ckpt-dir", str(ckpts), script=SCRIPT, kill_at=12)
+    survivor, restarted = run["ranks"][("site1", 0)], run["ranks"][("site0", 0)]
+    assert survivor["final_step"] == restarted["final_step"] == 150
+    degraded = [e["step"] + 1 for e in survivor["log"] if e["sites"] == [1]]  # steps completed by site1 alone
+    saved = {info.step: info for name in os.listdir(ckpts) for info in list_checkpoints(str(ckpts / name))}
+    assert sorted(saved) == list(range(10, 151, 10)), sorted(saved)  # every one, once (one folder per step)
+    alone = [step for step in saved if step in degraded]
+    assert alone, f"no checkpoint was saved while site0 was down (degraded steps {degraded})"
+    step = alone[0]
+    (tmp_path / "resume").mkdir()
+    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", "--max-steps", str(step + 5), "--resume",
+                 str(ckpts / f"step={step}.ckpt"), script=SCRIPT)
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    assert code == 0, _logs(tmp_path / "resume", "site0")
+    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    assert resumed["final_step"] == step + 5 and [e["step"] for e in resumed["log"]] == list(range(step, step + 5))
+    before = [e for e in survivor["log"] if e["step"] < step]
+    expected = reference(before + resumed["log"], 1, survivor["initial"], scheduled=True)
+    for name, value in resumed["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
