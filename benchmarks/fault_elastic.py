@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -105,7 +106,7 @@ class ElasticLabJob:
 
 def _run(lab: Lab, args: argparse.Namespace, out: Path, faults: int, rng: random.Random) -> dict:
     """One job; ``faults`` random faults (0: the unbroken reference). Returns the measurements."""
-    injected, returns, outages, lighthouse_down, gave_up = [], [], [], [], []
+    injected, returns, outages, lighthouse_down, gave_up, stacks_dumped = [], [], [], [], [], set()
     deadline = time.monotonic() + args.max_run_s
     with ElasticLabJob(lab, args, out) as job:
         down = None  # (site, kind, back_at)
@@ -156,6 +157,7 @@ def _run(lab: Lab, args: argparse.Namespace, out: Path, faults: int, rng: random
                     next_fault = time.monotonic() + rng.uniform(*args.gap_s)
                 else:
                     next_fault = time.monotonic() + 1.0
+            _dump_stalled(job, down, stacks_dumped)
             time.sleep(0.1)
         codes = {site: tree.process.returncode for site, tree in job.sites.items()}
         events = {site: job.events(site) for site in range(args.sites)}
@@ -200,6 +202,30 @@ def _measure(run: dict, args: argparse.Namespace) -> dict:
             "longest_site_fault_stall_s": max(site_stalls, default=0.0),
             "rejoin_s": rejoin, "divergent": len(digests) - 1 if digests else 0,
             "val_loss": sorted(f["val_loss"] for f in run["finals"]), "ranks": len(run["finals"])}
+
+
+def _dump_stalled(job: ElasticLabJob, down, dumped: set) -> None:
+    """A site that is up but committed nothing for 60 s: its ranks' Python stacks (py-spy, when installed) into
+    <out>/site<k>.stacks, once per stall, to say where it waits."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return
+    for site, tree in job.sites.items():
+        events = job.events(site)
+        if tree.process.poll() is not None or (down is not None and down[0] == site) or not events:
+            continue
+        last = events[-1]["time"]
+        if time.time() - last < 60 or (site, last) in dumped:
+            continue
+        dumped.add((site, last))
+        pids = subprocess.run(["pgrep", "-f", f"elastic_gpt.*--site site{site} "], capture_output=True,
+                              text=True).stdout.split()
+        with open(job.out / f"site{site}.stacks", "a") as f:
+            f.write(f"--- {time.time():.1f}: no step for {time.time() - last:.0f} s\n")
+            for pid in pids:
+                f.write(subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True).stdout)
+        print(f"  site{site}: no step for {time.time() - last:.0f} s; stacks in {job.out}/site{site}.stacks",
+              flush=True)
 
 
 def main() -> int:
