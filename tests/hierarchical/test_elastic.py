@@ -122,6 +122,30 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
     return {"ranks": ranks, "killed_at": killed_at, "survivors_went_on": survivors_went_on, "victim": victim}
 
 
+def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
+    """The checks of a ``_run_with_a_kill`` run (``step``: the job's steps, or rounds): the job ended with every
+    site at the same step (>= ``min_final``), every rank bitwise identical; each survivor committed every step
+    once; some step ran without the victim; the victim rejoined at the job's step and took part in every step
+    after. Returns the first rank's and the first survivor's results."""
+    ranks, victim = run["ranks"], run["victim"]
+    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
+    first = next(iter(ranks.values()))
+    final = first["final_step"]
+    for key, rank in ranks.items():
+        assert rank["final_step"] == final >= min_final and rank["num_sites"] == sites, key
+        for name, value in rank["params"].items():
+            assert torch.equal(value, first["params"][name]), (key, name)
+    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
+    for rank in survivors:  # none lost, none twice
+        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
+    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
+    assert any(e["step"] >= run["killed_at"] for e in degraded), "no step ran without the killed site"
+    restarted = ranks[(f"site{victim}", 0)]
+    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's step, not from step 0
+    assert all(victim in e["sites"] for e in restarted["log"])
+    return first, survivors[0]
+
+
 @pytest.mark.parametrize("sites,per_site,extra,atol", [
     (3, 1, [], 1e-6),
     (2, 2, ["--ddp", "--compression", "int8"], 1e-3),  # DDP's buckets through the elastic hook; int8 rounding
@@ -129,23 +153,8 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
 def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site, extra,
                                                                     atol):
     run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, *extra)
-    ranks, victim = run["ranks"], run["victim"]
-    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
-    first = next(iter(ranks.values()))
-    final = first["final_step"]
-    for key, rank in ranks.items():  # the job ended with every site, everywhere at the same step
-        assert rank["final_step"] == final >= STEPS and rank["num_sites"] == sites, key
-        for name, value in rank["params"].items():
-            assert torch.equal(value, first["params"][name]), (key, name)  # bitwise identical
-    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
-    for rank in survivors:  # every step committed exactly once, none lost
-        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
-    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
-    assert any(e["step"] > run["killed_at"] for e in degraded), "no step ran without the killed site"
-    restarted = ranks[(f"site{victim}", 0)]
-    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's step, not from step 0
-    assert all(victim in e["sites"] for e in restarted["log"])
-    survivor = survivors[0]  # from the state it started with (received from a peer if it joined after step 0)
+    first, survivor = check_rejoined(run, sites, STEPS)
+    # from the state the survivor started with (received from a peer if it joined after step 0)
     expected = reference(survivor["log"], per_site, survivor["initial"])
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=atol)  # int8: the codec's rounding

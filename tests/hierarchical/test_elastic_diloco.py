@@ -23,7 +23,14 @@ from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
-from tests.hierarchical.test_elastic import TIMEOUT_S, _logs, _progress, _run_with_a_kill, _site  # noqa: E402
+from tests.hierarchical.test_elastic import (  # noqa: E402
+    TIMEOUT_S,
+    _logs,
+    _progress,
+    _run_with_a_kill,
+    _site,
+    check_rejoined,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_diloco_script.py")
@@ -36,23 +43,7 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
     victim = sites - 1
     run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
                            "--sleep", "0.3", script=SCRIPT, kill_at=KILL_AT)
-    ranks = run["ranks"]
-    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
-    first = next(iter(ranks.values()))
-    final = first["final_step"]
-    for key, rank in ranks.items():  # the job ended with every site, everywhere at the same round
-        assert rank["final_step"] == final >= ROUNDS and rank["num_sites"] == sites, key
-        for name, value in rank["params"].items():
-            assert torch.equal(value, first["params"][name]), (key, name)  # bitwise identical
-    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
-    for rank in survivors:  # every round committed exactly once, none lost
-        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
-    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
-    assert any(e["step"] >= run["killed_at"] for e in degraded), "no round ran without the killed site"
-    restarted = ranks[(f"site{victim}", 0)]
-    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's round, not from round 0
-    assert all(victim in e["sites"] for e in restarted["log"])
-    survivor = survivors[0]
+    first, survivor = check_rejoined(run, sites, ROUNDS)
     assert survivor["joined_at"] == 0
     expected = diloco_reference(survivor["log"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
                                 outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)

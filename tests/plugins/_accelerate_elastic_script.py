@@ -51,7 +51,10 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if args.diloco else lr_factor(s))
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     rank, site = accelerator.process_index, accelerator.elastic_site
-    joined_at = accelerator.job_step
+    def job_step() -> int:  # the job's committed steps (rounds with --diloco)
+        return accelerator.diloco.outer_steps if args.diloco else accelerator.job_step
+
+    joined_at = job_step()
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     log, discarded, last, last_step = [], 0, [], -1
 
@@ -60,8 +63,7 @@ def main() -> None:
 
     entry = None
     while True:
-        step = accelerator.job_step
-        outer = accelerator.diloco.outer_steps if args.diloco else step
+        step, outer = accelerator.job_step, job_step()
         if (not args.diloco or step % SYNC_EVERY == 0) and done(outer):
             break
         if not args.diloco or step % SYNC_EVERY == 0:  # a step (a round) starts: which sites are in it
@@ -82,11 +84,11 @@ def main() -> None:
             discarded += 1
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
-                f.write(str(accelerator.diloco.outer_steps if args.diloco else accelerator.job_step))
+                f.write(str(job_step()))
         time.sleep(args.sleep)
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
-                "initial": initial, "final_step": accelerator.job_step, "num_sites": site.num_sites,
+                "initial": initial, "final_step": job_step(), "num_sites": site.num_sites,
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     accelerator.end_training()

@@ -22,7 +22,7 @@ require_module("accelerate", "accelerate")
 from multidc.plugins import MultiDCPlugin  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import TIMEOUT_S, _run_with_a_kill  # noqa: E402
+from tests.hierarchical.test_elastic import TIMEOUT_S, _run_with_a_kill, check_rejoined  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "plugins" / "_accelerate_elastic_script.py")
@@ -31,27 +31,10 @@ ACCELERATE = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "laun
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-def _check_run(run: dict, per_site: int) -> dict:
-    """The checks shared by both modes; returns the survivor's results."""
-    ranks = run["ranks"]
-    assert run["survivors_went_on"], "the surviving site stopped while the other was down"
-    first = next(iter(ranks.values()))
-    for key, rank in ranks.items():  # the job ended with both sites, everywhere at the same step
-        assert rank["final_step"] == first["final_step"] and rank["num_sites"] == 2, key
-        for name, value in rank["params"].items():
-            assert torch.equal(value, first["params"][name]), (key, name)  # bitwise identical
-    survivor, restarted = ranks[("site0", 0)], ranks[("site1", 0)]
-    assert [e["step"] for e in survivor["log"]] == list(range(len(survivor["log"])))  # none lost, none twice
-    assert any(e["sites"] == [0] for e in survivor["log"]), "no step ran without the killed site"
-    assert all(e["sites"] == [0, 1] for e in restarted["log"]) and restarted["log"]
-    return survivor
-
-
 def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
     run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--steps", "30", "--sleep", "0.05",
                            script=SCRIPT, kill_at=8, accelerate=ACCELERATE)
-    survivor = _check_run(run, 2)
-    assert run["ranks"][("site1", 0)]["joined_at"] > run["killed_at"]  # at the job's step, not from 0
+    _, survivor = check_rejoined(run, 2, 30)
     assert survivor["lr"] == run["ranks"][("site1", 0)]["lr"]  # the LR schedule followed the committed steps
     expected = reference(survivor["log"], 2, survivor["initial"], scheduled=True)
     for name, value in survivor["params"].items():
@@ -61,8 +44,7 @@ def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
 def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse):
     run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--steps", "8", "--sleep", "0.1",
                            script=SCRIPT, kill_at=3, accelerate=ACCELERATE)
-    survivor = _check_run(run, 1)
-    assert run["ranks"][("site1", 0)]["joined_at"] > run["killed_at"] * SYNC_EVERY
+    _, survivor = check_rejoined(run, 2, 8)
     expected = diloco_reference(survivor["log"], 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                                 outer_momentum=OUTER_MOMENTUM)
     for name, value in survivor["params"].items():
