@@ -118,16 +118,23 @@ class ElasticMixin:
         return output
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        """Elastic: only the leader site of the step's quorum writes (one copy of the identical state); the
-        others skip, so every site may run the same ``ModelCheckpoint``."""
-        if self.elastic_site is not None and not self.elastic_site.is_leader:
+        """Elastic: only the leader site of the step's quorum writes (one copy of the identical state; collective
+        over the leader's ranks); the others skip, so every site may run the same ``ModelCheckpoint``."""
+        if not self._elastic_leader():
             return None
         return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.elastic_site is not None and not self.elastic_site.is_leader:
+        """Elastic: only the leader site removes (what ``save_top_k`` drops), as only it writes."""
+        if not self._elastic_leader():
             return None
         return super().remove_checkpoint(filepath)
+
+    def _elastic_leader(self) -> bool:
+        """Whether this site writes checkpoints: outside elastic mode always; while fitting, the leader of the step's
+        quorum; after the fit, the leader of its last step (``trainer.save_checkpoint`` after ``fit``)."""
+        site = self.elastic_site
+        return site.is_leader if site is not None else getattr(self, "_was_leader", True)
 
     def _follow_job_step(self, step: int) -> None:
         """Make the Trainer's ``global_step`` the job's ``step``."""
@@ -142,6 +149,7 @@ class ElasticMixin:
             del trainer.fit_loop.epoch_loop.update_lr_schedulers
         site, self.elastic_site = self.elastic_site, None
         if site is not None:
+            self._was_leader = site.is_leader
             site.close()
 
 

@@ -15,6 +15,7 @@ from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
 from multidc.hierarchical.diloco.config import refuse_loss_scaling
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
+from multidc.strategies._wan_metrics import WanMetricsCallback
 from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy, pl
 
 
@@ -100,9 +101,10 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         return self.gradient_sync.diloco
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.elastic and trainer.checkpoint_callback is not None:
-            raise ValueError("DiLoCoStrategy(elastic=True) does not save checkpoints yet: pass "
-                             "Trainer(enable_checkpointing=False) (a restarted site receives the live state).")
+        if self.elastic and (trainer.checkpoint_callback is not None or trainer.ckpt_path is not None):
+            raise ValueError("DiLoCoStrategy(elastic=True) does not save or load checkpoints yet: pass "
+                             "Trainer(enable_checkpointing=False) and no ckpt_path (a restarted site receives the "
+                             "live state from the others).")
         refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
         super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -112,7 +114,20 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
             self.gradient_sync.attach_optimizer(self.model, optimizers)
 
     def _start_elastic(self, trainer) -> None:
-        """Elastic DiLoCo has its quorum per outer round (``ElasticDiLoCo``, built once the optimizer exists)."""
+        """Elastic DiLoCo has its quorum per outer round (``ElasticDiLoCo``, built once the optimizer exists). A
+        round's quorum starts between two steps, once the LR schedulers stepped: a live site's state then is what
+        a joining site holds between steps (its schedulers included)."""
+        loop = trainer.fit_loop.epoch_loop
+        original = loop.update_lr_schedulers
+
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            original(interval, update_plateau_schedulers)
+            diloco = self.diloco
+            if interval == "step" and diloco is not None and diloco.round_pending:
+                diloco.start_round()  # a site behind heals here, its count with it
+                self._follow_job_step(diloco.inner_steps)
+
+        loop.update_lr_schedulers = update_lr_schedulers  # on Lightning's loop; undone in teardown
 
     def _start_elastic_diloco(self, optimizers: list) -> None:
         from multidc.hierarchical.elastic import ElasticDiLoCo
@@ -120,15 +135,26 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         if len(optimizers) != 1:  # the same check and message as without elastic
             self.gradient_sync.attach_optimizer(self.model, optimizers)
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+
+        def load_schedulers(state: dict) -> None:
+            for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+                scheduler.load_state_dict(saved)
+
         diloco = ElasticDiLoCo(
-            self.model, optimizers[0], self.diloco_config, wan=self.wan,
+            self.model, optimizers[0], self.diloco_config, wan=self.wan, start_rounds=False,
             state_dict=lambda: {"schedulers": [scheduler.state_dict() for scheduler in schedulers]},
-            load_state_dict=lambda state: [s.load_state_dict(saved) for s, saved in
-                                           zip(schedulers, state["schedulers"], strict=True)],
-            site=self._site_name(), lighthouse=self._lighthouse, sites=self._elastic_sites,
+            load_state_dict=load_schedulers, site=self._site_name(), lighthouse=self._lighthouse,
+            sites=self._elastic_sites,
         )
         self.gradient_sync.adopt_diloco(diloco)
         self._follow_job_step(diloco.inner_steps)  # a site that joined late continues the job's count
+        WanMetricsCallback.add_to(self.lightning_module.trainer, self)  # now that the topology exists
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self.elastic:
+            raise ValueError("DiLoCoStrategy(elastic=True) does not save checkpoints yet (every site would write its "
+                             "own copy to the same path); train without elastic to checkpoint.")
+        return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # the post-hook: DiLoCo's step

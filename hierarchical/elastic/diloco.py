@@ -51,8 +51,13 @@ class ElasticDiLoCo(DiLoCo):
             round is discarded); ``config.compression`` is its codec.
         state_dict, load_state_dict: more state that travels to a rejoining site (LR schedulers, data loader
             position): called on a live site's ranks / on the rejoining site's ranks.
-        **site_options: ``site``, ``lighthouse``, ``min_sites``, ``sites``, ``quorum_timeout_s``,
-            ``heal_timeout_s``, ``max_failed_steps`` (counted in rounds), ``host``: see ``ElasticSite``.
+        start_rounds: ``step()`` joins the next round's quorum right after a sync; False: call ``start_round()``
+            yourself between steps, after stepping what ``state_dict`` holds (LR schedulers), so a rejoining site
+            receives it in the state it has between steps (the Lightning and Accelerate front-ends do).
+        **site_options: ``site``, ``lighthouse``, ``min_sites``, ``sites``, ``quorum_timeout_s`` (default 3600
+            here: a joining site waits for the live sites' next round), ``heal_timeout_s``, ``max_failed_steps``
+            (counted in rounds), ``host``: see ``ElasticSite``. Set ``sites`` (or ``MULTIDC_NUM_SITES``): a site
+            that has not trained with the job waits for them, instead of training alone.
 
     Raises:
         ValueError: bad or unsupported settings (streaming, overlap), differing settings inside the site; a site
@@ -71,6 +76,7 @@ class ElasticDiLoCo(DiLoCo):
         blocks: Sequence[nn.Module] | None = None,
         state_dict: Callable[[], dict] | None = None,
         load_state_dict: Callable[[dict], None] | None = None,
+        start_rounds: bool = True,
         **site_options,
     ) -> None:
         config = check_elastic_config(config_or_default(config))
@@ -83,14 +89,22 @@ class ElasticDiLoCo(DiLoCo):
                          outer_optimizer=outer_optimizer, blocks=blocks)
         self._model, self._inner = model, inner_optimizer
         self._user_state, self._load_user_state = state_dict, load_state_dict
+        self._start_rounds, self.round_pending = start_rounds, False
         self.synced: bool | None = None
         """After each inner step: None if it ended no round, else whether the round committed."""
-        self.site = ElasticSite(state_dict=self._live_state, load_state_dict=self._load_live_state, wan=self.wan,
-                                **site_options)
+        # a joining site waits for the live sites' next round, which may be a long way off
+        site_options.setdefault("quorum_timeout_s", 3600.0)
+        try:
+            self.site = ElasticSite(state_dict=self._live_state, load_state_dict=self._load_live_state,
+                                    wan=self.wan, **site_options)
+        except BaseException:
+            DiLoCo.close(self)  # the step hook and the site's own topology must not outlive a failed start
+            self.topology.close()
+            raise
         try:
             self._round = self.site.start_step()
         except BaseException:
-            self.site.close()
+            self.close()
             raise
 
     @property
@@ -108,13 +122,24 @@ class ElasticDiLoCo(DiLoCo):
         """Sites in the current round."""
         return self.site.num_sites
 
+    def _settings(self) -> dict:
+        """What every site must share beyond the shapes: the DiLoCo settings and the outer optimizers' settings."""
+        groups = [{key: value for key, value in group.items() if key != "params"}
+                  for fragment in self._fragments for group in fragment.outer.param_groups]
+        return {"config": repr(self.config), "outer": repr(groups)}
+
     def _live_state(self) -> dict:
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
         state = {"model": self._model.state_dict(), "inner": self._inner.state_dict(),
                  "diloco": DiLoCo.state_dict(self), "user": self._user_state() if self._user_state else None}
-        return _snapshot(state)
+        return {**_snapshot(state), "settings": self._settings()}
 
     def _load_live_state(self, state: dict) -> None:
+        mine = self._settings()
+        differ = [f"{key}: {mine[key]} here, {state['settings'][key]} there" for key in mine
+                  if mine[key] != state["settings"][key]]
+        if differ:
+            raise ValueError(f"the DiLoCo settings differ: {'; '.join(differ)}")
         DiLoCo.load_state_dict(self, state["diloco"])
         self._model.load_state_dict(state["model"])
         self._inner.load_state_dict(state["inner"])
@@ -124,7 +149,11 @@ class ElasticDiLoCo(DiLoCo):
     @torch.no_grad()
     def step(self) -> None:
         """Count one inner step; at a round's end average the pseudo-gradients over the round's sites, step the
-        outer optimizer if the site's ranks commit the round, and join the next quorum. Every rank of the site."""
+        outer optimizer if the site's ranks commit the round, and join the next quorum (with ``start_rounds=False``
+        the caller does that: ``start_round()``). Every rank of the site."""
+        if self.round_pending:
+            raise RuntimeError("ElasticDiLoCo(start_rounds=False): start_round() must come between a round's end "
+                               "and the next inner step.")
         self.stats.inner_steps += 1
         self.synced = None
         if self.stats.inner_steps % self.config.sync_every:
@@ -146,11 +175,26 @@ class ElasticDiLoCo(DiLoCo):
             self.stats.outer_syncs += 1
         for local, view in zip(fragment.params, fragment.global_views):
             local.copy_(view)  # the next round starts from the global parameters, also after a discarded one
+        self.stats.exposed_s += time.perf_counter() - started
+        self.round_pending = True
+        if self._start_rounds:
+            self.start_round()
+
+    def start_round(self) -> None:
+        """Join the next round's quorum; a site that is behind receives the live state here. Called by ``step()``
+        at a round's end, or, with ``start_rounds=False``, by the caller between that step and the next one, once
+        whatever else it steps per step (LR schedulers) has stepped: the live state then matches what a site that
+        joins between steps holds. Every rank of the site; nothing when no round ended."""
+        if not self.round_pending:
+            return
+        started = time.perf_counter()
+        self.round_pending = False
         self._round = self.site.start_step()
         self.stats.exposed_s += time.perf_counter() - started
 
     def close(self) -> None:
         """Stop stepping with the inner optimizer and leave the job (this site's manager). Every rank."""
+        self.round_pending = False
         try:
             super().close()
         finally:

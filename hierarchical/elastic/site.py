@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
-import http.client
 import logging
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 
 import torch
@@ -45,6 +42,7 @@ from multidc.hierarchical import _env
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic.lighthouse import import_torchft, lighthouse_url
+from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology
@@ -183,7 +181,7 @@ class ElasticSite:
         host = host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal in a URL
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
-        transport = _state_server(host, heal_timeout, wan.timeout_s)
+        self._transport = transport = state_server(host, heal_timeout, wan.timeout_s)
         self.manager = torchft.Manager(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
             hostname=host, checkpoint_transport=transport,
@@ -194,7 +192,7 @@ class ElasticSite:
             quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
-        self.manager._client = _QuorumIdentity(self.manager._client, on_quorum=transport.expect)
+        self.manager._client = QuorumIdentity(self.manager._client, on_quorum=transport.expect)
         self.topology: ElasticTopology | None = None
 
     def _claim(self, state: dict) -> dict:
@@ -241,7 +239,10 @@ class ElasticSite:
             self.topology.close()
         deadline, manager = time.monotonic() + self._quorum_timeout_s, self.manager
         while True:
-            manager.start_quorum()
+            try:
+                manager.start_quorum()
+            finally:  # a source serves its state by now, or never will: held requests need not wait longer
+                self._transport.quorum_done()
             # trained with the job before, received the live state, or the job starts with every site
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
             votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step()), self._votes)
@@ -372,122 +373,6 @@ class ElasticSite:
         if self.topology is not None:
             self.topology.close()
         self.manager.shutdown(wait=False)
-
-
-class _QuorumIdentity:
-    """The manager's client, with each lighthouse quorum given an id no earlier quorum of this job had.
-
-    torchft's manager reconfigures the rail groups only when the quorum id changes, and rendezvouses them under
-    ``<store>/torchft/<quorum_id>/<rank>`` (``Manager._async_quorum``, torchft 0.2). The lighthouse numbers its quorums
-    from 1 in memory, so after a lighthouse restart the ids repeat: a site whose last id comes again keeps a group
-    with the old members, and the others rendezvous among keys left by the earlier quorum of that id (gloo then
-    dials ports closed long ago and times out). Here the id is a hash of the lighthouse's id, the members and the
-    step at which this site first saw that quorum: every member first sees a quorum in the same round, at the same
-    ``max_step``, so they agree on it, and it differs from every earlier quorum of the job."""
-
-    def __init__(self, client, on_quorum=None) -> None:
-        self._client, self._seen, self._id, self._on_quorum = client, None, -1, on_quorum
-
-    def _quorum(self, *args, **kwargs):
-        quorum = self._client._quorum(*args, **kwargs)
-        if self._on_quorum is not None:
-            self._on_quorum(quorum)
-        seen = (quorum.quorum_id, tuple(quorum.replica_ids))
-        if seen != self._seen:
-            key = f"{seen[0]}|{','.join(seen[1])}|{quorum.max_step}".encode()
-            self._seen, self._id = seen, int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
-        return _Renumbered(quorum, self._id)
-
-    def __getattr__(self, name: str):
-        return getattr(self._client, name)
-
-
-class _Renumbered:
-    """A torchft ``QuorumResult`` with another ``quorum_id``."""
-
-    def __init__(self, quorum, quorum_id: int) -> None:
-        self._quorum, self.quorum_id = quorum, quorum_id
-
-    def __getattr__(self, name: str):
-        return getattr(self._quorum, name)
-
-
-def _state_server(host: str, timeout: datetime.timedelta, wait_s: float):
-    """torchft's HTTP state server, advertised under ``host`` (torchft's own uses the host's name, which other
-    sites may not resolve to this host), that makes a request for a state it is not about to serve wait
-    ``wait_s`` at most. torchft's server holds each request until the site serves a state (``HTTPTransport.do_GET``
-    waits on its lock for the transport's whole ``timeout``): a site told to heal from a peer that never got that
-    quorum (the lighthouse restarted between their answers) would wait ``heal_timeout_s`` instead of failing the
-    heal and trying again at the next quorum. A site whose quorum names it a source (``expect``) holds requests
-    for the whole ``timeout``: it is still copying its state (``state_dict``, to CPU) before it serves it."""
-    from torchft.checkpointing import HTTPTransport
-    from torchft.checkpointing._rwlock import RWLock
-
-    sending = threading.Event()  # this rank's quorum made it a source of the live state
-
-    class _ReadWait(RWLock):
-        def r_acquire(self) -> None:  # RWLock.r_acquire, waiting wait_s unless a send is expected
-            wait = self.timeout if sending.is_set() else wait_s
-            if not self._num_r_lock.acquire(timeout=wait):
-                raise TimeoutError(f"this site serves no state now (waited {wait:g} s)")
-            try:
-                self._num_r += 1
-                if self._num_r == 1 and not self._w_lock.acquire(timeout=wait):
-                    self._num_r -= 1
-                    raise TimeoutError(f"this site serves no state now (waited {wait:g} s)")
-            finally:
-                self._num_r_lock.release()
-
-    class _Connection(http.client.HTTPConnection):
-        def connect(self) -> None:
-            super().connect()
-            _dead_peer_timeout(self.sock, wait_s)
-
-    class _Handler(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(_Connection, req)
-
-    class _Advertised(HTTPTransport):
-        def __init__(self) -> None:
-            super().__init__(timeout=timeout, num_chunks=0)
-            lock = _ReadWait(timeout=timeout.total_seconds())
-            lock.w_acquire()  # torchft's server starts disallowed (its lock held for writing)
-            self._checkpoint_lock = lock
-            _dead_peer_timeout(self._server.socket, wait_s)  # inherited by the connections it accepts
-
-        def _load_from_address(self, address: str, timeout: datetime.timedelta):
-            """torchft's, over a connection that notices a peer gone (link cut, process killed, connection
-            forgotten) within about ``wait_s`` + 5 s instead of waiting ``heal_timeout_s`` for a byte."""
-            from torchft.checkpointing._serialization import _streaming_load
-
-            with urllib.request.build_opener(_Handler).open(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=False)  # torchft's: the state holds non-tensor values
-
-        @staticmethod
-        def expect(quorum) -> None:
-            """Called with each quorum: whether it makes this rank send its state to healing sites."""
-            if quorum.recover_dst_replica_ranks:
-                sending.set()
-            else:
-                sending.clear()
-
-        def address(self) -> str:
-            scheme, rest = super().address().split("://", 1)
-            return f"{scheme}://{host}:{rest.split(':', 1)[1]}"
-
-    return _Advertised()
-
-
-def _dead_peer_timeout(sock: socket.socket, wait_s: float) -> None:
-    """TCP keepalive probes after ``wait_s`` idle (one a second, five at most) and a user timeout of ``wait_s``
-    + 5 s for unacknowledged data: a connection to a peer that is gone fails within that instead of hanging
-    (a link cut mid-transfer leaves a half-open connection that nothing else times out). Linux options; other
-    systems keep their defaults."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", max(1, int(wait_s))), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 5),
-                        ("TCP_USER_TIMEOUT", int((wait_s + 5) * 1000))):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _site_votes(vote: tuple, group) -> list[tuple]:

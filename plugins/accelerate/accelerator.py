@@ -231,7 +231,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
             return
         if self.multidc_plugin.elastic:
-            return self._attach_elastic_diloco(optimizers)
+            return self._attach_elastic_diloco()
         ddp_models = sync.ddp_models()
         if len(ddp_models) != 1:
             raise ValueError(
@@ -240,8 +240,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             )
         sync.attach_optimizer(ddp_models[0], optimizers)
 
-    def _attach_elastic_diloco(self, optimizers: list) -> None:
-        self.gradient_sync.adopt_diloco(build_elastic_diloco(self._models, optimizers, self._schedulers,
+    def _attach_elastic_diloco(self) -> None:
+        self.gradient_sync.adopt_diloco(build_elastic_diloco(self._models, self._optimizers, self._schedulers,
                                                              self.gradient_sync.diloco_config, self.multidc_plugin))
 
     def _attach_elastic(self) -> None:

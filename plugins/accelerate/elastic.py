@@ -119,8 +119,10 @@ class ElasticSteps:
 
 
 def build_elastic_diloco(models: list, optimizers: list, schedulers: list, config, plugin):
-    """``ElasticDiLoCo`` on the one prepared model and its one (raw) optimizer; the prepared LR schedulers travel
-    with the live state."""
+    """``ElasticDiLoCo`` on the one prepared model and its one prepared optimizer (DiLoCo steps after its inner
+    optimizer); the prepared LR schedulers travel with the live state. The next round's quorum starts in the
+    optimizer's ``zero_grad`` after the step that ended a round (after ``scheduler.step()`` when the loop calls
+    that first, as it should: the live state then holds the schedulers as a joining site does)."""
     from multidc.hierarchical.elastic import ElasticDiLoCo
 
     if len(models) != 1 or len(optimizers) != 1:
@@ -128,11 +130,21 @@ def build_elastic_diloco(models: list, optimizers: list, schedulers: list, confi
             f"MultiDCPlugin(cross_site='diloco', elastic=True) trains one model with one optimizer; prepare got "
             f"{len(models)} models and {len(optimizers)} optimizers."
         )
-    return ElasticDiLoCo(
-        models[0], optimizers[0], config, wan=plugin.wan,
+    prepared = optimizers[0]
+    diloco = ElasticDiLoCo(
+        models[0], prepared.optimizer, config, wan=plugin.wan, start_rounds=False,
         state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
         load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]), **site_options(plugin),
     )
+    zero_grad = prepared.zero_grad
+
+    def zero_grad_then_round(set_to_none=None) -> None:
+        zero_grad(set_to_none)
+        if diloco.round_pending:
+            diloco.start_round()
+
+    prepared.zero_grad = zero_grad_then_round  # this instance only
+    return diloco
 
 
 def site_options(plugin) -> dict:

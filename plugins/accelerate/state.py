@@ -49,9 +49,7 @@ class StateMixin:
         Returns:
             Where the checkpoint is (committed when this returns, unless async).
         """
-        if self.multidc_plugin.elastic:
-            raise ValueError("save_state is not available with MultiDCPlugin(elastic=True) yet: a restarted site "
-                             "receives the live state from the others; train without elastic to checkpoint.")
+        _refuse_elastic(self, "save_state")
         if not self._through_multidc(output_dir, loading=False):
             if replace:
                 raise ValueError("save_state(replace=True) applies to multidc checkpoints only; this directory "
@@ -77,6 +75,7 @@ class StateMixin:
             FileNotFoundError: no committed checkpoint matches.
             multidc.plugins.CheckpointCorruptError: a shard fails its checksum (named).
         """
+        _refuse_elastic(self, "load_state")
         if not self._through_multidc(input_dir, loading=True):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         _no_accelerate_kwargs({**(load_kwargs or {}), **load_model_func_kwargs}, "load_state")
@@ -184,3 +183,9 @@ def _no_accelerate_kwargs(kwargs: dict, what: str) -> None:
             f"{what}({', '.join(sorted(kwargs))}=...) are options of Accelerate's own checkpoint format; multidc's "
             f"sharded checkpoints take step=, async_save= (save) / step=, trusted= (load)."
         )
+
+
+def _refuse_elastic(accelerator, what: str) -> None:
+    if accelerator.multidc_plugin.elastic:
+        raise ValueError(f"{what} is not available with MultiDCPlugin(elastic=True) yet: a restarted site receives "
+                         f"the live state from the others; train without elastic to checkpoint.")

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--sync-every", type=int, default=SYNC_EVERY)
+    parser.add_argument("--outer-lr", type=float, default=OUTER_LR)
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -46,7 +47,7 @@ def main() -> None:
     net = model(seed=index if args.seed_per_site else 0)
     trained = torch.nn.parallel.DistributedDataParallel(net) if dist.get_world_size() > 1 else net
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=OUTER_MOMENTUM)
     diloco = ElasticDiLoCo(trained, opt, config, site=args.site, wan=WanConfig(timeout_s=args.timeout_s),
                            sites=args.sites)
 

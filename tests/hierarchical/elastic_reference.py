@@ -50,12 +50,13 @@ def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
 
 
 def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor], *, sync_every: int,
-                     outer_lr: float, outer_momentum: float) -> dict[str, torch.Tensor]:
+                     outer_lr: float, outer_momentum: float, scheduled: bool = False) -> dict[str, torch.Tensor]:
     """One process replays the committed DiLoCo rounds from the global parameters ``initial``: in each round
     (``log``: ``{"step", "sites", "t0"}``, in order) every site that took part trains a copy of the global
     parameters for ``sync_every`` inner SGD steps (inner step ``t`` of site ``s``: the mean gradient over its ranks
     on ``rows(s, rank, t)``, ``t`` from ``t0``); the outer SGD (Nesterov momentum) steps the global parameters
-    with the mean of ``global - local`` over the sites."""
+    with the mean of ``global - local`` over the sites; with ``scheduled``, inner step ``t`` runs at
+    ``LR * lr_factor(t)``."""
     glob = model()
     glob.load_state_dict(initial)
     params = [p.detach().float().clone() for p in glob.parameters()]
@@ -69,6 +70,7 @@ def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Te
                     p.copy_(g)
             inner = torch.optim.SGD(net.parameters(), lr=LR)
             for t in range(entry["t0"], entry["t0"] + sync_every):
+                inner.param_groups[0]["lr"] = LR * lr_factor(t) if scheduled else LR
                 net.zero_grad()
                 for local in range(per_site):
                     x, y = rows(site, local, t)

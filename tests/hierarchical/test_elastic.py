@@ -267,7 +267,7 @@ def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every
     the same one in every member, and keep it while it lasts."""
     from types import SimpleNamespace
 
-    from multidc.hierarchical.elastic.site import _QuorumIdentity
+    from multidc.hierarchical.elastic.transport import QuorumIdentity
 
     class Client:
         def __init__(self, quorums):
@@ -279,9 +279,9 @@ def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every
     def quorum(qid, members, step):
         return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1")
 
-    site_a = _QuorumIdentity(Client([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+    site_a = QuorumIdentity(Client([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
                                      quorum(1, ["a"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
-    site_b = _QuorumIdentity(Client([quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+    site_b = QuorumIdentity(Client([quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
                                      quorum(1, ["b"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
     results = [site_a._quorum() for _ in range(6)]  # the lighthouse restarts after the third quorum
     ids_a = [result.quorum_id for result in results]
@@ -299,9 +299,9 @@ def test_a_site_asked_for_a_state_it_does_not_serve_answers_within_the_wan_timeo
     import urllib.error
     import urllib.request
 
-    from multidc.hierarchical.elastic.site import _state_server
+    from multidc.hierarchical.elastic.transport import state_server
 
-    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=1.0)
+    server = state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=1.0)
     try:
         url = f"{server.address()}3/full"
         started = time.monotonic()
@@ -324,9 +324,9 @@ def test_a_site_that_its_quorum_makes_a_source_holds_requests_until_it_serves():
     import threading
     import types
 
-    from multidc.hierarchical.elastic.site import _state_server
+    from multidc.hierarchical.elastic.transport import state_server
 
-    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=0.5)
+    server = state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=0.5)
     try:
         server.expect(types.SimpleNamespace(recover_dst_replica_ranks=[1]))
         got = {}
@@ -351,6 +351,38 @@ def test_a_site_that_its_quorum_makes_a_source_holds_requests_until_it_serves():
         server.shutdown(wait=False)
 
 
+def test_a_source_whose_quorum_ended_without_serving_releases_held_requests():
+    """A source's manager can fail to reconfigure and skip the send (the fault benchmark saw the healing site then
+    wait out the 600 s heal timeout): once the source's quorum call returns, held requests end within wait_s."""
+    import datetime
+    import threading
+    import types
+
+    from multidc.hierarchical.elastic.transport import state_server
+
+    server = state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=1.0)
+    try:
+        server.expect(types.SimpleNamespace(recover_dst_replica_ranks=[1]))  # a source, never serving
+        failed = {}
+
+        def heal():
+            started = time.monotonic()
+            try:
+                server.recv_checkpoint(0, server.metadata(), step=5, timeout=datetime.timedelta(seconds=60))
+            except Exception as exc:  # noqa: BLE001  (what urllib raises for the server's error)
+                failed["after"], failed["error"] = time.monotonic() - started, str(exc)
+
+        healer = threading.Thread(target=heal)
+        healer.start()
+        time.sleep(3.0)  # held while the quorum call is in flight
+        assert healer.is_alive()
+        server.quorum_done()  # the source's quorum call returned without a send
+        healer.join(10)
+        assert not healer.is_alive() and 3.0 <= failed["after"] < 6.0, failed
+    finally:
+        server.shutdown(wait=False)
+
+
 def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_heal_timeout():
     """A link cut mid-heal leaves a half-open connection: the fault benchmark saw a healing site block 7+ minutes in
     a read of the state (heal_timeout_s=600). Both ends of a state transfer must probe the peer (TCP keepalive
@@ -359,14 +391,14 @@ def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_h
     import http.client
     import socket
 
-    from multidc.hierarchical.elastic.site import _dead_peer_timeout, _state_server
+    from multidc.hierarchical.elastic.transport import _dead_peer_timeout, state_server
 
     def options(sock):
         return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
                 sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
                 sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
 
-    server = _state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=3.0)
+    server = state_server("127.0.0.1", datetime.timedelta(seconds=600), wait_s=3.0)
     try:
         assert options(server._server.socket) == (1, 3, 8000)  # the listening socket: its connections inherit
         opened, real = [], http.client.HTTPConnection.getresponse

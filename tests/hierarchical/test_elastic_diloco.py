@@ -51,7 +51,10 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 
 
-def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse):
+@pytest.mark.parametrize("odd,message", [(["--sync-every", "6"], ("sync_every=4", "sync_every=6")),
+                                         (["--outer-lr", "0.5"], ("outer_lr=0.7", "outer_lr=0.5"))],
+                         ids=["sync-every", "outer-lr"])
+def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd, message):
     names = ["site0", "site1"]  # long enough to be there when the odd site comes
     trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--rounds", "60", "--sleep", "0.2",
                          script=SCRIPT) for name in names}
@@ -60,12 +63,12 @@ def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse):
         while min(_progress(tmp_path, n) for n in names) < KILL_AT:
             assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.05)
-        odd = _site("site2", 1, 3, lighthouse.address, tmp_path, "--rounds", "60", "--sync-every", "6", script=SCRIPT)
+        odd = _site("site2", 1, 3, lighthouse.address, tmp_path, "--rounds", "60", *odd, script=SCRIPT)
         code, _ = odd.wait(max(1.0, deadline - time.monotonic()))
         assert code != 0
         log = _logs(tmp_path, "site2")
         assert "site 'site2' cannot join: it differs from site 'site" in log, log
-        assert "sync_every=4" in log and "sync_every=6" in log, log
+        assert "the DiLoCo settings differ" in log and all(m in log for m in message), log
         for name, tree in trees.items():  # the live sites went on without it and finished
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"

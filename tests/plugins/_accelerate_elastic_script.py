@@ -48,7 +48,7 @@ def main() -> None:
                                      dataloader_config=DataLoaderConfiguration(split_batches=True))
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if args.diloco else lr_factor(s))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per committed step, or per inner step
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     rank, site = accelerator.process_index, accelerator.elastic_site
     def job_step() -> int:  # the job's committed steps (rounds with --diloco)

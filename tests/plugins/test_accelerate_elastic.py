@@ -46,7 +46,7 @@ def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, 
                            script=SCRIPT, kill_at=3, accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 8)
     expected = diloco_reference(survivor["log"], 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
-                                outer_momentum=OUTER_MOMENTUM)
+                                outer_momentum=OUTER_MOMENTUM, scheduled=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 

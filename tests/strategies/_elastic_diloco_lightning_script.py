@@ -5,9 +5,9 @@ per site, ``Trainer(strategy=DiLoCoStrategy(elastic=True))`` over that site's ra
         --site site1 --sites 2 --max-steps 200 --out DIR
 
 Each rank trains ``tests.hierarchical.elastic_reference.model()`` with inner SGD on ``rows(site, local rank, t)``,
-``t`` the job's inner step (``trainer.global_step``); every ``SYNC_EVERY`` steps DiLoCo averages over the sites of the
-round. Every committed round is logged with its sites and first inner step; each rank writes DIR/<site>_rank<r>.pt
-at the end and DIR/<site>.progress (inner steps) as it goes.
+``t`` the job's inner step (``trainer.global_step``), at ``LR * lr_factor(t)``; every ``SYNC_EVERY`` steps DiLoCo
+averages over the sites of the round. Every committed round is logged with its sites and first inner step; each
+rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (inner steps) as it goes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import lightning.pytorch as pl  # noqa: E402
 from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
 from multidc.strategies import DiLoCoStrategy  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
 
 
 class Net(pl.LightningModule):
@@ -60,7 +60,9 @@ class Net(pl.LightningModule):
         time.sleep(self.sleep)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=LR)
+        optimizer = torch.optim.SGD(self.net.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per inner step: travels with the state
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()

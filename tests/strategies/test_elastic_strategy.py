@@ -139,7 +139,7 @@ def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse):
     assert restarted["joined_at"] * SYNC_EVERY > run["killed_at"]  # rejoined live, at the job's round
     assert all(e["sites"] == [0, 1] for e in restarted["log"])
     expected = diloco_reference(rounds, 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
-                                outer_momentum=OUTER_MOMENTUM)
+                                outer_momentum=OUTER_MOMENTUM, scheduled=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 
