@@ -24,26 +24,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from multidc.hierarchical import _env
-
 
 class ElasticMixin:
     """Mixed into a DDP strategy before it: ``optimizer_step`` runs the elastic step when ``elastic``."""
 
     def _init_elastic(self, elastic: bool | None, lighthouse: str | None, sites: int | None) -> None:
-        if elastic is None:
-            elastic = bool(_env.read_bool(_env.ELASTIC))
-        self.elastic = bool(elastic)
+        from multidc.hierarchical.elastic import resolve_elastic
+
+        self.elastic = resolve_elastic(elastic, lighthouse)  # a missing or malformed address fails here
         self.elastic_site = None
         """The running ``ElasticSite`` (elastic mode, during ``fit``), else None."""
         self.elastic_committed = False
         """Whether the last optimizer step committed (elastic mode)."""
         self._lighthouse, self._elastic_sites = lighthouse, sites
-        if self.elastic:
-            from multidc.hierarchical.elastic import import_torchft, lighthouse_url
-
-            lighthouse_url(lighthouse)  # a missing or malformed address fails at construction
-            import_torchft()
 
     def _setup_elastic(self, trainer) -> None:
         if not self.elastic or trainer.state.fn != "fit":  # validate / test / predict: no steps to agree on

@@ -15,6 +15,7 @@ from multidc.hierarchical.elastic.lighthouse import (
     import_torchft,
     lighthouse_url,
     refuse_elastic_env,
+    resolve_elastic,
     start_lighthouse,
 )
 from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
@@ -28,5 +29,6 @@ __all__ = [
     "import_torchft",
     "lighthouse_url",
     "refuse_elastic_env",
+    "resolve_elastic",
     "start_lighthouse",
 ]

@@ -100,11 +100,22 @@ def start_lighthouse(bind: str, *, min_sites: int = 1, join_timeout_ms: int = 60
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 
+def resolve_elastic(elastic: bool | None, lighthouse: str | None) -> bool:
+    """Whether a front-end runs elastic: ``elastic``, else env ``MULTIDC_ELASTIC``. When it does, the lighthouse
+    address (``lighthouse`` / ``MULTIDC_LIGHTHOUSE``) and torchft are checked here, at construction."""
+    enabled = bool(_env.read_bool(_env.ELASTIC)) if elastic is None else bool(elastic)
+    if enabled:
+        lighthouse_url(lighthouse)
+        import_torchft()
+    return enabled
+
+
 def refuse_elastic_env(owner: str) -> None:
     """A ValueError when ``MULTIDC_ELASTIC`` asks for elastic sites from a front-end that has no elastic mode yet,
     instead of silently training without it."""
     if _env.read_bool(_env.ELASTIC):
         raise ValueError(
             f"{_env.ELASTIC} is set but {owner} has no elastic mode yet; elastic sites run under "
-            f"HierarchicalDDPStrategy(elastic=True) or multidc.hierarchical.elastic.ElasticSite. Unset {_env.ELASTIC}."
+            f"HierarchicalDDPStrategy, DiLoCoStrategy, MultiDCPlugin (elastic=True) or multidc.hierarchical.elastic. "
+            f"Unset {_env.ELASTIC}."
         )

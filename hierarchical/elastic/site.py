@@ -178,7 +178,7 @@ class ElasticSite:
         self.wan_stats = WanStats()
         self.rail = ProcessGroupGloo(timeout=datetime.timedelta(seconds=wan.timeout_s))
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
-        host = host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+        host = advertised_host(host)
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal in a URL
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
         self._transport = transport = state_server(host, heal_timeout, wan.timeout_s)
@@ -373,6 +373,11 @@ class ElasticSite:
         if self.topology is not None:
             self.topology.close()
         self.manager.shutdown(wait=False)
+
+
+def advertised_host(host: str | None = None) -> str:
+    """The address other sites reach this host at: ``host``, else ``MULTIDC_ELASTIC_HOST``, else the host's name."""
+    return host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
 
 
 def _site_votes(vote: tuple, group) -> list[tuple]:

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-
-from multidc.hierarchical import _env
 
 
 class ElasticSteps:
@@ -171,7 +168,9 @@ def ensure_process_group() -> bool:
     whether it made one (to destroy at the end)."""
     if dist.is_initialized():
         return False
-    host = _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+    from multidc.hierarchical.elastic.site import advertised_host
+
+    host = advertised_host()
     store = dist.TCPStore(host, 0, world_size=1, is_master=True, timeout=datetime.timedelta(minutes=30))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(store.port)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))

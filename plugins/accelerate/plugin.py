@@ -107,12 +107,9 @@ class MultiDCPlugin:
     """The validated pipeline settings (used when ``pipeline_parallel_size > 1``)."""
 
     def __post_init__(self) -> None:
-        self.elastic = bool(_env.read_bool(_env.ELASTIC)) if self.elastic is None else bool(self.elastic)
-        if self.elastic:
-            from multidc.hierarchical.elastic import import_torchft, lighthouse_url
+        from multidc.hierarchical.elastic import resolve_elastic
 
-            lighthouse_url(self.lighthouse)  # a missing or malformed address fails here
-            import_torchft()
+        self.elastic = resolve_elastic(self.elastic, self.lighthouse)  # a missing or bad address fails here
         source = "MultiDCPlugin.num_sites"
         if self.num_sites is None:
             self.num_sites, source = _env.read_int(_env.NUM_SITES), _env.NUM_SITES
