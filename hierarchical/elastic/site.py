@@ -41,7 +41,7 @@ import torch.distributed as dist
 from multidc.hierarchical import _env
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.elastic.lighthouse import import_torchft, lighthouse_url
+from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
@@ -130,7 +130,8 @@ class ElasticSite:
             recovery), every rank of the site raises the last failure instead of trying again; None: never.
 
     Raises:
-        ImportError: torchft is missing. ValueError: bad settings, before connecting.
+        ImportError: torchft is missing. ValueError: bad settings, before connecting. LighthouseUnreachable: no
+        lighthouse answers within ``quorum_timeout_s``, on every rank.
     """
 
     def __init__(
@@ -169,7 +170,9 @@ class ElasticSite:
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
         self._votes = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        url = lighthouse_url(lighthouse)
+        # every rank: a lighthouse that does not answer (within the quorum timeout: it may be restarting) is a
+        # clear error on each rank of the site, before torchft's manager starts
+        url = check_lighthouse(lighthouse, timeout_s=quorum_timeout_s)
         torchft = import_torchft()
         from torchft.process_group import ProcessGroupGloo
 

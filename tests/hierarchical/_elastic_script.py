@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16, help="another value: a site with another model")
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
     parser.add_argument("--max-failed-steps", type=int, default=10)
+    parser.add_argument("--quorum-timeout-s", type=float, default=120.0)
     parser.add_argument("--stall-s", type=float, default=0.0, help="sleep inside every step (a site too slow)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -60,7 +61,8 @@ def main() -> None:
         trained = torch.nn.parallel.DistributedDataParallel(net)  # the site's group: this torchrun's ranks
     site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, site=args.site,
                        wan=WanConfig(timeout_s=args.timeout_s, compression=args.compression),
-                       sites=args.sites, max_failed_steps=args.max_failed_steps)
+                       sites=args.sites, max_failed_steps=args.max_failed_steps,
+                       quorum_timeout_s=args.quorum_timeout_s)
     log, discarded, joined_at, last, last_step = [], 0, None, [], -1
     while True:
         site.start_step()

@@ -215,6 +215,19 @@ def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse,
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
+def test_a_site_that_reaches_no_lighthouse_fails_on_every_rank_saying_so(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    tree = _site("site0", 2, 1, address, tmp_path, "--quorum-timeout-s", "3")
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    log = "".join(p.read_text() for p in tmp_path.glob("site0.*.log"))
+    assert code != 0 and not (tmp_path / "site0.progress").exists()
+    # each rank raises it (after the same wait); torchrun may stop one before it prints
+    assert "LighthouseUnreachable: no torchft lighthouse " f"answers at http://{address}" in log, log[-3000:]
+
+
 def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_path, lighthouse):
     # torchft's first quorum makes the sites equal rank index by rank index, from different source sites: the
     # ranks of one site must still end up holding one state (each site seeds its model differently here)
