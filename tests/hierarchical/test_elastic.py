@@ -192,18 +192,28 @@ def _logs(out: Path, name: str) -> str:
     (2, [], "site_size: 2 here, 1 there"),
 ], ids=["another-model", "another-site-size"])
 def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse, per_site, extra, message):
-    names = ["site0", "site1"]  # long enough to be there when the odd site comes
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "250") for name in names}
+    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--steps", "250"], per_site, list(extra),
+                               [message])
+
+
+def check_odd_site_fails_alone(tmp_path: Path, lighthouse: str, live: list[str], per_site: int, odd: list[str],
+                               messages: list[str], script: str = SCRIPT) -> None:
+    """Two sites train (``live`` arguments: long enough to be there when the odd site comes); a third site with
+    ``odd`` arguments and ``per_site`` ranks must fail alone, its log saying it cannot join and ``messages``, while
+    the two go on, finish and end identical."""
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while min(_progress(tmp_path, n) for n in names) < KILL_AT:
             assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.05)
-        odd = _site("site2", per_site, 3, lighthouse.address, tmp_path, *extra)
-        code, _ = odd.wait(max(1.0, deadline - time.monotonic()))
+        tree = _site("site2", per_site, 3, lighthouse, tmp_path, *odd, script=script)
+        code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
         assert code != 0
         log = _logs(tmp_path, "site2")
-        assert "site 'site2' cannot join: it differs from site 'site" in log and message in log, log
+        assert "site 'site2' cannot join: it differs from site 'site" in log, log
+        assert all(message in log for message in messages), log
         for name, tree in trees.items():  # the live sites went on without it and finished
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"

@@ -9,7 +9,6 @@ rounds (each averaged over the sites that took part)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,8 @@ from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, 
 from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
 from tests.hierarchical.test_elastic import (  # noqa: E402
     TIMEOUT_S,
-    _logs,
-    _progress,
     _run_with_a_kill,
-    _site,
+    check_odd_site_fails_alone,
     check_rejoined,
 )
 
@@ -55,29 +52,8 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
                                          (["--outer-lr", "0.5"], ("outer_lr=0.7", "outer_lr=0.5"))],
                          ids=["sync-every", "outer-lr"])
 def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd, message):
-    names = ["site0", "site1"]  # long enough to be there when the odd site comes
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--rounds", "60", "--sleep", "0.2",
-                         script=SCRIPT) for name in names}
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
-        odd = _site("site2", 1, 3, lighthouse.address, tmp_path, "--rounds", "60", *odd, script=SCRIPT)
-        code, _ = odd.wait(max(1.0, deadline - time.monotonic()))
-        assert code != 0
-        log = _logs(tmp_path, "site2")
-        assert "site 'site2' cannot join: it differs from site 'site" in log, log
-        assert "the DiLoCo settings differ" in log and all(m in log for m in message), log
-        for name, tree in trees.items():  # the live sites went on without it and finished
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
-    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
-    for name, value in ranks[0]["params"].items():
-        assert torch.equal(value, ranks[1]["params"][name]), name
+    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--rounds", "60", "--sleep", "0.2"], 1,
+                               ["--rounds", "60", *odd], ["the DiLoCo settings differ", *message], script=SCRIPT)
 
 
 @pytest.mark.parametrize("fragments,overlap", [(2, 0), (1, 1)])
