@@ -6,7 +6,10 @@ strategies and ``CheckpointIO`` build on it. The private modules, one concern ea
 * ``object_store``: ``ObjectStore``, one fsspec location with retries and secret-free errors; ``s3_multipart``:
   the parallel multipart upload of one S3 object.
 * ``format``: names and the JSON commit record; ``planner``: striped saving and unpickling-free loading;
-  ``storage``: DCP's writer and reader over the object store; ``retention``: listing, ``latest`` and deletion.
+  ``storage``: DCP's writer over the object store; ``retention``: listing, ``latest`` and deletion.
+* ``reader``: DCP's reader; ``read_plan``: who GETs which byte ranges and in which rounds they are exchanged;
+  ``striped_read``: one rank's reads and exchanges; ``ranged_read``: one streamed ranged GET; ``crc``: combining
+  CRC-32s of slices.
 * ``comm``: the checkpoint's collectives, raised on every rank; ``handle``: the outcome of an (async) save;
   ``state``: ``ModelState`` and ``RNGState``.
 
@@ -32,6 +35,7 @@ from multidc.plugins.checkpoint.object_store import (
     ObjectStoreNotFoundError,
     RetryPolicy,
 )
+from multidc.plugins.checkpoint.reader import ReadConfig
 from multidc.plugins.checkpoint.state import ModelState, RNGState
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "ObjectStoreError",
     "ObjectStoreNotFoundError",
     "RNGState",
+    "ReadConfig",
     "RetryPolicy",
     "SaveHandle",
     "latest",

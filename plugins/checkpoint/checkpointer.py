@@ -77,8 +77,10 @@ from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Co
 from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
+from multidc.plugins.checkpoint.ranged_read import check_stop
+from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
-from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
+from multidc.plugins.checkpoint.storage import ObjectStoreWriter, stage, upload
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -109,13 +111,17 @@ class Checkpointer:
             group is broken), and work abandoned on this rank writes nothing more.
         topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
             times out or loses its connection raises ``WanError`` naming the sites and this end of the link
-            (e.g. the WAN was cut during a save) instead of gloo's bare error.
+            (e.g. the WAN was cut during a save) instead of gloo's bare error. Loads read what a whole site needs
+            once per site (striped over its ranks, exchanged inside the site).
+        read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 4 MiB,
+            ``max_concurrency`` GETs in flight, at most 32 MiB of GET buffers and 32 MiB received per round per
+            rank, items of at least ``stripe_min_mb`` striped.
     """
 
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
-                 timeout_s: float | None = None, topology=None) -> None:
+                 timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
         if stripe_min_mb < 0:
@@ -131,6 +137,10 @@ class Checkpointer:
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
         if topology is not None and getattr(topology, "num_sites", 1) > 1:
             self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
+        # which site each rank of the group is in: a striped load exchanges pieces only inside a site
+        self._sites = self.comm.all_gather(getattr(topology, "site", 0))
+        self._read_config = read_config or ReadConfig(concurrency=max_concurrency,
+                                                      stripe_min_bytes=self.stripe_min_bytes)
         self._pending: SaveHandle | None = None
         self._access_checked = False
 
@@ -341,7 +351,8 @@ class Checkpointer:
         return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
 
     def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:
-        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
+        reader = ObjectStoreReader(self.store, name, commit, comm=self.comm, sites=self._sites,
+                                   config=self._read_config)
         self.comm.dcp_load(state_dict, reader, planner)
 
     def list(self) -> list[CheckpointInfo]:

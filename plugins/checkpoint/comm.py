@@ -51,13 +51,17 @@ def _transport_error(exc: RuntimeError) -> bool:
 # ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one
 # rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
 THIS_PROCESS = object()
+_DATA_TIMEOUT = datetime.timedelta(hours=6)
 
 
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
-    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0, data_group=None) -> None:
         self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
+        # Bulk transfers between the ranks (striped loads) on a group of their own, from worker threads, while
+        # ``group`` carries the heartbeat. Its waits are polled and end when the heartbeat fails (``stopped``).
+        self.data_group = data_group
         self.global_rank = dist.get_rank() if group is not None else 0
         # The first failed collective: the group is unusable from then on. Workers of ``alive`` that outlive the
         # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
@@ -115,9 +119,12 @@ class Comm:
             return cls(None, 0, 1, timeout_s=timeout.total_seconds())
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being retried);
+        # liveness comes from the heartbeat on ``group``, so this one only reaps abandoned operations.
+        data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT))
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
-        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds())
+        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds(), data_group=data_group)
 
     def alive(self, fn, *args, what: str):
         """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
@@ -271,4 +278,6 @@ class Comm:
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
-        self.group = None
+            if self.failure is None and self.data_group is not None:  # else an abandoned transfer may hold it
+                dist.destroy_process_group(self.data_group)
+        self.group = self.data_group = None

@@ -1,0 +1,253 @@
+"""One rank's part of a :class:`ReadSchedule`: ranged GETs in parallel, the exchange inside the site, CRC checks.
+
+Invariants:
+
+* **Bounded memory.** GETs land in piece-sized buffers; at most ``read_ahead_bytes`` of them are held (read or in
+  flight) at once, and a round's receives are bounded by the schedule's ``round_bytes``. Nothing holds a second
+  copy of the rank's share.
+* **Nothing written after a stop.** Every chunk of a GET and every received piece is copied into the caller's
+  tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some rank).
+* **The same outcome everywhere.** Every rank learns at each round whether any rank failed and then stops reading;
+  afterwards the ranks gather every piece's CRC-32 and every error, so each rank raises the same error (the lowest
+  failing rank's, or the first corrupt item in schedule order) or verifies every item it got.
+* **Waits are bounded by liveness, not by a clock.** The exchange polls its requests and gives up as soon as the
+  checkpoint group's heartbeat declares a peer lost (``stop``), i.e. within ``timeout_s`` plus one beat; a slow but
+  healthy peer (a GET that retries) is waited for.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+import torch.distributed as dist
+
+from multidc.plugins.checkpoint.crc import combine
+from multidc.plugins.checkpoint.format import CheckpointCorruptError
+from multidc.plugins.checkpoint.ranged_read import Abandoned, check_stop
+from multidc.plugins.checkpoint.read_plan import Piece, ReadSchedule
+
+_POLL_S = 0.05  # how soon a wait notices the heartbeat failed; completion is noticed at once
+
+
+class _PeerFailed(Exception):
+    """Another rank reported a failure at a round boundary; its error is the one every rank raises."""
+
+
+class _Either:
+    def __init__(self, *events) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e is not None and e.is_set() for e in self.events)
+
+
+class StripedRead:
+    """Runs this rank's reads and exchanges of ``schedule``; ``deliver(piece, buffer)`` copies a piece's bytes (a
+    uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``."""
+
+    def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
+                 concurrency: int, read_ahead_bytes: int) -> None:
+        self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
+        self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
+        self.halt = threading.Event()  # this load failed somewhere: read nothing more
+        self.stop = _Either(stop, self.halt)
+        self.outer_stop = stop
+        self.crcs: dict[tuple[int, int, int], int] = {}  # _crc_key -> CRC-32 of a piece this rank read
+        self._held = 0  # bytes of buffers allocated and not yet released (read-ahead budget)
+        self._cond = threading.Condition()
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._futures: dict[tuple[int, int], object] = {}
+
+    # ------------------------------------------------------------------ driver
+    def run(self, error: Exception | None = None) -> None:
+        """Read, exchange, gather, verify. Raises the same error on every rank, or returns with every piece this
+        rank needs delivered and its item verified. ``error``: this rank failed before reading (e.g. resolving
+        its destinations); it reads nothing, and every rank raises that error."""
+        mine = [p for p in self.schedule.pieces() if p.reader == self.rank] if error is None else []
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="multidc-ckpt-get")
+        feeder = threading.Thread(target=self._feed, args=(pool, mine), name="multidc-ckpt-feed", daemon=True)
+        feeder.start()
+        try:
+            if self._any_failed(error is not None):  # every rank: one failing to prepare must not be waited for
+                raise error or _PeerFailed()
+            for pieces in self.schedule.rounds:
+                self._round(pieces)
+        except Exception as exc:  # gathered below: every rank raises the same error
+            error = exc
+            self.halt.set()
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+            pool.shutdown(wait=False, cancel_futures=True)
+        check_stop(self.outer_stop, f"loading {self.store.where(self.checkpoint)}")
+        own = None if error is None or isinstance(error, _PeerFailed) else error
+        gathered = self._gather((self.crcs, None if own is None else (type(own).__name__, str(own))))
+        failed = [(rank, d) for rank, (_, d) in enumerate(gathered) if d is not None]
+        if failed:
+            if own is not None:
+                raise own
+            from multidc.plugins.checkpoint.comm import _rebuild
+
+            raise _rebuild(*failed[0])
+        if error is not None:  # a peer failed but reported nothing: cannot happen, never silently pass
+            raise error
+        self._verify({key: crc for crcs, _ in gathered for key, crc in crcs.items()})
+
+    def _round(self, pieces: tuple[Piece, ...]) -> None:
+        local_error = None
+        try:
+            for piece in pieces:
+                if piece.reader == self.rank:
+                    self._wait_future(self._future(piece))
+        except Exception as exc:
+            local_error = exc
+        if self._any_failed(local_error is not None):
+            raise local_error or _PeerFailed()
+        self._exchange(pieces)
+        for piece in pieces:
+            if piece.reader == self.rank:
+                self._release(piece)
+
+    # ------------------------------------------------------------------ GETs (read-ahead)
+    def _feed(self, pool: ThreadPoolExecutor, mine: list[Piece]) -> None:
+        for piece in mine:
+            with self._cond:
+                while self._held and self._held + piece.size > self.read_ahead and not self.stop.is_set():
+                    self._cond.wait(0.1)
+                if self.stop.is_set():
+                    return
+                self._held += piece.size
+                buffer = torch.empty(piece.size, dtype=torch.uint8)
+                self._buffers[(piece.loc, piece.start)] = buffer
+                try:
+                    self._futures[(piece.loc, piece.start)] = pool.submit(self._get, piece, buffer)
+                except RuntimeError:  # the pool was shut down: this load has ended (failed) already
+                    return
+                self._cond.notify_all()
+
+    def _future(self, piece: Piece):
+        key = (piece.loc, piece.start)
+        with self._cond:
+            while key not in self._futures:
+                check_stop(self.stop, "waiting for a download")
+                self._cond.wait(0.1)
+            return self._futures[key]
+
+    def _wait_future(self, future) -> None:
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except FutureTimeout:
+                check_stop(self.outer_stop, "waiting for a download")
+
+    def _get(self, piece: Piece, buffer: torch.Tensor) -> None:
+        from multidc.plugins.checkpoint.storage import byte_view
+
+        loc = self.schedule.locations[piece.loc]
+        view = byte_view(buffer, writable=True)
+        self.store.read_into(f"{self.checkpoint}/{loc.file}", loc.offset + piece.start, view, stop=self.stop)
+        self.crcs[_crc_key(piece)] = zlib.crc32(view)  # off the event loop, while other GETs stream
+        check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
+        self.deliver(piece, buffer)
+        if not piece.receivers:
+            self._release(piece)
+
+    def _release(self, piece: Piece) -> None:
+        with self._cond:
+            if self._buffers.pop((piece.loc, piece.start), None) is not None:
+                self._held -= piece.size
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ exchange inside the site
+    def _any_failed(self, failed: bool) -> bool:
+        if self.group is None:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        self._poll([dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)])
+        return bool(flag.item())
+
+    def _exchange(self, pieces: tuple[Piece, ...]) -> None:
+        if self.group is None:
+            return
+        works, received = [], []
+        for tag, piece in enumerate(pieces):
+            if self.rank in piece.receivers:
+                buffer = torch.empty(piece.size, dtype=torch.uint8)  # bounded by the round's receive budget
+                works.append(dist.irecv(buffer, src=self._global(piece.reader), group=self.group, tag=tag))
+                received.append((piece, buffer))
+            elif piece.reader == self.rank and piece.receivers:
+                buffer = self._buffers[(piece.loc, piece.start)]
+                works += [dist.isend(buffer, dst=self._global(r), group=self.group, tag=tag) for r in piece.receivers]
+        self._poll(works)
+        for piece, buffer in received:
+            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
+            self.deliver(piece, buffer)
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def _poll(self, works: list) -> None:
+        """Wait for ``works``; give up (Abandoned) once the checkpoint group's heartbeat failed.
+
+        gloo's send/recv works complete only inside ``wait()``, so a helper thread waits and this one watches
+        ``stop``; after a stop the helper is left blocked (daemon) on a group nobody uses again."""
+        done, failed = threading.Event(), []
+
+        def wait_all():
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as exc:  # raised below, in the reading thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait_all, name="multidc-ckpt-exchange", daemon=True).start()
+        while not done.wait(_POLL_S):
+            check_stop(self.outer_stop, "exchanging checkpoint pieces")
+        if failed:
+            raise failed[0]
+
+    def _gather(self, obj) -> list:
+        """``all_gather_object`` with polled waits (see :meth:`_poll`)."""
+        if self.group is None:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self.group))]
+        self._poll([dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True)])
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        self._poll([dist.all_gather(out, padded, group=self.group, async_op=True)])
+        # the group's own ranks wrote these: pickle is trusted here, unlike anything read from storage
+        return [pickle.loads(t[:int(s)].numpy().tobytes()) for t, s in zip(out, sizes)]
+
+    # ------------------------------------------------------------------ verification
+    def _verify(self, crcs: dict[tuple[int, int, int], int]) -> None:
+        """Check every copy of every item against the commit record (on every rank: the same verdict)."""
+        copies: dict[tuple[int, int], list[Piece]] = {}
+        for piece in self.schedule.pieces():
+            copies.setdefault((piece.loc, piece.copy), []).append(piece)
+        for (index, _), pieces in sorted(copies.items()):
+            loc = self.schedule.locations[index]
+            pieces.sort(key=lambda p: p.start)
+            crc = combine((crcs[_crc_key(p)], p.size) for p in pieces)
+            if crc != loc.crc32:
+                raise CheckpointCorruptError(
+                    f"corrupt shard {loc.file} of checkpoint {self.store.where(self.checkpoint)}: bytes "
+                    f"[{loc.offset}, {loc.offset + loc.length}) holding {self.schedule.names[index]} have crc32 "
+                    f"{crc:08x}, the commit record says crc32 {loc.crc32:08x}. The object was changed or damaged "
+                    "after it was committed; load an older checkpoint (list_checkpoints) instead.")
+
+
+def _crc_key(piece: Piece) -> tuple[int, int, int]:
+    return piece.loc, piece.copy, piece.start
+
+
+__all__ = ["Abandoned", "StripedRead"]
