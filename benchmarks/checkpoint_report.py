@@ -95,7 +95,7 @@ def plot(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = record["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     sides = ((axes[0], "save", "raw parallel PUT (bound)"), (axes[1], "load", "raw parallel GET (bound)"))
     for ax, kind, bound in sides:
         names = [n for n in rows if n.endswith(kind) or (kind == "save" and n.startswith("multidc async"))]

@@ -33,9 +33,9 @@ class ReadConfig:
 
     piece_bytes: int = 4 * _MIB
     """Bytes per ranged GET (rounded to whole dim-0 rows)."""
-    round_bytes: int = 32 * _MIB
+    round_bytes: int = 16 * _MIB
     """Most bytes a rank reads, or receives from its site, in one exchange round: bounds the receive buffers."""
-    read_ahead_bytes: int = 32 * _MIB
+    read_ahead_bytes: int = 16 * _MIB
     """Most bytes of GET buffers a rank holds at once (raised to ``round_bytes`` if below it)."""
     concurrency: int = 8
     """Ranged GETs in flight per rank."""
