@@ -125,12 +125,21 @@ def _raw_get(store, keys: list[str], buffer, piece_bytes: int, concurrency: int)
 
     view, jobs, at = byte_view(buffer, writable=True), [], 0
     for key in keys:
-        size = store.size(key)
+        size = min(store.size(key), len(view) - at)
         jobs += [(key, start, at + start, min(size, start + piece_bytes) - start)
                  for start in range(0, size, piece_bytes)]
         at += size
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda j: store.read_into(j[0], j[1], view[j[2]:j[2] + j[3]]), jobs))
+
+
+def _raw_get_and_gather(store, key: str, parts: list, rank: int, piece_bytes: int, concurrency: int, group) -> None:
+    """This rank's share by ranged GETs, then every share to every rank (gloo all_gather, buffers padded to the
+    largest share): the transfers a replicated load cannot avoid, with no checkpoint work."""
+    import torch.distributed as dist
+
+    _raw_get(store, [key], parts[rank], piece_bytes, concurrency)
+    dist.all_gather(parts, parts[rank], group=group)
 
 
 def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concurrency):
@@ -190,10 +199,15 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         record("raw parallel PUT (bound)", seconds)
         measured("multidc save", lambda: ckpt.save({"model": model.state_dict()}, step=rep))
         shard = f"multidc/{checkpoint_name(rep)}/{shard_file(rank)}"
-        got = torch.zeros(store.size(shard), dtype=torch.uint8)
-        measured("raw parallel GET (bound)",
-                 functools.partial(_raw_get, store, [shard], got, ReadConfig().piece_bytes, concurrency))
-        del got
+        sizes = [None] * world
+        dist.all_gather_object(sizes, store.size(shard), group=group)
+        parts = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(world)]
+        pieces = ReadConfig().piece_bytes
+        measured("raw parallel GET (bound)", functools.partial(_raw_get, store, [shard], parts[rank], pieces,
+                                                               concurrency))
+        measured("raw GET + all_gather (bound)", functools.partial(_raw_get_and_gather, store, shard, parts, rank,
+                                                                   pieces, concurrency, group))
+        del parts
         target = {"model": fresh()}
         measured("multidc load", lambda: ckpt.load(target))
         assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())

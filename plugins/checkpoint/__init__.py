@@ -1,7 +1,9 @@
 """The checkpoint engine: sharded, striped, async, atomic, verified checkpoints to any fsspec URL.
 
-``Checkpointer`` (``checkpointer``) is what a training loop uses; the Accelerate plugin and the Lightning
-strategies and ``CheckpointIO`` build on it. The private modules, one concern each:
+``Checkpointer`` (``checkpointer``; ``api``: the same by URL in one call) is what a training loop uses; the
+Accelerate plugin and the Lightning strategies and ``CheckpointIO`` build on it. ``python -m
+multidc.plugins.checkpoint ls|verify|rm URL`` (``cli``, ``verify``) inspects, checks and deletes checkpoints. The
+private modules, one concern each:
 
 * ``object_store``: ``ObjectStore``, one fsspec location with retries and secret-free errors; ``s3_multipart``:
   the parallel multipart upload of one S3 object.
@@ -16,17 +18,13 @@ strategies and ``CheckpointIO`` build on it. The private modules, one concern ea
 Messages go to the ``multidc.plugins.checkpoint`` and ``multidc.plugins.object_store`` loggers.
 """
 
+from multidc.plugins.checkpoint.api import latest, list_checkpoints, load, save, wait
 from multidc.plugins.checkpoint.checkpointer import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointInfo,
     CheckpointSaveError,
     SaveHandle,
-    latest,
-    list_checkpoints,
-    load,
-    save,
-    wait,
 )
 from multidc.plugins.checkpoint.object_store import (
     ObjectStore,
