@@ -67,6 +67,7 @@ class Comm:
         # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
         self.failure: BaseException | None = None
         self.stopped = threading.Event()
+        self.peer_failed = threading.Event()  # replaced by each ``alive_outcome``
         # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
         self.heartbeat_s = min(1.0, timeout_s / 10)
         # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
@@ -146,6 +147,9 @@ class Comm:
         """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
         outcome = {"value": None, "error": None}
         done = threading.Event()
+        # Set once another rank's ``fn`` ended with an error while this one still works: work that waits for
+        # peers (a striped load's exchange) stops waiting for one that has left.
+        self.peer_failed = peer_failed = threading.Event()
 
         def work():
             try:
@@ -161,11 +165,14 @@ class Comm:
             work()
         else:
             threading.Thread(target=work, name=f"multidc-ckpt-{what}", daemon=True).start()
-            working = torch.ones(1, dtype=torch.int32)
-            while working.item():
-                working.fill_(0 if done.wait(self.heartbeat_s) else 1)
+            beat = torch.ones(2, dtype=torch.int32)  # [ranks still working, ranks whose fn failed]
+            while beat[0].item():
+                finished = done.wait(self.heartbeat_s)
+                beat[0], beat[1] = int(not finished), int(finished and outcome["error"] is not None)
                 with self._collective(f"checkpoint heartbeat ({what})"):
-                    dist.all_reduce(working, group=self.group)
+                    dist.all_reduce(beat, group=self.group)
+                if beat[1].item():
+                    peer_failed.set()
         if "fatal" in outcome:
             raise outcome["fatal"]
         return outcome["value"], outcome["error"]
@@ -266,7 +273,9 @@ class Comm:
         except CheckpointException as exc:
             if self.failure is not None:
                 raise self.failure from None
-            rank, (error, _trace) = min(exc.failures.items(), key=lambda kv: kv[0])
+            # the lowest rank with an error of its own: not one that only stopped because another left (secondary)
+            primary = {r: f for r, f in exc.failures.items() if not getattr(f[0], "secondary", False)}
+            rank, (error, _trace) = min((primary or exc.failures).items(), key=lambda kv: kv[0])
             if rank == self.rank or self.group is None:
                 raise error from None
             raise _rebuild(rank, (type(error).__name__, str(error))) from None

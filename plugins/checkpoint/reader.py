@@ -113,7 +113,8 @@ class ObjectStoreReader(StorageReader):
         read = StripedRead(self.store, self.checkpoint, schedule, targets.deliver if targets else None,
                            rank=comm.rank if comm else 0, group=getattr(comm, "data_group", None),
                            stop=comm.stopped if comm else None, concurrency=self.config.concurrency,
-                           read_ahead_bytes=self.config.read_ahead_bytes)
+                           read_ahead_bytes=self.config.read_ahead_bytes,
+                           peer_failed=getattr(comm, "peer_failed", None))
         read.run(error)
         targets.commit(planner)
 

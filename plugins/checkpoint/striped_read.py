@@ -38,6 +38,21 @@ class _PeerFailed(Exception):
     """Another rank reported a failure at a round boundary; its error is the one every rank raises."""
 
 
+class PeerLeftError(RuntimeError):
+    """Another rank left the load with an error of its own, which is the one to report (``secondary``)."""
+
+    secondary = True
+
+
+class _Left(Exception):
+    """This rank cannot follow the read's collectives any more (its group broke, or a peer left): raised as its
+    ``cause``, without the gather the others would never join."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class _Either:
     def __init__(self, *events) -> None:
         self.events = events
@@ -51,32 +66,44 @@ class StripedRead:
     uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``."""
 
     def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
-                 concurrency: int, read_ahead_bytes: int) -> None:
+                 concurrency: int, read_ahead_bytes: int, peer_failed=None) -> None:
         self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
         self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
         self.halt = threading.Event()  # this load failed somewhere: read nothing more
         self.stop = _Either(stop, self.halt)
-        self.outer_stop = stop
+        self.outer_stop, self.peer_failed = stop, peer_failed
         self.crcs: dict[tuple[int, int, int], int] = {}  # _crc_key -> CRC-32 of a piece this rank read
         self._held = 0  # bytes of buffers allocated and not yet released (read-ahead budget)
         self._cond = threading.Condition()
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._futures: dict[tuple[int, int], object] = {}
+        self._local: Exception | None = None  # this rank's first failure, not yet reported to the others
 
     # ------------------------------------------------------------------ driver
     def run(self, error: Exception | None = None) -> None:
         """Read, exchange, gather, verify. Raises the same error on every rank, or returns with every piece this
         rank needs delivered and its item verified. ``error``: this rank failed before reading (e.g. resolving
-        its destinations); it reads nothing, and every rank raises that error."""
+        its destinations); it reads nothing, and every rank raises that error.
+
+        Every rank runs the same collectives: a status per round (did anyone fail?), the round's exchange while
+        nobody has, a last status, the gather. A local failure is reported at the next status, never raised in
+        between. A collective that fails itself (the group broke) leaves at once: the others learn it from the
+        heartbeat (``peer_failed``) and stop waiting."""
         mine = [p for p in self.schedule.pieces() if p.reader == self.rank] if error is None else []
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="multidc-ckpt-get")
-        feeder = threading.Thread(target=self._feed, args=(pool, mine), name="multidc-ckpt-feed", daemon=True)
-        feeder.start()
+        threading.Thread(target=self._feed, args=(pool, mine), name="multidc-ckpt-feed", daemon=True).start()
         try:
-            if self._any_failed(error is not None):  # every rank: one failing to prepare must not be waited for
+            if self._any_failed(error is not None):
                 raise error or _PeerFailed()
             for pieces in self.schedule.rounds:
-                self._round(pieces)
+                if self._any_failed(self._wait_gets(pieces)):
+                    raise self._local or _PeerFailed()
+                self._exchange(pieces)
+            if self._any_failed(self._local is not None):  # a failure in the last exchange's copies
+                raise self._local or _PeerFailed()
+        except _Left as left:
+            self.halt.set()
+            raise left.cause from None
         except Exception as exc:  # gathered below: every rank raises the same error
             error = exc
             self.halt.set()
@@ -86,7 +113,10 @@ class StripedRead:
             pool.shutdown(wait=False, cancel_futures=True)
         check_stop(self.outer_stop, f"loading {self.store.where(self.checkpoint)}")
         own = None if error is None or isinstance(error, _PeerFailed) else error
-        gathered = self._gather((self.crcs, None if own is None else (type(own).__name__, str(own))))
+        try:
+            gathered = self._gather((self.crcs, None if own is None else (type(own).__name__, str(own))))
+        except _Left as left:
+            raise left.cause from None
         failed = [(rank, d) for rank, (_, d) in enumerate(gathered) if d is not None]
         if failed:
             if own is not None:
@@ -98,20 +128,18 @@ class StripedRead:
             raise error
         self._verify({key: crc for crcs, _ in gathered for key, crc in crcs.items()})
 
-    def _round(self, pieces: tuple[Piece, ...]) -> None:
-        local_error = None
+    def _wait_gets(self, pieces: tuple[Piece, ...]) -> bool:
+        """Wait for this rank's GETs of the round; whether this rank has failed so far (``_local``). Raises only
+        :class:`_Left`."""
         try:
             for piece in pieces:
-                if piece.reader == self.rank:
+                if piece.reader == self.rank and self._local is None:
                     self._wait_future(self._future(piece))
-        except Exception as exc:
-            local_error = exc
-        if self._any_failed(local_error is not None):
-            raise local_error or _PeerFailed()
-        self._exchange(pieces)
-        for piece in pieces:
-            if piece.reader == self.rank:
-                self._release(piece)
+        except _Left:
+            raise
+        except Exception as exc:  # reported at this round's status, before the exchange
+            self._local = exc
+        return self._local is not None
 
     # ------------------------------------------------------------------ GETs (read-ahead)
     def _feed(self, pool: ThreadPoolExecutor, mine: list[Piece]) -> None:
@@ -143,7 +171,7 @@ class StripedRead:
             try:
                 return future.result(timeout=_POLL_S)
             except FutureTimeout:
-                check_stop(self.outer_stop, "waiting for a download")
+                self._check_peers("waiting for a download")
 
     def _get(self, piece: Piece, buffer: torch.Tensor) -> None:
         from multidc.plugins.checkpoint.storage import byte_view
@@ -172,30 +200,47 @@ class StripedRead:
         return bool(flag.item())
 
     def _exchange(self, pieces: tuple[Piece, ...]) -> None:
-        if self.group is None:
-            return
+        """Send this rank's pieces of the round to their receivers and receive its own; copy them into place. A
+        failed copy is kept in ``_local`` (reported at the next status); a failed transfer raises :class:`_Left`."""
         works, received = [], []
-        for tag, piece in enumerate(pieces):
-            if self.rank in piece.receivers:
-                buffer = torch.empty(piece.size, dtype=torch.uint8)  # bounded by the round's receive budget
-                works.append(dist.irecv(buffer, src=self._global(piece.reader), group=self.group, tag=tag))
-                received.append((piece, buffer))
-            elif piece.reader == self.rank and piece.receivers:
-                buffer = self._buffers[(piece.loc, piece.start)]
-                works += [dist.isend(buffer, dst=self._global(r), group=self.group, tag=tag) for r in piece.receivers]
+        if self.group is None:
+            return self._release_round(pieces)
+        try:
+            for tag, piece in enumerate(pieces):
+                if self.rank in piece.receivers:
+                    buffer = torch.empty(piece.size, dtype=torch.uint8)  # bounded by the round's receive budget
+                    works.append(dist.irecv(buffer, src=self._global(piece.reader), group=self.group, tag=tag))
+                    received.append((piece, buffer))
+                elif piece.reader == self.rank and piece.receivers:
+                    buffer = self._buffers[(piece.loc, piece.start)]
+                    works += [dist.isend(buffer, dst=self._global(r), group=self.group, tag=tag)
+                              for r in piece.receivers]
+        except Exception as exc:  # posting failed: the group is broken for this rank
+            raise _Left(exc) from exc
         self._poll(works)
-        for piece, buffer in received:
-            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
-            self.deliver(piece, buffer)
+        try:
+            for piece, buffer in received:
+                check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
+                self.deliver(piece, buffer)
+        except Exception as exc:
+            self._local = exc
+        self._release_round(pieces)
+
+    def _release_round(self, pieces: tuple[Piece, ...]) -> None:
+        for piece in pieces:
+            if piece.reader == self.rank:
+                self._release(piece)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
     def _poll(self, works: list) -> None:
-        """Wait for ``works``; give up (Abandoned) once the checkpoint group's heartbeat failed.
+        """Wait for ``works``. Gives up (:class:`_Left`) when this rank's checkpoint group failed (``stop``) or
+        when another rank left the read with an error (``peer_failed``, from the heartbeat): so no wait outlasts
+        a lost peer by more than the group's timeout plus one beat, and a healthy slow peer is waited for.
 
-        gloo's send/recv works complete only inside ``wait()``, so a helper thread waits and this one watches
-        ``stop``; after a stop the helper is left blocked (daemon) on a group nobody uses again."""
+        gloo's send/recv works complete only inside ``wait()``, so a helper thread waits and this one watches;
+        after giving up the helper is left blocked (daemon) on a group this read no longer uses."""
         done, failed = threading.Event(), []
 
         def wait_all():
@@ -209,9 +254,16 @@ class StripedRead:
 
         threading.Thread(target=wait_all, name="multidc-ckpt-exchange", daemon=True).start()
         while not done.wait(_POLL_S):
-            check_stop(self.outer_stop, "exchanging checkpoint pieces")
+            self._check_peers("exchanging checkpoint pieces")
         if failed:
-            raise failed[0]
+            raise _Left(failed[0]) from failed[0]
+
+    def _check_peers(self, what: str) -> None:
+        if self.outer_stop is not None and self.outer_stop.is_set():
+            raise _Left(Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile"))
+        if self.peer_failed is not None and self.peer_failed.is_set():
+            raise _Left(PeerLeftError(f"{what} stopped: another rank of the checkpoint group left the load with "
+                                      "an error (it is the error this load reports)"))
 
     def _gather(self, obj) -> list:
         """``all_gather_object`` with polled waits (see :meth:`_poll`)."""

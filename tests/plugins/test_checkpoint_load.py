@@ -219,6 +219,43 @@ def test_a_failed_get_on_one_rank_stops_every_rank_and_raises_its_error_everywhe
     assert results[0][2] < pieces_each // 2, results[0][2]  # rank 0 stopped reading soon after
 
 
+def _load_with_broken_exchange(rank, world, url, options):
+    import time
+
+    import torch.distributed as dist
+
+    from multidc.plugins import Checkpointer, ReadConfig
+
+    original, sends = dist.isend, []
+
+    def isend(*args, **kwargs):
+        sends.append(1)
+        if rank == 1 and len(sends) == 3:
+            raise RuntimeError("injected gloo send failure on rank 1")
+        return original(*args, **kwargs)
+
+    dist.isend = isend
+    ckpt = Checkpointer(url, storage_options=options, read_config=ReadConfig(**CONFIG))
+    started = time.monotonic()
+    try:
+        ckpt.load(_zeros())
+        outcome = "no error"
+    except Exception as exc:  # the test compares every rank's
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, time.monotonic() - started, ckpt.timeout_s
+
+
+def test_a_rank_whose_exchange_breaks_is_not_waited_for_and_its_error_is_raised_everywhere(s3_server, s3_bucket):
+    """Rank 1 leaves the exchange (its send fails); rank 0, still waiting for rank 1's pieces on a group whose gloo
+    timeout is hours, stops within a heartbeat (the heartbeat says a peer failed) and reports rank 1's error."""
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    run_ranks(_save, 2, url, options, timeout=120)
+    results = run_ranks(_load_with_broken_exchange, 2, url, options, timeout=120)
+    for outcome, seconds, timeout_s in results:
+        assert "injected gloo send failure on rank 1" in outcome, outcome
+        assert seconds < 15 and timeout_s == 1800.0
+
+
 def test_a_ranged_read_stops_between_chunks_and_writes_nothing_after_the_stop(s3_server, s3_bucket):
     from multidc.plugins import ObjectStore
     from multidc.plugins.checkpoint.ranged_read import Abandoned, read_into
