@@ -133,13 +133,21 @@ def _raw_get(store, keys: list[str], buffer, piece_bytes: int, concurrency: int)
         list(pool.map(lambda j: store.read_into(j[0], j[1], view[j[2]:j[2] + j[3]]), jobs))
 
 
-def _raw_get_and_gather(store, key: str, parts: list, rank: int, piece_bytes: int, concurrency: int, group) -> None:
-    """This rank's share by ranged GETs, then every share to every rank (gloo all_gather, buffers padded to the
-    largest share): the transfers a replicated load cannot avoid, with no checkpoint work."""
+def _raw_get_and_exchange(store, key: str, parts: list, rank: int, piece_bytes: int, concurrency: int,
+                          group) -> None:
+    """This rank's share by ranged GETs, then the share sent to every other rank and theirs received (gloo
+    send/recv, as multidc's exchange; buffers padded to the largest share): the transfers a replicated load cannot
+    avoid, with no checkpoint work."""
     import torch.distributed as dist
 
     _raw_get(store, [key], parts[rank], piece_bytes, concurrency)
-    dist.all_gather(parts, parts[rank], group=group)
+    works = []
+    for other in range(len(parts)):
+        if other != rank:
+            peer = dist.get_global_rank(group, other)
+            works += [dist.irecv(parts[other], src=peer, group=group), dist.isend(parts[rank], dst=peer, group=group)]
+    for work in works:
+        work.wait()
 
 
 def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concurrency):
@@ -205,8 +213,8 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         pieces = ReadConfig().piece_bytes
         measured("raw parallel GET (bound)", functools.partial(_raw_get, store, [shard], parts[rank], pieces,
                                                                concurrency))
-        measured("raw GET + all_gather (bound)", functools.partial(_raw_get_and_gather, store, shard, parts, rank,
-                                                                   pieces, concurrency, group))
+        measured("raw GET, then exchange", functools.partial(_raw_get_and_exchange, store, shard, parts, rank,
+                                                                 pieces, concurrency, group))
         del parts
         target = {"model": fresh()}
         measured("multidc load", lambda: ckpt.load(target))

@@ -29,7 +29,7 @@ def ratios(rows: dict, memory: dict, share_bytes: float) -> dict:
     return {
         "save_over_raw_put": med["multidc save"] / med["raw parallel PUT (bound)"],
         "load_over_raw_get": med["multidc load"] / med["raw parallel GET (bound)"],
-        "load_over_raw_get_and_all_gather": med["multidc load"] / med["raw GET + all_gather (bound)"],
+        "load_over_raw_get_and_exchange": med["multidc load"] / med["raw GET, then exchange"],
         "speedup_vs_lightning_save": med["lightning single-file save"] / med["multidc save"],
         "speedup_ceiling_vs_lightning_save": med["lightning single-file save"] / med["raw parallel PUT (bound)"],
         "load_speedup_vs_lightning": med["lightning single-file load"] / med["multidc load"],
@@ -74,15 +74,15 @@ def report(out: dict, *, ranks: int, repeats: int, part_size_mb: float, concurre
     for name, v in checks.items():
         print(f"  {'PASS' if v['pass'] else 'FAIL'}  {name}: {v['value']:.2f} (target {v['target']:g})")
     put, get = rows["raw parallel PUT (bound)"]["median"], rows["raw parallel GET (bound)"]["median"]
-    gather = rows["raw GET + all_gather (bound)"]["median"]
+    gather = rows["raw GET, then exchange"]["median"]
     print(f"  bounds: raw parallel PUTs of the same bytes take {put:.2f} s and raw parallel GETs of the saved shard "
           f"objects {get:.2f} s on this server, so no striped save can be more than "
           f"{figures['speedup_ceiling_vs_lightning_save']:.2f}x faster than Lightning's and no striped load more "
           f"than {figures['load_speedup_ceiling_vs_lightning']:.2f}x; multidc's save takes "
           f"{figures['save_over_raw_put']:.2f}x the PUT bound, its load {figures['load_over_raw_get']:.2f}x the GET "
           f"bound.\n  A replicated load must also hand every rank the other ranks' shares: GETting the shares and "
-          f"all-gathering them (gloo, no checkpoint work) takes {gather:.2f} s here; multidc's load takes "
-          f"{figures['load_over_raw_get_and_all_gather']:.2f}x that")
+          f"sending each to the other ranks (gloo send/recv, no checkpoint work) takes {gather:.2f} s here; "
+          f"multidc's load takes {figures['load_over_raw_get_and_exchange']:.2f}x that")
     record = {"bench": "checkpoint", "state_mib": size_mib, "share_mib": share / _MIB, "ranks": ranks,
               "repeats": repeats, "part_size_mb": part_size_mb, "concurrency": concurrency,
               "cpu_count": os.cpu_count(), "rows": rows, "peak_extra_rss_bytes": memory, **figures,
@@ -101,7 +101,7 @@ def plot(record: dict, path: str) -> None:
     rows = record["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     sides = ((axes[0], "save", ["raw parallel PUT (bound)"]),
-             (axes[1], "load", ["raw parallel GET (bound)", "raw GET + all_gather (bound)"]))
+             (axes[1], "load", ["raw parallel GET (bound)", "raw GET, then exchange"]))
     for ax, kind, bounds in sides:
         names = [n for n in rows if n.endswith(kind) or (kind == "save" and n.startswith("multidc async"))]
         medians = [rows[n]["median"] for n in names]
