@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -106,13 +107,21 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> li
     if not staged.entries:
         return []
     view = byte_view(staged.buffer)
+    crcs: list[int] = []
+    # zlib releases the GIL: the checksums are computed while the parts upload, not before
+    checksums = threading.Thread(target=lambda: crcs.extend(zlib.crc32(view[offset:offset + length])
+                                                            for _, offset, length, _, _ in staged.entries),
+                                 name="multidc-ckpt-crc", daemon=True)
+    check_stop(stop, f"uploading {staged.file}")
+    checksums.start()
+    try:
+        store.put(f"{checkpoint}/{staged.file}", view)
+    finally:
+        checksums.join()
     results = []
-    for item, offset, length, dtype, sizes in staged.entries:
-        crc = zlib.crc32(view[offset:offset + length])
+    for (item, offset, length, dtype, sizes), crc in zip(staged.entries, crcs, strict=True):
         location = ItemLocation(file=staged.file, offset=offset, length=length, crc32=crc, dtype=dtype, sizes=sizes)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=location))
-    check_stop(stop, f"uploading {staged.file}")
-    store.put(f"{checkpoint}/{staged.file}", view)
     return results
 
 
