@@ -54,9 +54,9 @@ Guarantees:
 * **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
   a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor, on
   every rank.
-* **Striped loads in bounded memory.** Loads use ranged GETs streamed into the tensors being restored; what several
-  ranks of a site need is read once per site, an equal share per rank, and exchanged inside the site
-  (:class:`ReadConfig` sets piece size and buffers). A save holds this rank's share once (the snapshot).
+* **Striped loads in bounded memory.** Loads use ranged GETs, each piece copied into the restored tensors as it
+  arrives; what several ranks of a site need is read once per site, an equal share per rank, and exchanged inside
+  the site (:class:`ReadConfig` sets piece size and buffers). A save holds this rank's share once (the snapshot).
 * **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
   number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
   :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
