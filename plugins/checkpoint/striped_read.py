@@ -101,6 +101,7 @@ class StripedRead:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._futures: dict[tuple[int, int], object] = {}
         self._local: Exception | None = None  # this rank's first failure, not yet reported to the others
+        self._feed_error: BaseException | None = None  # the GET feeder's failure, raised by _future
         self._pool = _Pool(limit=read_ahead_bytes + max((sum(p.size for p in r) for r in schedule.rounds), default=0))
 
     # ------------------------------------------------------------------ driver
@@ -167,26 +168,34 @@ class StripedRead:
 
     # ------------------------------------------------------------------ GETs (read-ahead)
     def _feed(self, pool: ThreadPoolExecutor, mine: list[Piece]) -> None:
-        for piece in mine:
-            with self._cond:
-                while self._held and self._held + piece.size > self.read_ahead and not self.stop.is_set():
-                    self._cond.wait(0.1)
-                if self.stop.is_set():
-                    return
-                self._held += piece.size
-                buffer = self._pool.take(piece.size)
-                self._buffers[(piece.loc, piece.start)] = buffer
-                try:
+        """Submit this rank's GETs within the read-ahead budget. Any failure here (a buffer allocation, a submit)
+        is kept in ``_feed_error`` for :meth:`_future` to raise: a silently dead feed would leave the reading
+        thread waiting forever while the heartbeat still reports this rank as working."""
+        try:
+            for piece in mine:
+                with self._cond:
+                    while self._held and self._held + piece.size > self.read_ahead and not self.stop.is_set():
+                        self._cond.wait(0.1)
+                    if self.stop.is_set():
+                        return
+                    self._held += piece.size
+                    buffer = self._pool.take(piece.size)
+                    self._buffers[(piece.loc, piece.start)] = buffer
                     self._futures[(piece.loc, piece.start)] = pool.submit(self._get, piece, buffer)
-                except RuntimeError:  # the pool was shut down: this load has ended (failed) already
-                    return
+                    self._cond.notify_all()
+        except BaseException as exc:  # every failure must reach the reading thread
+            with self._cond:
+                self._feed_error = exc
                 self._cond.notify_all()
 
     def _future(self, piece: Piece):
         key = (piece.loc, piece.start)
         with self._cond:
             while key not in self._futures:
+                if self._feed_error is not None:
+                    raise self._feed_error
                 check_stop(self.stop, "waiting for a download")
+                self._check_peers("waiting for a download")
                 self._cond.wait(0.1)
             return self._futures[key]
 

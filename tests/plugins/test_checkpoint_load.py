@@ -282,3 +282,40 @@ def test_a_ranged_read_stops_between_chunks_and_writes_nothing_after_the_stop(s3
     assert out[:written].numpy().tobytes() == data[100:100 + written]
     assert int(out[written:].count_nonzero()) == 0
     assert log == [(store.path("obj").split("/", 1)[1], f"bytes=100-{len(data) - 1}")]  # one GET: no retry
+
+
+def _load_with_failing_feed(rank, world, url, options):
+    import threading
+    import time
+
+    from multidc.plugins import Checkpointer, ReadConfig
+    from multidc.plugins.checkpoint import striped_read
+
+    original, takes = striped_read._Pool.take, []
+
+    def take(self, size):
+        if threading.current_thread().name == "multidc-ckpt-feed":
+            takes.append(size)
+            if rank == 1 and len(takes) == 3:
+                raise MemoryError("injected allocation failure in rank 1's GET feed")
+        return original(self, size)
+
+    striped_read._Pool.take = take
+    ckpt = Checkpointer(url, storage_options=options, read_config=ReadConfig(**CONFIG))
+    started = time.monotonic()
+    try:
+        ckpt.load(_zeros())
+        outcome = "no error"
+    except Exception as exc:  # the test compares every rank's
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, time.monotonic() - started
+
+
+def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(s3_server, s3_bucket):
+    """Rank 1's read-ahead feeder fails allocating a buffer: every rank raises that error within seconds (before
+    the fix the feeder thread died silently and every rank waited for the gloo timeout)."""
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    run_ranks(_save, 2, url, options, timeout=120)
+    for outcome, seconds in run_ranks(_load_with_failing_feed, 2, url, options, timeout=60):
+        assert "injected allocation failure in rank 1's GET feed" in outcome, outcome
+        assert seconds < 15
