@@ -110,7 +110,9 @@ class Checkpointer:
             peer fails every rank within ``timeout_s`` plus one beat. ``state_dict()`` / ``load_state_dict()``
             and the copy into host memory run outside the heartbeat: the ranks must finish them within
             ``timeout_s`` of each other. After such a failure this Checkpointer refuses further use (its
-            group is broken), and work abandoned on this rank writes nothing more.
+            group is broken), and work abandoned on this rank writes nothing more. It also refuses further use
+            (on every rank) after a load whose exchange between ranks failed, since transfers may still be
+            pending on its group; restart the job.
         topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
             times out or loses its connection raises ``WanError`` naming the sites and this end of the link
             (e.g. the WAN was cut during a save) instead of gloo's bare error. Loads read what a whole site needs

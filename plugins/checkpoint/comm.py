@@ -67,6 +67,9 @@ class Comm:
         # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
         self.failure: BaseException | None = None
         self.stopped = threading.Event()
+        # A load left its exchange with transfers (or a collective) still posted on ``data_group``: a later
+        # load could match them (stale bytes, mismatched collectives), so the Checkpointer refuses further use.
+        self.abandoned: BaseException | None = None
         self.peer_failed = threading.Event()  # replaced by each ``alive_outcome``
         # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
         self.heartbeat_s = min(1.0, timeout_s / 10)
@@ -92,11 +95,22 @@ class Comm:
             self.failure = error
             self.stopped.set()
 
+    def abandon_exchange(self, error: BaseException) -> None:
+        """Remember that a load left its exchange on ``data_group`` unfinished (``error`` is why): see
+        :meth:`check_usable`. Called on every rank that left; every rank of a failed exchange leaves."""
+        if self.abandoned is None:
+            self.abandoned = error
+
     def check_usable(self) -> None:
-        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's)."""
+        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's),
+        or an earlier load abandoned transfers on the data group (a later load could receive their stale bytes)."""
         if self.failure is not None:
             raise RuntimeError(f"this Checkpointer cannot be used again: an earlier checkpoint collective failed "
                                f"({self.failure}). Restart the job; it resumes from the last committed checkpoint.")
+        if self.abandoned is not None:
+            raise RuntimeError(f"this Checkpointer cannot be used again: an earlier load failed during its exchange "
+                               f"between ranks ({self.abandoned}) and left transfers pending on its process group. "
+                               "Restart the job; it resumes from the last committed checkpoint.")
 
     def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
         me = f"rank {self.global_rank}"
@@ -287,6 +301,7 @@ class Comm:
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
-            if self.failure is None and self.data_group is not None:  # else an abandoned transfer may hold it
+            if self.failure is None and self.abandoned is None and self.data_group is not None:
+                # else an abandoned transfer may hold it
                 dist.destroy_process_group(self.data_group)
         self.group = self.data_group = None

@@ -114,7 +114,8 @@ class ObjectStoreReader(StorageReader):
                            rank=comm.rank if comm else 0, group=getattr(comm, "data_group", None),
                            stop=comm.stopped if comm else None, concurrency=self.config.concurrency,
                            read_ahead_bytes=self.config.read_ahead_bytes,
-                           peer_failed=getattr(comm, "peer_failed", None))
+                           peer_failed=getattr(comm, "peer_failed", None),
+                           on_abandon=getattr(comm, "abandon_exchange", None))
         read.run(error)
         targets.commit(planner)
 

@@ -89,12 +89,14 @@ class StripedRead:
     uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``."""
 
     def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
-                 concurrency: int, read_ahead_bytes: int, peer_failed=None) -> None:
+                 concurrency: int, read_ahead_bytes: int, peer_failed=None, on_abandon=None) -> None:
         self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
         self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
         self.halt = threading.Event()  # this load failed somewhere: read nothing more
         self.stop = _Either(stop, self.halt)
         self.outer_stop, self.peer_failed = stop, peer_failed
+        # called with the cause when this rank leaves with transfers or a collective possibly still posted
+        self.on_abandon = on_abandon
         self.crcs: dict[tuple[int, int, int], int] = {}  # _crc_key -> CRC-32 of a piece this rank read
         self._held = 0  # bytes of buffers allocated and not yet released (read-ahead budget)
         self._cond = threading.Condition()
@@ -128,6 +130,7 @@ class StripedRead:
                 raise self._local or _PeerFailed()
         except _Left as left:
             self.halt.set()
+            self._abandon(left.cause)
             raise left.cause from None
         except Exception as exc:  # gathered below: every rank raises the same error
             error = exc
@@ -141,6 +144,7 @@ class StripedRead:
         try:
             gathered = self._gather((self.crcs, None if own is None else (type(own).__name__, str(own))))
         except _Left as left:
+            self._abandon(left.cause)
             raise left.cause from None
         failed = [(rank, d) for rank, (_, d) in enumerate(gathered) if d is not None]
         if failed:
@@ -152,6 +156,10 @@ class StripedRead:
         if error is not None:  # a peer failed but reported nothing: cannot happen, never silently pass
             raise error
         self._verify({key: crc for crcs, _ in gathered for key, crc in crcs.items()})
+
+    def _abandon(self, cause: BaseException) -> None:
+        if self.on_abandon is not None:
+            self.on_abandon(cause)
 
     def _wait_gets(self, pieces: tuple[Piece, ...]) -> bool:
         """Wait for this rank's GETs of the round; whether this rank has failed so far (``_local``). Raises only

@@ -236,6 +236,7 @@ def _load_with_broken_exchange(rank, world, url, options):
 
     dist.isend = isend
     ckpt = Checkpointer(url, storage_options=options, read_config=ReadConfig(**CONFIG))
+    _load_with_broken_exchange.last = ckpt  # for a second load in the same process
     started = time.monotonic()
     try:
         ckpt.load(_zeros())
@@ -319,3 +320,28 @@ def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(
     for outcome, seconds in run_ranks(_load_with_failing_feed, 2, url, options, timeout=60):
         assert "injected allocation failure in rank 1's GET feed" in outcome, outcome
         assert seconds < 15
+
+
+def _load_twice_after_broken_exchange(rank, world, url, options):
+    from multidc.plugins import Checkpointer
+
+    first, _, _ = _load_with_broken_exchange(rank, world, url, options)
+    ckpt = _load_with_broken_exchange.last
+    try:
+        ckpt.load(_zeros())
+        second = "no error"
+    except Exception as exc:  # the test compares every rank's
+        second = f"{type(exc).__name__}: {exc}"
+    assert isinstance(ckpt, Checkpointer)
+    return first, second
+
+
+def test_a_load_whose_exchange_broke_leaves_the_checkpointer_refusing_further_use_on_every_rank(s3_server,
+                                                                                                  s3_bucket):
+    """Rank 1's send fails mid-exchange, so sends and receives stay posted on the data group; a second load would
+    match them. Every rank's next load raises a clear error telling the user to restart, instead of proceeding."""
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    run_ranks(_save, 2, url, options, timeout=120)
+    for first, second in run_ranks(_load_twice_after_broken_exchange, 2, url, options, timeout=120):
+        assert "injected gloo send failure on rank 1" in first, first
+        assert "cannot be used again" in second and "Restart the job" in second, second
