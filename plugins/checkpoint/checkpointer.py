@@ -118,8 +118,9 @@ class Checkpointer:
             (e.g. the WAN was cut during a save) instead of gloo's bare error. Loads read what a whole site needs
             once per site (striped over its ranks, exchanged inside the site).
         read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 4 MiB,
-            ``max_concurrency`` GETs in flight, at most 16 MiB of GET buffers and 16 MiB received per round per
-            rank, items of at least ``stripe_min_mb`` striped.
+            ``max_concurrency`` GETs in flight, at most 16 MiB of GET buffers (in flight or kept for reuse) and
+            one 16 MiB receive buffer per rank (a single larger piece is held alone), items of at least
+            ``stripe_min_mb`` striped.
     """
 
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,

@@ -36,7 +36,8 @@ class ReadConfig:
     round_bytes: int = 16 * _MIB
     """Most bytes a rank reads, or receives from its site, in one exchange round: bounds the receive buffers."""
     read_ahead_bytes: int = 16 * _MIB
-    """Most bytes of GET buffers a rank holds at once (raised to ``round_bytes`` if below it)."""
+    """Most bytes of GET buffers a rank holds at once, in flight or kept for reuse (raised to ``round_bytes`` if
+    below it); buffers of ``piece_bytes`` are reused whatever the exact piece size."""
     concurrency: int = 8
     """Ranged GETs in flight per rank."""
     stripe_min_bytes: int = _MIB
@@ -113,7 +114,7 @@ class ObjectStoreReader(StorageReader):
         read = StripedRead(self.store, self.checkpoint, schedule, targets.deliver if targets else None,
                            rank=comm.rank if comm else 0, group=getattr(comm, "data_group", None),
                            stop=comm.stopped if comm else None, concurrency=self.config.concurrency,
-                           read_ahead_bytes=self.config.read_ahead_bytes,
+                           read_ahead_bytes=self.config.read_ahead_bytes, piece_bytes=self.config.piece_bytes,
                            peer_failed=getattr(comm, "peer_failed", None),
                            on_abandon=getattr(comm, "abandon_exchange", None))
         read.run(error)

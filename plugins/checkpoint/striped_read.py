@@ -2,9 +2,10 @@
 
 Invariants:
 
-* **Bounded memory.** GETs land in piece-sized buffers; at most ``read_ahead_bytes`` of them are held (read or in
-  flight) at once, and a round's receives are bounded by the schedule's ``round_bytes``. Nothing holds a second
-  copy of the rank's share.
+* **Bounded memory.** GETs land in reused buffers (``read_buffers.GetBuffers``): at most ``read_ahead_bytes`` of
+  them are allocated (in flight, waiting to be sent, or kept for reuse) at once; a round's receives land in one
+  buffer of this rank's largest round of receives (at most the schedule's ``round_bytes``, or one larger piece),
+  reused every round. A piece larger than the budget is held alone. Nothing holds a second copy of the share.
 * **Nothing written after a stop.** Every chunk of a GET and every received piece is copied into the caller's
   tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some rank).
 * **The same outcome everywhere.** Every rank learns at each round whether any rank failed and then stops reading;
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from multidc.plugins.checkpoint.crc import combine
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.ranged_read import Abandoned, check_stop
+from multidc.plugins.checkpoint.read_buffers import GetBuffers, aligned, receive_bytes
 from multidc.plugins.checkpoint.read_plan import Piece, ReadSchedule
 
 _POLL_S = 0.05  # how soon a wait notices the heartbeat failed; completion is noticed at once
@@ -61,35 +63,13 @@ class _Either:
         return any(e is not None and e.is_set() for e in self.events)
 
 
-class _Pool:
-    """Piece buffers for reuse. Fresh memory costs a page fault per 4 KiB on first write, and a rank receives three
-    times its share on a 4-rank site: reusing a few round-sized buffers keeps that off the load's time. Holds at
-    most ``limit`` bytes of free buffers."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.free, self.bytes, self.lock = limit, {}, 0, threading.Lock()
-
-    def take(self, size: int) -> torch.Tensor:
-        with self.lock:
-            stack = self.free.get(size)
-            if stack:
-                self.bytes -= size
-                return stack.pop()
-        return torch.empty(size, dtype=torch.uint8)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self.lock:
-            if self.bytes + buffer.numel() <= self.limit:
-                self.free.setdefault(buffer.numel(), []).append(buffer)
-                self.bytes += buffer.numel()
-
-
 class StripedRead:
     """Runs this rank's reads and exchanges of ``schedule``; ``deliver(piece, buffer)`` copies a piece's bytes (a
     uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``."""
 
     def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
-                 concurrency: int, read_ahead_bytes: int, peer_failed=None, on_abandon=None) -> None:
+                 concurrency: int, read_ahead_bytes: int, piece_bytes: int, peer_failed=None,
+                 on_abandon=None) -> None:
         self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
         self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
         self.halt = threading.Event()  # this load failed somewhere: read nothing more
@@ -98,13 +78,13 @@ class StripedRead:
         # called with the cause when this rank leaves with transfers or a collective possibly still posted
         self.on_abandon = on_abandon
         self.crcs: dict[tuple[int, int, int], int] = {}  # _crc_key -> CRC-32 of a piece this rank read
-        self._held = 0  # bytes of buffers allocated and not yet released (read-ahead budget)
         self._cond = threading.Condition()
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._futures: dict[tuple[int, int], object] = {}
         self._local: Exception | None = None  # this rank's first failure, not yet reported to the others
         self._feed_error: BaseException | None = None  # the GET feeder's failure, raised by _future
-        self._pool = _Pool(limit=read_ahead_bytes + max((sum(p.size for p in r) for r in schedule.rounds), default=0))
+        self._gets = GetBuffers(limit=read_ahead_bytes, slot=piece_bytes)  # guarded by _cond
+        self._received: torch.Tensor | None = None  # allocated at the first exchange that receives
 
     # ------------------------------------------------------------------ driver
     def run(self, error: Exception | None = None) -> None:
@@ -182,12 +162,11 @@ class StripedRead:
         try:
             for piece in mine:
                 with self._cond:
-                    while self._held and self._held + piece.size > self.read_ahead and not self.stop.is_set():
+                    while not self._gets.fits(piece.size) and not self.stop.is_set():
                         self._cond.wait(0.1)
                     if self.stop.is_set():
                         return
-                    self._held += piece.size
-                    buffer = self._pool.take(piece.size)
+                    buffer = self._take(piece.size)
                     self._buffers[(piece.loc, piece.start)] = buffer
                     self._futures[(piece.loc, piece.start)] = pool.submit(self._get, piece, buffer)
                     self._cond.notify_all()
@@ -229,11 +208,12 @@ class StripedRead:
     def _release(self, piece: Piece) -> None:
         with self._cond:
             buffer = self._buffers.pop((piece.loc, piece.start), None)
-            if buffer is not None:
-                self._held -= piece.size
-                if not self.halt.is_set():  # after a failure a send may still read it: never reused then
-                    self._pool.give(buffer)
+            if buffer is not None:  # after a failure a send may still read it: never reused then
+                self._gets.give(buffer._base, reuse=not self.halt.is_set())  # the whole buffer _take narrowed
             self._cond.notify_all()
+
+    def _take(self, size: int) -> torch.Tensor:
+        return self._gets.take(size)[:size]
 
     # ------------------------------------------------------------------ exchange inside the site
     def _any_failed(self, failed: bool) -> bool:
@@ -246,13 +226,17 @@ class StripedRead:
     def _exchange(self, pieces: tuple[Piece, ...]) -> None:
         """Send this rank's pieces of the round to their receivers and receive its own; copy them into place. A
         failed copy is kept in ``_local`` (reported at the next status); a failed transfer raises :class:`_Left`."""
-        works, received = [], []
+        works, received, offset = [], [], 0
         if self.group is None:
             return self._release_round(pieces)
         try:
             for tag, piece in enumerate(pieces):
                 if self.rank in piece.receivers:
-                    buffer = self._pool.take(piece.size)  # bounded by the round's receive budget
+                    if self._received is None:
+                        self._received = torch.empty(receive_bytes(self.schedule.rounds, self.rank),
+                                                     dtype=torch.uint8)
+                    buffer = self._received[offset:offset + piece.size]
+                    offset += aligned(piece.size)
                     works.append(dist.irecv(buffer, src=self._global(piece.reader), group=self.group, tag=tag))
                     received.append((piece, buffer))
                 elif piece.reader == self.rank and piece.receivers:
@@ -266,7 +250,6 @@ class StripedRead:
             for piece, buffer in received:
                 check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
                 self.deliver(piece, buffer)
-                self._pool.give(buffer)
         except Exception as exc:
             self._local = exc
         self._release_round(pieces)

@@ -290,9 +290,9 @@ def _load_with_failing_feed(rank, world, url, options):
     import time
 
     from multidc.plugins import Checkpointer, ReadConfig
-    from multidc.plugins.checkpoint import striped_read
+    from multidc.plugins.checkpoint.read_buffers import GetBuffers
 
-    original, takes = striped_read._Pool.take, []
+    original, takes = GetBuffers.take, []
 
     def take(self, size):
         if threading.current_thread().name == "multidc-ckpt-feed":
@@ -301,7 +301,7 @@ def _load_with_failing_feed(rank, world, url, options):
                 raise MemoryError("injected allocation failure in rank 1's GET feed")
         return original(self, size)
 
-    striped_read._Pool.take = take
+    GetBuffers.take = take
     ckpt = Checkpointer(url, storage_options=options, read_config=ReadConfig(**CONFIG))
     started = time.monotonic()
     try:
