@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 
+def held_bytes(size: int, slot: int) -> int:
+    """Bytes of buffer a GET of ``size`` bytes holds with slots of ``slot`` bytes. The read plan budgets rounds in
+    these units: all of a round's GETs must fit the read-ahead at once (they are sent only after the last lands)."""
+    return slot if slot // 2 < size <= slot else size
+
+
 class GetBuffers:
     """Buffers for GETs; the caller serialises calls (one lock) and waits until :meth:`fits` before :meth:`take`.
 
@@ -23,7 +29,7 @@ class GetBuffers:
     def __init__(self, *, limit: int, slot: int) -> None:
         if limit < 1 or slot < 1:
             raise ValueError(f"GetBuffers limit={limit} and slot={slot} must be >= 1")
-        self.limit, self.slot = limit, min(slot, limit)
+        self.limit, self.slot = limit, slot
         self.used = 0  # capacity of the buffers handed out and not yet given back
         self.free: list[torch.Tensor] = []
 
@@ -34,7 +40,7 @@ class GetBuffers:
 
     def capacity(self, size: int) -> int:
         """Bytes a piece of ``size`` bytes holds while in use."""
-        return self.slot if self.slot // 2 < size <= self.slot else size
+        return held_bytes(size, self.slot)
 
     def fits(self, size: int) -> bool:
         """Whether a piece of ``size`` bytes may be taken now (free slots can always be dropped to make room)."""

@@ -7,8 +7,9 @@ site's other ranks that need it. Ranks of other sites read their own copy, so no
 crosses the WAN more than once per site and no exchange leaves a site. Small items, values and items needed by
 one rank are read whole by each rank that needs them.
 
-Rounds bound memory: in one round no rank reads, nor receives, more than ``round_bytes`` (one piece more if a
-single piece is larger), and readers take turns so that every reader with pieces left sends in every round.
+Rounds bound memory: in one round no rank reads (counted in the buffer bytes its GETs hold, ``held_bytes``), nor
+receives, more than ``round_bytes`` (one piece more if a single piece is larger), and readers take turns so that
+every reader with pieces left sends in every round.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from multidc.plugins.checkpoint.format import ItemLocation, parse_dtype
+from multidc.plugins.checkpoint.read_buffers import held_bytes
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
                     queues[piece.reader].append(piece)
                 copies += 1
     return ReadSchedule(locations=tuple(locations), names=tuple(names[loc] for loc in locations),
-                        rounds=_rounds(queues, round_bytes))
+                        rounds=_rounds(queues, round_bytes, piece_bytes))
 
 
 def _cut(index: int, loc: ItemLocation, readers: list[int], holders: list[int], piece_bytes: int,
@@ -112,7 +114,7 @@ def _cut(index: int, loc: ItemLocation, readers: list[int], holders: list[int], 
     return pieces
 
 
-def _rounds(queues: dict[int, list[Piece]], round_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+def _rounds(queues: dict[int, list[Piece]], round_bytes: int, slot: int) -> tuple[tuple[Piece, ...], ...]:
     rounds, heads = [], {reader: 0 for reader in queues}
     while any(heads[r] < len(queues[r]) for r in queues):
         taken: list[Piece] = []
@@ -126,12 +128,13 @@ def _rounds(queues: dict[int, list[Piece]], round_bytes: int) -> tuple[tuple[Pie
                     continue
                 piece = queues[reader][heads[reader]]
                 ranks = (reader, *piece.receivers)
-                loads = [read[reader]] + [received[r] for r in piece.receivers]
-                if any(load and load + piece.size > round_bytes for load in loads):
+                held = held_bytes(piece.size, slot)
+                if read[reader] and read[reader] + held > round_bytes or any(
+                        received[r] and received[r] + piece.size > round_bytes for r in piece.receivers):
                     continue
                 taken.append(piece)
                 heads[reader] += 1
-                read[reader] += piece.size
+                read[reader] += held
                 for r in ranks[1:]:
                     received[r] += piece.size
                 progress = True

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from multidc.plugins.checkpoint.format import ItemLocation
-from multidc.plugins.checkpoint.read_buffers import ALIGN, GetBuffers, receive_bytes
+from multidc.plugins.checkpoint.read_buffers import ALIGN, GetBuffers, held_bytes, receive_bytes
 from multidc.plugins.checkpoint.read_plan import plan_reads
 
 MIB = 1 << 20
@@ -64,3 +64,19 @@ def test_the_receive_buffer_of_a_rank_is_its_largest_round_within_the_round_budg
     for rank in range(len(sites)):
         most = max(sum(1 for p in pieces if rank in p.receivers) for pieces in schedule.rounds)
         assert receive_bytes(schedule.rounds, rank) <= round_bytes + most * (ALIGN - 1)
+
+
+@pytest.mark.parametrize("row_kib", [1, 40, 63, 65, 100])
+def test_a_rounds_gets_fit_the_read_ahead_in_buffer_bytes_so_the_feeder_never_waits_on_its_own_round(row_kib):
+    """A round's GETs are all held until its exchange: counted in slots (a piece of just over half a slot holds a
+    whole slot), each rank's round fits round_bytes (<= read_ahead_bytes), or is one piece alone."""
+    piece, round_bytes = 64 << 10, 256 << 10
+    rows = 40
+    locs = [ItemLocation(file="data/rank00000.distcp", offset=i * rows * row_kib * 1024, length=rows * row_kib * 1024,
+                         crc32=0, dtype="uint8", sizes=(rows, row_kib * 1024)) for i in range(3)]
+    needs = [{loc: f"w{i}" for i, loc in enumerate(locs)} for _ in range(4)]
+    schedule = plan_reads(needs, [0, 0, 0, 0], piece_bytes=piece, round_bytes=round_bytes, stripe_min_bytes=0)
+    for pieces in schedule.rounds:
+        for rank in range(4):
+            mine = [p for p in pieces if p.reader == rank]
+            assert len(mine) <= 1 or sum(held_bytes(p.size, piece) for p in mine) <= round_bytes
