@@ -7,7 +7,11 @@ instance roles, as s3fs reads them; ``--endpoint-url`` overrides the endpoint. S
 name the endpoint, the bucket and the key.
 
 Exit status: 0 success; 1 a checkpoint is corrupt (``verify``); 2 no such checkpoint, or a bad argument; 3 the
-store refused access or does not exist.
+store refused access or does not exist; 4 an unexpected error (a bug, or a failure of the environment).
+
+``rm`` deletes committed checkpoints only: a folder without a commit record may be a save in flight, which would
+then commit a record pointing at deleted shards. ``--include-uncommitted`` deletes those too (only when no job
+writes under the URL). ``ls`` and ``verify`` never create anything (a mistyped local path stays absent).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreErro
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 from multidc.plugins.checkpoint.verify import SLICE_BYTES, verify
 
-OK, CORRUPT, MISSING, ACCESS = 0, 1, 2, 3
+OK, CORRUPT, MISSING, ACCESS, UNEXPECTED = 0, 1, 2, 3, 4
 _MIB = 1 << 20
 
 
@@ -33,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("ls", "list committed checkpoints: step, size, sites, layout"),
                        ("verify", "check every shard's size and every item's CRC-32, without loading a model"),
-                       ("rm", "delete one checkpoint (--step) or every checkpoint under the URL (--all)")):
+                       ("rm", "delete one committed checkpoint (--step) or every committed checkpoint under the URL "
+                        "(--all)")):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("url", help="checkpoint root: s3://bucket/prefix, file:///dir or a path")
         sub.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL[_S3])")
@@ -42,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("verify", "rm"):
             which = sub.add_mutually_exclusive_group(required=name == "rm")
             which.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
-            which.add_argument("--all", action="store_true", help="every committed checkpoint (rm: and "
-                               "half-written ones)")
+            which.add_argument("--all", action="store_true", help="every committed checkpoint")
+        if name == "rm":
+            sub.add_argument("--include-uncommitted", action="store_true",
+                             help="also delete folders without a commit record (half-written, or a save in flight: "
+                             "use only when no job writes under the URL)")
         if name == "verify":
             sub.add_argument("--slice-mb", type=float, default=SLICE_BYTES / _MIB,
                              help="bytes read per ranged GET, MiB (memory: slice x --concurrency)")
@@ -56,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = ObjectStore(args.url, storage_options={"endpoint_url": args.endpoint_url} if args.endpoint_url
                             else None)
-        store.check_access()
+        if args.command == "rm" or store.is_s3 or store.fs.exists(store.root):  # else: nothing there, create none
+            store.check_access()
         return {"ls": _ls, "verify": _verify, "rm": _rm}[args.command](store, args)
     except (ValueError, FileNotFoundError) as exc:  # ObjectStoreNotFoundError is a FileNotFoundError
         code = ACCESS if isinstance(exc, ObjectStoreError) else MISSING
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(CORRUPT, str(exc))
     except ObjectStoreError as exc:  # auth refused, store down after retries
         return _fail(ACCESS, str(exc))
+    except Exception as exc:  # never Python's status 1, which means "corrupt" here
+        return _fail(UNEXPECTED, f"unexpected {type(exc).__name__}: {exc}")
 
 
 def _fail(code: int, message: str) -> int:
@@ -128,7 +139,10 @@ def _verify(store: ObjectStore, args) -> int:
 
 def _rm(store: ObjectStore, args) -> int:
     if args.all:
-        names = [name for name in store.list_dirs() if parse_step(name) is not None and store.list_files(name)]
+        if args.include_uncommitted:
+            names = [name for name in store.list_dirs() if parse_step(name) is not None and store.list_files(name)]
+        else:
+            names = [name for _, name in retention.committed(store)]
         for name in names:
             retention.delete_committed(store, name)
         print(f"deleted {len(names)} checkpoint folder(s) under {store.where()}")
@@ -136,6 +150,10 @@ def _rm(store: ObjectStore, args) -> int:
     name = checkpoint_name(args.step)
     if not store.list_files(name):  # not list_dirs: S3 servers may list an emptied folder for a while
         raise FileNotFoundError(f"no checkpoint of step {args.step} under {store.where()}")
+    if not args.include_uncommitted and not store.exists(f"{name}/{COMMIT}"):
+        raise FileNotFoundError(
+            f"{store.where(name)} is not committed (half-written, or a save in flight that would then commit "
+            "deleted shards): not deleted. Pass --include-uncommitted to delete it when no job writes there.")
     retention.delete_committed(store, name)  # commit record first: never a half-deleted "committed" one
     print(f"deleted {store.where(name)}")
     return OK

@@ -106,3 +106,58 @@ def test_an_empty_or_missing_root_is_a_clear_message(tmp_path, args):
                                                                                         "PYTHONPATH": str(ROOT)})
     assert proc.returncode == (0 if args == ["ls"] else 2), proc.stderr
     assert "no committed checkpoint" in proc.stdout + proc.stderr
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "multidc.plugins.checkpoint", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _with_save_in_flight(tmp_path) -> tuple[str, Path]:
+    """A committed checkpoint of step 1 and a folder of step 2 without commit record (a save still uploading)."""
+    url = str(tmp_path / "run")
+    Checkpointer(url).save(_state(1), step=1)
+    in_flight = tmp_path / "run" / "step_0000000002" / "data"
+    in_flight.mkdir(parents=True)
+    (in_flight / "rank00000.distcp").write_bytes(b"shard being uploaded")
+    return url, in_flight
+
+
+def test_rm_all_deletes_committed_checkpoints_only_unless_told_to_include_uncommitted(tmp_path):
+    url, in_flight = _with_save_in_flight(tmp_path)
+    removed = _run_cli("rm", url, "--all")
+    assert removed.returncode == 0, removed.stderr
+    assert not (tmp_path / "run" / "step_0000000001").exists() and in_flight.exists()
+    assert _run_cli("rm", url, "--all", "--include-uncommitted").returncode == 0
+    assert not in_flight.exists()
+
+
+def test_rm_step_refuses_an_uncommitted_folder_with_the_flag_to_use(tmp_path):
+    url, in_flight = _with_save_in_flight(tmp_path)
+    refused = _run_cli("rm", url, "--step", "2")
+    assert refused.returncode == 2 and "not committed" in refused.stderr
+    assert "--include-uncommitted" in refused.stderr and in_flight.exists()
+    assert _run_cli("rm", url, "--step", "2", "--include-uncommitted").returncode == 0
+    assert not in_flight.exists()
+
+
+@pytest.mark.parametrize("args", [["ls"], ["verify", "--all"]])
+def test_ls_and_verify_never_create_a_mistyped_local_root(tmp_path, args):
+    root = tmp_path / "mistyped"
+    proc = _run_cli(args[0], str(root), *args[1:])
+    assert proc.returncode in (0, 2), proc.stderr
+    assert not root.exists()
+
+
+def test_an_unexpected_error_exits_4_with_one_line_not_1_which_means_corrupt(tmp_path, monkeypatch, capsys):
+    from multidc.plugins.checkpoint import cli, retention
+
+    Checkpointer(str(tmp_path / "run")).save(_state(1), step=1)
+
+    def broken(store):
+        raise TypeError("injected bug")
+
+    monkeypatch.setattr(retention, "committed", broken)
+    assert cli.main(["ls", str(tmp_path / "run")]) == 4
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "unexpected TypeError: injected bug" in err
