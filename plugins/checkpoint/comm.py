@@ -32,13 +32,23 @@ _KNOWN = {cls.__name__: cls for cls in (
 
 
 def _describe(error: BaseException | None):
-    return None if error is None else (type(error).__name__, str(error))
+    """``(type name, message)`` of this rank's own error, or ``(type name, message, rank)`` of an error rebuilt
+    from ``rank``'s (so that passing it on names the rank where it happened, not the one that passed it)."""
+    if error is None:
+        return None
+    origin = getattr(error, "origin", None)
+    return origin[1:] + origin[:1] if origin is not None else (type(error).__name__, str(error))
 
 
 def _rebuild(rank: int, described, error_type=None) -> BaseException:
-    name, message = described
+    """The error another rank described (:func:`_describe`), raised here. Marked ``secondary``: it happened
+    elsewhere, and a choice between ranks' errors prefers the rank where it happened."""
+    name, message, *origin = described
+    rank = origin[0] if origin else rank
     cls = error_type or _KNOWN.get(name, RuntimeError)
-    return cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+    error = cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+    error.secondary, error.origin = True, (rank, name, message)
+    return error
 
 
 def _transport_error(exc: RuntimeError) -> bool:
@@ -227,11 +237,11 @@ class Comm:
         if not failed:
             return
         if error_type is not None:
-            detail = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failed)
+            detail = "; ".join(f"rank {d[2] if len(d) > 2 else rank}: {d[0]}: {d[1]}" for rank, d in failed)
             raise error_type(f"{what} failed: {detail}") from own
-        if own is not None:
+        if own is not None and not getattr(own, "secondary", False):
             raise own
-        raise _rebuild(*failed[0])
+        raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # the lowest rank where an error happened
 
     def plan(self, local, make_global):
         """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""
@@ -292,7 +302,7 @@ class Comm:
             rank, (error, _trace) = min((primary or exc.failures).items(), key=lambda kv: kv[0])
             if rank == self.rank or self.group is None:
                 raise error from None
-            raise _rebuild(rank, (type(error).__name__, str(error))) from None
+            raise _rebuild(rank, _describe(error)) from None
         except Exception as exc:
             if self.failure is not None and exc is not self.failure:
                 raise self.failure from exc

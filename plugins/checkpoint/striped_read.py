@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import torch.distributed as dist
 
+from multidc.plugins.checkpoint.comm import _describe, _rebuild
 from multidc.plugins.checkpoint.crc import combine
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.ranged_read import Abandoned, check_stop
@@ -122,17 +123,15 @@ class StripedRead:
         check_stop(self.outer_stop, f"loading {self.store.where(self.checkpoint)}")
         own = None if error is None or isinstance(error, _PeerFailed) else error
         try:
-            gathered = self._gather((self.crcs, None if own is None else (type(own).__name__, str(own))))
+            gathered = self._gather((self.crcs, _describe(own)))
         except _Left as left:
             self._abandon(left.cause)
             raise left.cause from None
         failed = [(rank, d) for rank, (_, d) in enumerate(gathered) if d is not None]
         if failed:
-            if own is not None:
+            if own is not None and not getattr(own, "secondary", False):
                 raise own
-            from multidc.plugins.checkpoint.comm import _rebuild
-
-            raise _rebuild(*failed[0])
+            raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # lowest rank where it happened
         if error is not None:  # a peer failed but reported nothing: cannot happen, never silently pass
             raise error
         self._verify({key: crc for crcs, _ in gathered for key, crc in crcs.items()})
