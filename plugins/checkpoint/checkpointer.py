@@ -120,7 +120,8 @@ class Checkpointer:
         read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 4 MiB,
             ``max_concurrency`` GETs in flight, at most 16 MiB of GET buffers (in flight or kept for reuse) and
             one 16 MiB receive buffer per rank (a single larger piece is held alone), items of at least
-            ``stripe_min_mb`` striped.
+            ``stripe_min_mb`` striped. A ReadConfig's ``concurrency`` / ``stripe_min_bytes`` left ``None`` take
+            ``max_concurrency`` / ``stripe_min_mb``.
     """
 
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
@@ -129,6 +130,8 @@ class Checkpointer:
                  timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
+        if read_config is not None and not isinstance(read_config, ReadConfig):
+            raise ValueError(f"read_config={read_config!r} must be a multidc.plugins.ReadConfig or None.")
         if stripe_min_mb < 0:
             raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
         if timeout_s is None:
@@ -144,8 +147,9 @@ class Checkpointer:
             self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
         # which site each rank of the group is in: a striped load exchanges pieces only inside a site
         self._sites = self.comm.all_gather(getattr(topology, "site", 0))
-        self._read_config = read_config or ReadConfig(concurrency=max_concurrency,
-                                                      stripe_min_bytes=self.stripe_min_bytes)
+        # fields the caller's ReadConfig leaves None come from max_concurrency / stripe_min_mb
+        self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
+                                                                   stripe_min_bytes=self.stripe_min_bytes)
         self._pending: SaveHandle | None = None
         self._access_checked = False
 

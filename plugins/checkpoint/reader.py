@@ -38,18 +38,29 @@ class ReadConfig:
     read_ahead_bytes: int = 16 * _MIB
     """Most bytes of GET buffers a rank holds at once, in flight or kept for reuse (raised to ``round_bytes`` if
     below it); buffers of ``piece_bytes`` are reused whatever the exact piece size."""
-    concurrency: int = 8
-    """Ranged GETs in flight per rank."""
-    stripe_min_bytes: int = _MIB
-    """Items several ranks of a site need are read once per site, striped, from this size on."""
+    concurrency: int | None = None
+    """Ranged GETs in flight per rank (``None``: the Checkpointer's ``max_concurrency``, else 8)."""
+    stripe_min_bytes: int | None = None
+    """Items several ranks of a site need are read once per site, striped, from this size on (``None``: the
+    Checkpointer's ``stripe_min_mb``, else 1 MiB)."""
 
     def __post_init__(self) -> None:
-        for name in ("piece_bytes", "round_bytes", "read_ahead_bytes", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ReadConfig.{name}={getattr(self, name)} must be >= 1.")
-        if self.stripe_min_bytes < 0:
-            raise ValueError(f"ReadConfig.stripe_min_bytes={self.stripe_min_bytes} must be >= 0.")
+        for name in ("piece_bytes", "round_bytes", "read_ahead_bytes", "concurrency", "stripe_min_bytes"):
+            value, least = getattr(self, name), 0 if name == "stripe_min_bytes" else 1
+            if value is None and name in ("concurrency", "stripe_min_bytes"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                unit, example = ("a count", "8") if name == "concurrency" else ("bytes", "4 << 20")
+                raise ValueError(f"ReadConfig.{name}={value!r} must be an int ({unit}), e.g. {name}={example}.")
+            if value < least:
+                raise ValueError(f"ReadConfig.{name}={value} must be >= {least}; raise it.")
         self.read_ahead_bytes = max(self.read_ahead_bytes, self.round_bytes)  # a round's reads must fit
+
+    def resolved(self, *, concurrency: int = 8, stripe_min_bytes: int = _MIB) -> ReadConfig:
+        """This config with the fields left ``None`` set to the given defaults (the Checkpointer's settings)."""
+        return dataclasses.replace(
+            self, concurrency=concurrency if self.concurrency is None else self.concurrency,
+            stripe_min_bytes=stripe_min_bytes if self.stripe_min_bytes is None else self.stripe_min_bytes)
 
 
 class ObjectStoreReader(StorageReader):
@@ -68,7 +79,7 @@ class ObjectStoreReader(StorageReader):
                  config: ReadConfig | None = None) -> None:
         super().__init__()
         self.store, self.checkpoint, self.commit, self.comm = store, checkpoint, commit, comm
-        self.sites, self.config = sites, config or ReadConfig()
+        self.sites, self.config = sites, (config or ReadConfig()).resolved()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
