@@ -52,7 +52,11 @@ Guarantees:
   answering (a cut link, a hung or dead process); uploads, downloads and the commit run under a heartbeat
   between the ranks, so they may take as long as they need.
 * **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
-  a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor.
+  a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor, on
+  every rank.
+* **Striped loads in bounded memory.** Loads use ranged GETs, each piece copied into the restored tensors as it
+  arrives; what several ranks of a site need is read once per site, an equal share per rank, and exchanged inside
+  the site (:class:`ReadConfig` sets piece size and buffers). A save holds this rank's share once (the snapshot).
 * **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
   number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
   :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
@@ -68,8 +72,6 @@ import datetime
 import functools
 import threading
 
-import torch.distributed as dist
-
 from multidc.hierarchical.errors import wan_failure
 from multidc.plugins.checkpoint import retention as _retention
 from multidc.plugins.checkpoint.comm import Comm
@@ -77,8 +79,10 @@ from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Co
 from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
+from multidc.plugins.checkpoint.ranged_read import check_stop
+from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
-from multidc.plugins.checkpoint.storage import ObjectStoreReader, ObjectStoreWriter, check_stop, stage, upload
+from multidc.plugins.checkpoint.storage import ObjectStoreWriter, stage, upload
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -106,18 +110,28 @@ class Checkpointer:
             peer fails every rank within ``timeout_s`` plus one beat. ``state_dict()`` / ``load_state_dict()``
             and the copy into host memory run outside the heartbeat: the ranks must finish them within
             ``timeout_s`` of each other. After such a failure this Checkpointer refuses further use (its
-            group is broken), and work abandoned on this rank writes nothing more.
+            group is broken), and work abandoned on this rank writes nothing more. It also refuses further use
+            (on every rank) after a load whose exchange between ranks failed, since transfers may still be
+            pending on its group; restart the job.
         topology: the job's ``multidc.hierarchical.Topology``; with several sites, a checkpoint collective that
             times out or loses its connection raises ``WanError`` naming the sites and this end of the link
-            (e.g. the WAN was cut during a save) instead of gloo's bare error.
+            (e.g. the WAN was cut during a save) instead of gloo's bare error. Loads read what a whole site needs
+            once per site (striped over its ranks, exchanged inside the site).
+        read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 4 MiB,
+            ``max_concurrency`` GETs in flight, at most 16 MiB of GET buffers (in flight or kept for reuse) and
+            one 16 MiB receive buffer per rank (a single larger piece is held alone), items of at least
+            ``stripe_min_mb`` striped. A ReadConfig's ``concurrency`` / ``stripe_min_bytes`` left ``None`` take
+            ``max_concurrency`` / ``stripe_min_mb``.
     """
 
     def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
-                 timeout_s: float | None = None, topology=None) -> None:
+                 timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
+        if read_config is not None and not isinstance(read_config, ReadConfig):
+            raise ValueError(f"read_config={read_config!r} must be a multidc.plugins.ReadConfig or None.")
         if stripe_min_mb < 0:
             raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
         if timeout_s is None:
@@ -131,6 +145,11 @@ class Checkpointer:
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
         if topology is not None and getattr(topology, "num_sites", 1) > 1:
             self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
+        # which site each rank of the group is in: a striped load exchanges pieces only inside a site
+        self._sites = self.comm.all_gather(getattr(topology, "site", 0))
+        # fields the caller's ReadConfig leaves None come from max_concurrency / stripe_min_mb
+        self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
+                                                                   stripe_min_bytes=self.stripe_min_bytes)
         self._pending: SaveHandle | None = None
         self._access_checked = False
 
@@ -341,7 +360,8 @@ class Checkpointer:
         return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
 
     def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:
-        reader = ObjectStoreReader(self.store, name, commit, alive=self.comm.alive, stop=self.comm.stopped)
+        reader = ObjectStoreReader(self.store, name, commit, comm=self.comm, sites=self._sites,
+                                   config=self._read_config)
         self.comm.dcp_load(state_dict, reader, planner)
 
     def list(self) -> list[CheckpointInfo]:
@@ -364,55 +384,4 @@ def _check_state(state) -> None:
                          f"{type(state).__name__}; e.g. {{'model': ModelState(model, optimizer)}}.")
 
 
-# ---------------------------------------------------------------------- one-call API
-_BY_URL: dict[tuple[str, int], Checkpointer] = {}
-
-
-def _checkpointer(url: str, process_group, storage_options, **kwargs) -> Checkpointer:
-    key = (str(url).rstrip("/"), id(process_group))
-    ckpt = _BY_URL.get(key)
-    if ckpt is None or ckpt.comm.group is None and dist.is_available() and dist.is_initialized():
-        ckpt = _BY_URL[key] = Checkpointer(url, process_group=process_group, storage_options=storage_options,
-                                           **kwargs)
-    return ckpt
-
-
-def save(url: str, state: dict, *, step: int, process_group=None, async_save: bool = False,
-         keep_last_k: int | None = None, storage_options: dict | None = None, extra: dict | None = None
-         ) -> SaveHandle:
-    """Save ``state`` under ``url`` as checkpoint ``step``; see :class:`Checkpointer`. Collective.
-
-    Reuses one :class:`Checkpointer` per ``(url, process_group)``, so an async save is awaited (and its error
-    raised) by the next ``save`` / ``load`` of the same URL, by ``wait(url)``, or at interpreter exit.
-    """
-    ckpt = _checkpointer(url, process_group, storage_options)
-    ckpt.keep_last_k = keep_last_k
-    return ckpt.save(state, step=step, async_save=async_save, extra=extra)
-
-
-def load(url: str, state: dict, which: str | int | CheckpointInfo = "latest", *, process_group=None,
-         storage_options: dict | None = None, trusted: bool = False, allow_partial: bool = False
-         ) -> CheckpointInfo:
-    """Load checkpoint ``which`` (default the newest committed one) under ``url`` into ``state``. Collective."""
-    ckpt = _checkpointer(url, process_group, storage_options)
-    return ckpt.load(state, which, trusted=trusted, allow_partial=allow_partial)
-
-
-def wait(url: str, *, process_group=None) -> CheckpointInfo | None:
-    """Wait for the pending async save to ``url`` started by :func:`save`; raise its error."""
-    ckpt = _BY_URL.get((str(url).rstrip("/"), id(process_group)))
-    return ckpt.wait() if ckpt is not None else None
-
-
-def list_checkpoints(url: str, *, storage_options: dict | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``url``, oldest first. Not collective; half-written ones are not listed."""
-    return _committed(ObjectStore(url, storage_options=storage_options))
-
-
-def latest(url: str, *, storage_options: dict | None = None) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``url``, or ``None``. Not collective."""
-    return next(reversed(list_checkpoints(url, storage_options=storage_options)), None)
-
-
-__all__ = ["CheckpointCorruptError", "CheckpointInfo", "CheckpointSaveError", "Checkpointer", "SaveHandle",
-           "latest", "list_checkpoints", "load", "save", "wait"]
+__all__ = ["CheckpointCorruptError", "CheckpointInfo", "CheckpointSaveError", "Checkpointer", "SaveHandle"]

@@ -32,13 +32,23 @@ _KNOWN = {cls.__name__: cls for cls in (
 
 
 def _describe(error: BaseException | None):
-    return None if error is None else (type(error).__name__, str(error))
+    """``(type name, message)`` of this rank's own error, or ``(type name, message, rank)`` of an error rebuilt
+    from ``rank``'s (so that passing it on names the rank where it happened, not the one that passed it)."""
+    if error is None:
+        return None
+    origin = getattr(error, "origin", None)
+    return origin[1:] + origin[:1] if origin is not None else (type(error).__name__, str(error))
 
 
 def _rebuild(rank: int, described, error_type=None) -> BaseException:
-    name, message = described
+    """The error another rank described (:func:`_describe`), raised here. Marked ``secondary``: it happened
+    elsewhere, and a choice between ranks' errors prefers the rank where it happened."""
+    name, message, *origin = described
+    rank = origin[0] if origin else rank
     cls = error_type or _KNOWN.get(name, RuntimeError)
-    return cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+    error = cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
+    error.secondary, error.origin = True, (rank, name, message)
+    return error
 
 
 def _transport_error(exc: RuntimeError) -> bool:
@@ -51,18 +61,26 @@ def _transport_error(exc: RuntimeError) -> bool:
 # ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one
 # rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
 THIS_PROCESS = object()
+_DATA_TIMEOUT = datetime.timedelta(hours=6)
 
 
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
-    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0, data_group=None) -> None:
         self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
+        # Bulk transfers between the ranks (striped loads) on a group of their own, from worker threads, while
+        # ``group`` carries the heartbeat. Its waits are polled and end when the heartbeat fails (``stopped``).
+        self.data_group = data_group
         self.global_rank = dist.get_rank() if group is not None else 0
         # The first failed collective: the group is unusable from then on. Workers of ``alive`` that outlive the
         # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
         self.failure: BaseException | None = None
         self.stopped = threading.Event()
+        # A load left its exchange with transfers (or a collective) still posted on ``data_group``: a later
+        # load could match them (stale bytes, mismatched collectives), so the Checkpointer refuses further use.
+        self.abandoned: BaseException | None = None
+        self.peer_failed = threading.Event()  # replaced by each ``alive_outcome``
         # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
         self.heartbeat_s = min(1.0, timeout_s / 10)
         # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
@@ -87,11 +105,22 @@ class Comm:
             self.failure = error
             self.stopped.set()
 
+    def abandon_exchange(self, error: BaseException) -> None:
+        """Remember that a load left its exchange on ``data_group`` unfinished (``error`` is why): see
+        :meth:`check_usable`. Called on every rank that left; every rank of a failed exchange leaves."""
+        if self.abandoned is None:
+            self.abandoned = error
+
     def check_usable(self) -> None:
-        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's)."""
+        """Raise if an earlier collective of this group failed (the group is broken; so are, usually, the job's),
+        or an earlier load abandoned transfers on the data group (a later load could receive their stale bytes)."""
         if self.failure is not None:
             raise RuntimeError(f"this Checkpointer cannot be used again: an earlier checkpoint collective failed "
                                f"({self.failure}). Restart the job; it resumes from the last committed checkpoint.")
+        if self.abandoned is not None:
+            raise RuntimeError(f"this Checkpointer cannot be used again: an earlier load failed during its exchange "
+                               f"between ranks ({self.abandoned}) and left transfers pending on its process group. "
+                               "Restart the job; it resumes from the last committed checkpoint.")
 
     def _peer_failure(self, what: str, exc: BaseException) -> RuntimeError:
         me = f"rank {self.global_rank}"
@@ -115,9 +144,12 @@ class Comm:
             return cls(None, 0, 1, timeout_s=timeout.total_seconds())
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being retried);
+        # liveness comes from the heartbeat on ``group``, so this one only reaps abandoned operations.
+        data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT))
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
-        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds())
+        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds(), data_group=data_group)
 
     def alive(self, fn, *args, what: str):
         """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
@@ -139,6 +171,9 @@ class Comm:
         """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
         outcome = {"value": None, "error": None}
         done = threading.Event()
+        # Set once another rank's ``fn`` ended with an error while this one still works: work that waits for
+        # peers (a striped load's exchange) stops waiting for one that has left.
+        self.peer_failed = peer_failed = threading.Event()
 
         def work():
             try:
@@ -154,11 +189,14 @@ class Comm:
             work()
         else:
             threading.Thread(target=work, name=f"multidc-ckpt-{what}", daemon=True).start()
-            working = torch.ones(1, dtype=torch.int32)
-            while working.item():
-                working.fill_(0 if done.wait(self.heartbeat_s) else 1)
+            beat = torch.ones(2, dtype=torch.int32)  # [ranks still working, ranks whose fn failed]
+            while beat[0].item():
+                finished = done.wait(self.heartbeat_s)
+                beat[0], beat[1] = int(not finished), int(finished and outcome["error"] is not None)
                 with self._collective(f"checkpoint heartbeat ({what})"):
-                    dist.all_reduce(working, group=self.group)
+                    dist.all_reduce(beat, group=self.group)
+                if beat[1].item():
+                    peer_failed.set()
         if "fatal" in outcome:
             raise outcome["fatal"]
         return outcome["value"], outcome["error"]
@@ -199,11 +237,11 @@ class Comm:
         if not failed:
             return
         if error_type is not None:
-            detail = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failed)
+            detail = "; ".join(f"rank {d[2] if len(d) > 2 else rank}: {d[0]}: {d[1]}" for rank, d in failed)
             raise error_type(f"{what} failed: {detail}") from own
-        if own is not None:
+        if own is not None and not getattr(own, "secondary", False):
             raise own
-        raise _rebuild(*failed[0])
+        raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # the lowest rank where an error happened
 
     def plan(self, local, make_global):
         """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""
@@ -259,10 +297,12 @@ class Comm:
         except CheckpointException as exc:
             if self.failure is not None:
                 raise self.failure from None
-            rank, (error, _trace) = min(exc.failures.items(), key=lambda kv: kv[0])
+            # the lowest rank with an error of its own: not one that only stopped because another left (secondary)
+            primary = {r: f for r, f in exc.failures.items() if not getattr(f[0], "secondary", False)}
+            rank, (error, _trace) = min((primary or exc.failures).items(), key=lambda kv: kv[0])
             if rank == self.rank or self.group is None:
                 raise error from None
-            raise _rebuild(rank, (type(error).__name__, str(error))) from None
+            raise _rebuild(rank, _describe(error)) from None
         except Exception as exc:
             if self.failure is not None and exc is not self.failure:
                 raise self.failure from exc
@@ -271,4 +311,7 @@ class Comm:
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
-        self.group = None
+            if self.failure is None and self.abandoned is None and self.data_group is not None:
+                # else an abandoned transfer may hold it
+                dist.destroy_process_group(self.data_group)
+        self.group = self.data_group = None

@@ -214,6 +214,13 @@ class ObjectStore:
 
         return self._call(read, ranges[0][0] if len({k for k, _, _ in ranges}) == 1 else "<several objects>")
 
+    def read_into(self, key: str, start: int, out: memoryview, *, stop=None) -> None:
+        """Fill ``out`` with bytes ``[start, start + len(out))`` of ``key``: one ranged GET, streamed, stoppable
+        between chunks by ``stop`` (see ``ranged_read.read_into``)."""
+        from multidc.plugins.checkpoint.ranged_read import read_into
+
+        read_into(self, key, start, out, stop=stop)
+
     def exists(self, key: str) -> bool:
         return self._call(lambda: self.fs.exists(self.path(key)), key)
 
@@ -327,8 +334,8 @@ class ObjectStore:
         """The error to raise for ``exc``, or ``None`` when it is transient and another attempt is left."""
         if isinstance(exc, ObjectStoreError):
             return exc
-        if not isinstance(exc, Exception):
-            return exc  # KeyboardInterrupt, SystemExit: never retried, never rewritten
+        if not isinstance(exc, Exception) or getattr(exc, "retryable", True) is False:
+            return exc  # KeyboardInterrupt, SystemExit, work stopped on purpose: never retried, never rewritten
         text = self._scrub(f"{type(exc).__name__}: {exc}")
         if isinstance(exc, PermissionError) or _code(exc) in _AUTH_CODES:
             return ObjectStoreAuthError(

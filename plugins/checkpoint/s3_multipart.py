@@ -3,10 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 
 _log = logging.getLogger("multidc.plugins.object_store")
 S3_MIN_PART = 5 << 20  # S3's smallest part (all but the last), bytes
+
+
+class ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview: botocore takes bytes or files, not views, and ``bytes(view)``
+    would copy every part in flight (as much host memory again as the shard being uploaded). botocore and aiohttp
+    read it in chunks (checksum, then send) and seek back to 0 for a retry."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def multipart_put(store, key: str, view: memoryview) -> None:
@@ -44,7 +75,7 @@ async def _upload_parts(store, bucket, s3key, upload, view, bounds, key) -> list
         async with gate:
             out = await store._acall(lambda: store.fs._call_s3(
                 "upload_part", Bucket=bucket, Key=s3key, UploadId=upload, PartNumber=number,
-                Body=bytes(view[start:end])), key)
+                Body=ViewReader(view[start:end])), key)
             return out["ETag"]
 
     tasks = [asyncio.ensure_future(one(i + 1, s, e)) for i, (s, e) in enumerate(bounds)]

@@ -1,4 +1,4 @@
-"""DCP ``StorageWriter`` / ``StorageReader`` over :class:`ObjectStore`, with per-item CRC-32 and a JSON commit.
+"""DCP ``StorageWriter`` over :class:`ObjectStore`, with per-item CRC-32 and a JSON commit.
 
 Writing is split in two so async saves block training only for the first part:
 
@@ -6,45 +6,39 @@ Writing is split in two so async saves block training only for the first part:
   the shard object will be stored;
 * :func:`upload` checksums the buffer's items and uploads it (multipart, in parallel), with no collectives.
 
-``ObjectStoreWriter.finish`` (coordinator, after every rank's results are in) writes ``COMMIT.json`` last.
+``ObjectStoreWriter.finish`` (coordinator, after every rank's results are in) writes ``COMMIT.json`` last. Reading
+is ``reader``'s.
 """
 
 from __future__ import annotations
 
 import ctypes
-import io
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from multidc.plugins.checkpoint.format import (
     COMMIT,
-    CheckpointCorruptError,
     ItemLocation,
-    decode_commit,
     dtype_name,
     encode_commit,
-    parse_dtype,
     shard_file,
 )
 from multidc.plugins.checkpoint.object_store import ObjectStore
+from multidc.plugins.checkpoint.ranged_read import check_stop
 
 _ALIGN = 64
-_READ_BATCH_BYTES = 256 << 20
 
 
 @dataclass
@@ -84,18 +78,18 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str) -> Staged:
     return Staged(file=file, buffer=buffer, entries=layout)
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A read-only, zero-copy memoryview of a contiguous CPU uint8 tensor's bytes (no NumPy needed).
-
-    The view keeps ``tensor`` alive.
+def byte_view(tensor: torch.Tensor, *, writable: bool = False) -> memoryview:
+    """A zero-copy memoryview of a contiguous CPU uint8 tensor's bytes (no NumPy needed), read-only unless
+    ``writable``. The view keeps ``tensor`` alive.
     """
     if tensor.dtype != torch.uint8 or tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise AssertionError(f"byte_view needs a contiguous CPU uint8 tensor, got {tensor.dtype} on {tensor.device}")
     if tensor.numel() == 0:
-        return memoryview(b"")
+        return memoryview(bytearray() if writable else b"")
     array = (ctypes.c_uint8 * tensor.numel()).from_address(tensor.data_ptr())
     array._keep_alive = tensor  # the memory belongs to the tensor
-    return memoryview(array).cast("B").toreadonly()
+    view = memoryview(array).cast("B")
+    return view if writable else view.toreadonly()
 
 
 def _numel(sizes) -> int:
@@ -113,23 +107,22 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> li
     if not staged.entries:
         return []
     view = byte_view(staged.buffer)
+    crcs: list[int] = []
+    # zlib releases the GIL: the checksums are computed while the parts upload, not before
+    checksums = threading.Thread(target=lambda: crcs.extend(zlib.crc32(view[offset:offset + length])
+                                                            for _, offset, length, _, _ in staged.entries),
+                                 name="multidc-ckpt-crc", daemon=True)
+    check_stop(stop, f"uploading {staged.file}")
+    checksums.start()
+    try:
+        store.put(f"{checkpoint}/{staged.file}", view)
+    finally:
+        checksums.join()
     results = []
-    for item, offset, length, dtype, sizes in staged.entries:
-        crc = zlib.crc32(view[offset:offset + length])
+    for (item, offset, length, dtype, sizes), crc in zip(staged.entries, crcs, strict=True):
         location = ItemLocation(file=staged.file, offset=offset, length=length, crc32=crc, dtype=dtype, sizes=sizes)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=location))
-    check_stop(stop, f"uploading {staged.file}")
-    store.put(f"{checkpoint}/{staged.file}", view)
     return results
-
-
-class Abandoned(RuntimeError):
-    """Work of a checkpoint collective that already failed on this rank: stopped before writing anything more."""
-
-
-def check_stop(stop, what: str) -> None:
-    if stop is not None and stop.is_set():
-        raise Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
 
 
 def commit_bytes(metadata: Metadata, results: list[list[WriteResult]], *, step: int, world_size: int,
@@ -190,93 +183,3 @@ def _with_file(plan: SavePlan, file: str) -> SavePlan:
     import dataclasses
 
     return dataclasses.replace(plan, storage_data=file)
-
-
-class ObjectStoreReader(StorageReader):
-    """DCP storage reader for one committed checkpoint; verifies each item's CRC-32 as it is read.
-
-    ``alive``: optional ``Comm.alive``, under which ``read_data`` runs its reads (every rank calls ``read_data``
-    once per load, so every rank joins its heartbeat). ``stop``: optional ``threading.Event``; once set (the load
-    failed), nothing more is copied into the caller's tensors.
-    """
-
-    def __init__(self, store: ObjectStore, checkpoint: str, commit=None, *, alive=None, stop=None) -> None:
-        super().__init__()
-        self.store, self.checkpoint, self.commit, self.alive, self.stop = store, checkpoint, commit, alive, stop
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        pass
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self.commit is None:
-            where = self.store.where(f"{self.checkpoint}/{COMMIT}")
-            self.commit = decode_commit(self.store.get(f"{self.checkpoint}/{COMMIT}"), where)
-        return self.commit.metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        self.locations: dict[MetadataIndex, ItemLocation] = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self.alive is None:
-            self._read_all(plan, planner)
-        else:
-            self.alive(self._read_all, plan, planner, what="download")
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        by_location: dict[ItemLocation, list] = {}
-        for item in plan.items:
-            by_location.setdefault(self.locations[item.storage_index], []).append(item)
-        batch, size = [], 0
-        for location in sorted(by_location, key=lambda loc: (loc.file, loc.offset)):
-            batch.append(location)
-            size += location.length
-            if size >= _READ_BATCH_BYTES:
-                self._read_batch(batch, by_location, planner)
-                batch, size = [], 0
-        self._read_batch(batch, by_location, planner)
-
-    def _read_batch(self, batch: list[ItemLocation], by_location: dict, planner: LoadPlanner) -> None:
-        if not batch:
-            return
-        keys = [(f"{self.checkpoint}/{loc.file}", loc.offset, loc.offset + loc.length) for loc in batch]
-        for loc, data in zip(batch, self.store.get_ranges(keys)):
-            self._verify(loc, data, by_location[loc][0].storage_index)
-            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
-            for item in by_location[loc]:
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(data))
-                    continue
-                saved = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
-                    0, dtype=torch.uint8)
-                saved = saved.view(parse_dtype(loc.dtype)).view(loc.sizes)
-                saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != saved.size():
-                    raise CheckpointCorruptError(
-                        f"{item.dest_index.fqn}: stored chunk {tuple(saved.size())} does not fit the requested "
-                        f"{tuple(target.size())} in {self.store.where(self.checkpoint)}")
-                target.copy_(saved)
-                planner.commit_tensor(item, target)
-
-    def _verify(self, loc: ItemLocation, data: bytes, index: MetadataIndex) -> None:
-        crc = zlib.crc32(data)
-        if len(data) != loc.length or crc != loc.crc32:
-            what = index.fqn + (f" (chunk at offset {list(index.offset)})" if index.offset is not None else "")
-            raise CheckpointCorruptError(
-                f"corrupt shard {loc.file} of checkpoint {self.store.where(self.checkpoint)}: bytes "
-                f"[{loc.offset}, {loc.offset + loc.length}) holding {what} have crc32 {crc:08x} and length "
-                f"{len(data)}, the commit record says crc32 {loc.crc32:08x} and length {loc.length}. The object was "
-                "changed or damaged after it was committed; load an older checkpoint (list_checkpoints) instead.")
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False

@@ -39,7 +39,7 @@ def _slow_upload_commit_and_download(rank, world, url):
 
     _slow_on(1, rank, ObjectStore, "put", ".distcp")  # rank 1's shard upload
     _slow_on(0, rank, ObjectStore, "put", "COMMIT.json")  # the commit, which every other rank waits for
-    _slow_on(1, rank, ObjectStore, "get_ranges", ".distcp")  # rank 1's download during load
+    _slow_on(1, rank, ObjectStore, "read_into", ".distcp")  # rank 1's download during load
     weights = torch.arange(4096, dtype=torch.float32) + rank * 0  # replicated: striped across both ranks
     ckpt = Checkpointer(url, timeout_s=TIMEOUT_S, stripe_min_mb=0)
     started = time.monotonic()
@@ -78,11 +78,14 @@ def _peer_stops_mid_transfer(rank, world, url, phase, sites):
         ckpt = Checkpointer(url, timeout_s=TIMEOUT_S, stripe_min_mb=0)
     if phase == "download":
         ckpt.save({"w": torch.ones(4096)}, step=1)
-    name = "put" if phase == "upload" else "get_ranges"
+    name = "put" if phase == "upload" else "read_into"
     original = getattr(ObjectStore, name)
 
+    stopped_once = []
+
     def stop_here(self, *args, **kwargs):
-        if rank == 1:
+        if rank == 1 and not stopped_once:  # once: loads GET pieces from several threads
+            stopped_once.append(True)
             os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, heartbeat included: a cut link / hung host
         return original(self, *args, **kwargs)
 

@@ -1,0 +1,159 @@
+"""``python -m multidc.plugins.checkpoint ls|verify|rm URL``: inspect, check and delete checkpoints.
+
+Any fsspec URL (``s3://bucket/prefix``, ``file:///dir``, a path). Credentials and endpoint come from the same
+standard places as in training: the AWS environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL[_S3]``, ``AWS_PROFILE``), ``~/.aws/config`` / ``credentials`` and
+instance roles, as s3fs reads them; ``--endpoint-url`` overrides the endpoint. Secrets are never printed: errors
+name the endpoint, the bucket and the key.
+
+Exit status: 0 success; 1 a checkpoint is corrupt (``verify``); 2 no such checkpoint, or a bad argument; 3 the
+store refused access or does not exist; 4 an unexpected error (a bug, or a failure of the environment).
+
+``rm`` deletes committed checkpoints only: a folder without a commit record may be a save in flight, which would
+then commit a record pointing at deleted shards. ``--include-uncommitted`` deletes those too (only when no job
+writes under the URL). ``ls`` and ``verify`` never create anything (a mistyped local path stays absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+from multidc.plugins.checkpoint import retention
+from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit, parse_step
+from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreError
+from multidc.plugins.checkpoint.state import SITE_PREFIX
+from multidc.plugins.checkpoint.verify import SLICE_BYTES, verify
+
+OK, CORRUPT, MISSING, ACCESS, UNEXPECTED = 0, 1, 2, 3, 4
+_MIB = 1 << 20
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m multidc.plugins.checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("ls", "list committed checkpoints: step, size, sites, layout"),
+                       ("verify", "check every shard's size and every item's CRC-32, without loading a model"),
+                       ("rm", "delete one committed checkpoint (--step) or every committed checkpoint under the URL "
+                        "(--all)")):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("url", help="checkpoint root: s3://bucket/prefix, file:///dir or a path")
+        sub.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL[_S3])")
+        if name == "ls":
+            sub.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+        if name in ("verify", "rm"):
+            which = sub.add_mutually_exclusive_group(required=name == "rm")
+            which.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
+            which.add_argument("--all", action="store_true", help="every committed checkpoint")
+        if name == "rm":
+            sub.add_argument("--include-uncommitted", action="store_true",
+                             help="also delete folders without a commit record (half-written, or a save in flight: "
+                             "use only when no job writes under the URL)")
+        if name == "verify":
+            sub.add_argument("--slice-mb", type=float, default=SLICE_BYTES / _MIB,
+                             help="bytes read per ranged GET, MiB (memory: slice x --concurrency)")
+            sub.add_argument("--concurrency", type=int, default=8, help="ranged GETs in flight")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        store = ObjectStore(args.url, storage_options={"endpoint_url": args.endpoint_url} if args.endpoint_url
+                            else None)
+        if args.command == "rm" or store.is_s3 or store.fs.exists(store.root):  # else: nothing there, create none
+            store.check_access()
+        return {"ls": _ls, "verify": _verify, "rm": _rm}[args.command](store, args)
+    except (ValueError, FileNotFoundError) as exc:  # ObjectStoreNotFoundError is a FileNotFoundError
+        code = ACCESS if isinstance(exc, ObjectStoreError) else MISSING
+        return _fail(code, str(exc))
+    except CheckpointCorruptError as exc:
+        return _fail(CORRUPT, str(exc))
+    except ObjectStoreError as exc:  # auth refused, store down after retries
+        return _fail(ACCESS, str(exc))
+    except Exception as exc:  # never Python's status 1, which means "corrupt" here
+        return _fail(UNEXPECTED, f"unexpected {type(exc).__name__}: {exc}")
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _describe(store: ObjectStore, step: int, name: str) -> dict:
+    commit = decode_commit(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+    sites = sorted({fqn.split(".", 1)[0] for fqn in commit.metadata.state_dict_metadata if fqn.startswith(SITE_PREFIX)})
+    created = datetime.datetime.fromtimestamp(commit.created_unix, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return {"step": step, "name": name, "bytes": sum(commit.files.values()), "sites": sites,
+            "world_size": commit.world_size, "shards": len(commit.files), "items": len(commit.locations),
+            "created_utc": created}
+
+
+def _ls(store: ObjectStore, args) -> int:
+    rows = [_describe(store, step, name) for step, name in retention.committed(store)]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return OK
+    if not rows:
+        print(f"no committed checkpoint under {store.where()}")
+        return OK
+    print(f"{'step':>12s} {'size MiB':>10s} {'sites':>12s}  {'layout':28s} {'created (UTC)':19s}")
+    for row in rows:
+        sites = ",".join(s.removeprefix(SITE_PREFIX) for s in row["sites"]) or "-"
+        layout = f"{row['world_size']} ranks, {row['shards']} shards, {row['items']} items"
+        print(f"{row['step']:12d} {row['bytes'] / _MIB:10.1f} {sites:>12s}  {layout:28s} {row['created_utc']}")
+    return OK
+
+
+def _chosen(store: ObjectStore, args) -> list[str]:
+    if args.all:
+        names = [name for _, name in retention.committed(store)]
+        if not names:
+            raise FileNotFoundError(f"no committed checkpoint under {store.where()}")
+        return names
+    return [retention.resolve(store, "latest" if args.step is None else args.step)]
+
+
+def _verify(store: ObjectStore, args) -> int:
+    if args.slice_mb <= 0 or args.concurrency < 1:
+        raise ValueError(f"--slice-mb={args.slice_mb} must be > 0 and --concurrency={args.concurrency} >= 1")
+    code = OK
+    for name in _chosen(store, args):
+        started = time.monotonic()
+        verdict = verify(store, name, slice_bytes=int(args.slice_mb * _MIB), concurrency=args.concurrency)
+        seconds = time.monotonic() - started
+        if verdict.problems:
+            code = CORRUPT
+            print(f"CORRUPT {store.where(name)}: {len(verdict.problems)} problem(s)")
+            for problem in verdict.problems:
+                print(f"  {problem}")
+        else:
+            print(f"OK      {store.where(name)}: step {verdict.commit.step}, {verdict.items} items, "
+                  f"{verdict.bytes_read / _MIB:.1f} MiB checked in {seconds:.1f} s")
+    return code
+
+
+def _rm(store: ObjectStore, args) -> int:
+    if args.all:
+        if args.include_uncommitted:
+            names = [name for name in store.list_dirs() if parse_step(name) is not None and store.list_files(name)]
+        else:
+            names = [name for _, name in retention.committed(store)]
+        for name in names:
+            retention.delete_committed(store, name)
+        print(f"deleted {len(names)} checkpoint folder(s) under {store.where()}")
+        return OK
+    name = checkpoint_name(args.step)
+    if not store.list_files(name):  # not list_dirs: S3 servers may list an emptied folder for a while
+        raise FileNotFoundError(f"no checkpoint of step {args.step} under {store.where()}")
+    if not args.include_uncommitted and not store.exists(f"{name}/{COMMIT}"):
+        raise FileNotFoundError(
+            f"{store.where(name)} is not committed (half-written, or a save in flight that would then commit "
+            "deleted shards): not deleted. Pass --include-uncommitted to delete it when no job writes there.")
+    retention.delete_committed(store, name)  # commit record first: never a half-deleted "committed" one
+    print(f"deleted {store.where(name)}")
+    return OK
