@@ -376,6 +376,10 @@ class ElasticSite:
         if self.topology is not None:
             self.topology.close()
         self.manager.shutdown(wait=False)
+        # torchft's gloo group is not in torch's group map, so destroy_process_group() leaves it to interpreter exit,
+        # where gloo's worker threads still hold finished work whose tensors need the GIL: the process then aborts
+        # ("terminate called without an active exception", SIGABRT; seen in the test suite). Drop it now.
+        self.rail.shutdown()
 
 
 def advertised_host(host: str | None = None) -> str:
