@@ -25,7 +25,7 @@ from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, config_or_default
 from multidc.hierarchical.diloco.diloco import DiLoCo, _views
-from multidc.hierarchical.elastic.site import ElasticSite
+from multidc.hierarchical.elastic.site import ElasticSite, _to_cpu
 from multidc.hierarchical.topology import Topology
 
 
@@ -132,7 +132,7 @@ class ElasticDiLoCo(DiLoCo):
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
         state = {"model": self._model.state_dict(), "inner": self._inner.state_dict(),
                  "diloco": DiLoCo.state_dict(self), "user": self._user_state() if self._user_state else None}
-        return {**_snapshot(state), "settings": self._settings()}
+        return {**_to_cpu(state, copy=True), "settings": self._settings()}
 
     def _load_live_state(self, state: dict) -> None:
         mine = self._settings()
@@ -211,15 +211,3 @@ def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
             f"MULTIDC_DILOCO_FRAGMENTS=1 and MULTIDC_DILOCO_OVERLAP_STEPS=0, or train without elastic."
         )
     return config
-
-
-def _snapshot(value):
-    """``value`` with every tensor copied to the CPU (nested dicts, lists and tuples)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _snapshot(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_snapshot(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value

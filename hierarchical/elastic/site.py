@@ -394,16 +394,17 @@ def _site_votes(vote: tuple, group) -> list[tuple]:
     return votes
 
 
-def _to_cpu(value):
-    """A nested state with its tensors copied to the CPU (so any rank can unpickle it)."""
+def _to_cpu(value, *, copy: bool = False):
+    """A nested state with its tensors on the CPU (so any rank can unpickle it); ``copy``: CPU tensors copied too
+    (a snapshot that later in-place updates do not change)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(item) for item in value]
-    if isinstance(value, tuple):
-        items = [_to_cpu(item) for item in value]
+        return {key: _to_cpu(item, copy=copy) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_to_cpu(item, copy=copy) for item in value]
+        if isinstance(value, list):
+            return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
