@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
+from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
 from multidc.hierarchical.config import WanConfig
 
@@ -149,6 +150,7 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        destroy_process_groups_at_exit()  # Lightning does so for NCCL only; gloo aborts at exit without it
         if not self.elastic:  # elastic: the process group is this site's; the quorum decides the sites
             self._build_topology()
 
@@ -199,6 +201,7 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
+        destroy_process_groups_at_exit()
         self._build_topology()
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
+from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical._gradient_sync import GradientSync
 from multidc.hierarchical.diloco.config import refuse_loss_scaling, resolve_cross_site
 from multidc.strategies.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
@@ -196,6 +197,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
+        destroy_process_groups_at_exit()  # Lightning does so for NCCL only; gloo aborts at exit without it
         if self._device_mesh is None:  # validate / test after fit keep the mesh the module was placed on
             self._device_mesh = self.layout.build_mesh(self.root_device.type)
             self.layout = layout_of(self._device_mesh)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
+from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
 
 try:
@@ -122,6 +123,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         self.gradient_sync = GradientSync(plugin.wan, plugin.diloco)
         self.elastic_steps: ElasticSteps | None = None
         self._own_group = False
+        destroy_process_groups_at_exit()  # when the script ends without end_training (torch aborts otherwise)
         if plugin.elastic:  # this launch is one site: no topology, the quorum decides the sites of each step
             self._own_group = ensure_process_group()
         else:

@@ -8,6 +8,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from multidc.hierarchical._compat import destroy_process_groups_at_exit
+
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
 
 
@@ -55,6 +57,10 @@ class SaveHandle:
 
 # Async saves nobody has waited for yet (a successful one leaves at once): handle -> where it writes.
 UNWAITED: dict[SaveHandle, str] = {}
+
+# An upload in flight at exit still needs its process groups: atexit runs handlers last-registered first, so the
+# handler that ends the groups is registered before the one that finishes the uploads.
+destroy_process_groups_at_exit()
 
 
 @atexit.register

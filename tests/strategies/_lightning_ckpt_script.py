@@ -13,7 +13,7 @@ Lightning itself resumes a checkpoint written at ``on_train_epoch_end`` one batc
 global batch is 16 rows (regressor) or 8 (GPT) per step whatever the number of ranks, so runs on different layouts
 follow the same trajectory. Every rank writes DIR/rank{r}.json (global loss
 per step, RNG fingerprints at each save and after the load, the resolved checkpoint path, the LR) and
-DIR/weights_rank{r}.pt (full values of the parameters it holds).
+DIR/weights_rank{r}.pt (full values of the parameters it holds); at exit, DIR/exit_rank{r}.json (tests/_exit_probe.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from tests import _exit_probe  # noqa: I001  (before multidc: its exit handler must run first)
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
 from tests._tiny_models import TinyGPT, batch, loss_fn
 
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    _exit_probe.report_to(os.path.join(args.out, f"exit_rank{os.environ.get('LOCAL_RANK', '0')}.json"))
     torch.set_num_threads(1)
     pl.seed_everything(0)
     common = dict(accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,

@@ -132,11 +132,6 @@ def _main_fabric(args, x: torch.Tensor, y: torch.Tensor) -> None:
         report = {"strategy_class": type(fabric.strategy).__name__, "wan_metrics": metrics}
         with open(os.path.join(args.out, "run.json"), "w") as f:
             json.dump(report, f)
-    # Fabric leaves the process group to interpreter exit, where gloo's worker threads can still hold finished work
-    # whose tensors need the GIL: torch then aborts the process now and then (SIGABRT, "terminate called without
-    # an active exception"; pytorch/pytorch#179291). End it while the interpreter is alive, as torch advises.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,8 +44,10 @@ def _run(out_dir, args: list[str], env: dict[str, str], timeout: float = 240) ->
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "AWS_")) and k not in _LAUNCH}
     code, log = _launch.run_script([sys.executable, script.__file__, *args, "--out", str(out_dir)],
                                    {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}, timeout)
-    run = {"log": log, "code": code, "ranks": [], "weights": {}}
+    run = {"log": log, "code": code, "ranks": [], "weights": {}, "exits": {}}
     for rank in range(8):
+        if (out_dir / f"exit_rank{rank}.json").exists():
+            run["exits"][rank] = json.loads((out_dir / f"exit_rank{rank}.json").read_text())
         if (out_dir / f"rank{rank}.json").exists():
             run["ranks"].append(json.loads((out_dir / f"rank{rank}.json").read_text()))
             run["weights"].update(torch.load(out_dir / f"weights_rank{rank}.pt"))
@@ -192,6 +194,15 @@ def test_parallel_3d_pipeline_checkpoint_resumes_without_pipeline_like_an_unbrok
     committed = sorted(str(p.relative_to(parallel_3d_runs["root"])) for p in
                        parallel_3d_runs["root"].rglob("COMMIT.json"))
     assert committed == ["checkpoints/epoch=1-step=4.ckpt/step_0000000004/COMMIT.json"]
+
+
+def test_every_rank_ends_its_process_groups_before_interpreter_exit(ddp_runs, parallel_3d_runs):
+    """The scripts never call destroy_process_group (as most Lightning scripts): the strategies end the groups at
+    exit, else gloo aborts a rank now and then in interpreter finalization (SIGABRT, pytorch/pytorch#179291)."""
+    runs = {"ddp first": (ddp_runs["first"], 4), "ddp resumed": (ddp_runs["resumed"], 2),
+            "3d first": (parallel_3d_runs["first"], 4), "3d resumed": (parallel_3d_runs["resumed"], 2)}
+    for name, (run, ranks) in runs.items():
+        assert run["exits"] == {r: {"groups_alive_at_exit": False} for r in range(ranks)}, name
 
 
 # ----------------------------------------------------------------------------- in-process
