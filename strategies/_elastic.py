@@ -126,8 +126,12 @@ class ElasticMixin:
     def _elastic_leader(self) -> bool:
         """Whether this site writes checkpoints: outside elastic mode always; while fitting, the leader of the step's
         quorum; after the fit, the leader of its last step (``trainer.save_checkpoint`` after ``fit``)."""
-        site = self.elastic_site
+        site = self._elastic_site_now()
         return site.is_leader if site is not None else getattr(self, "_was_leader", True)
+
+    def _elastic_site_now(self):
+        """The ``ElasticSite`` of the running fit (DiLoCo's, under elastic DiLoCo), else None."""
+        return self.elastic_site
 
     def _follow_job_step(self, step: int) -> None:
         """Make the Trainer's ``global_step`` the job's ``step``."""
@@ -140,9 +144,11 @@ class ElasticMixin:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and "update_lr_schedulers" in vars(trainer.fit_loop.epoch_loop):
             del trainer.fit_loop.epoch_loop.update_lr_schedulers
+        current = self._elastic_site_now()
+        if current is not None:
+            self._was_leader = current.is_leader
         site, self.elastic_site = self.elastic_site, None
         if site is not None:
-            self._was_leader = site.is_leader
             site.close()
 
 

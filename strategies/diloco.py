@@ -35,6 +35,16 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     the checkpoint lacks raises a ``ValueError`` naming them. ``trainer.validate`` / ``test`` evaluate this
     site's parameters; ``strategy.diloco.global_parameters()`` swaps in the global ones (while fitting).
 
+    ``elastic=True`` (env ``MULTIDC_ELASTIC=1``; see ``HierarchicalDDPStrategy``): each site is its own job and
+    each outer round has its own quorum of the sites present (``multidc.hierarchical.elastic.ElasticDiLoCo``); a
+    restarted site receives the global parameters, the outer and inner optimizer states, the LR schedulers and the
+    job's inner step from a live site. ``ModelCheckpoint`` runs on every site as usual and the first site of the
+    round's quorum writes each checkpoint, once, also in a degraded round: its model and inner optimizer (as site 0)
+    and the DiLoCo state with the job's round. ``fit(ckpt_path=...)`` on one site or all resumes the job there.
+    Save at round ends (``every_n_train_steps`` a multiple of ``sync_every``) for a resume that continues as an
+    unbroken run; a mid-round checkpoint resumes every site from the saving site's parameters. Plain DiLoCo only
+    (``fragments=1``, ``overlap_steps=0``).
+
     Args:
         diloco: ``DiLoCoConfig``; default ``DiLoCoConfig()`` from ``MULTIDC_DILOCO_*``, built here, so a missing
             ``sync_every`` fails at construction.
@@ -101,10 +111,6 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         return self.gradient_sync.diloco
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.elastic and (trainer.checkpoint_callback is not None or trainer.ckpt_path is not None):
-            raise ValueError("DiLoCoStrategy(elastic=True) does not save or load checkpoints yet: pass "
-                             "Trainer(enable_checkpointing=False) and no ckpt_path (a restarted site receives the "
-                             "live state from the others).")
         refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
         super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -140,29 +146,34 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
             for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
                 scheduler.load_state_dict(saved)
 
+        # join=False: the first round's quorum waits for the first optimizer step, after Lightning restored a
+        # checkpoint (ckpt_path), so the job resumes at the checkpoint's round
         diloco = ElasticDiLoCo(
-            self.model, optimizers[0], self.diloco_config, wan=self.wan, start_rounds=False,
+            self.model, optimizers[0], self.diloco_config, wan=self.wan, start_rounds=False, join=False,
             state_dict=lambda: {"schedulers": [scheduler.state_dict() for scheduler in schedulers]},
             load_state_dict=load_schedulers, site=self._site_name(), lighthouse=self._lighthouse,
             sites=self._elastic_sites,
         )
         self.gradient_sync.adopt_diloco(diloco)
-        self._follow_job_step(diloco.inner_steps)  # a site that joined late continues the job's count
         WanMetricsCallback.add_to(self.lightning_module.trainer, self)  # now that the topology exists
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if self.elastic:
-            raise ValueError("DiLoCoStrategy(elastic=True) does not save checkpoints yet (every site would write its "
-                             "own copy to the same path); train without elastic to checkpoint.")
-        return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        diloco = self.diloco if self.elastic else None
+        if diloco is not None and diloco.round_pending:  # the first round (after a checkpoint's restore)
+            diloco.start_round()
+            self._follow_job_step(diloco.inner_steps)  # training_step sees the job's step (a late site's too)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # the post-hook: DiLoCo's step
-        if self.elastic and self.diloco is not None:  # a site that received the live state takes its count
-            self._follow_job_step(self.diloco.inner_steps - 1)  # the loop adds 1 when this returns
+        if diloco is not None:  # a site that received the live state takes its count
+            self._follow_job_step(diloco.inner_steps - 1)  # the loop adds 1 when this returns
         return output
 
+    def _elastic_site_now(self):
+        diloco = self.diloco if self.elastic else None
+        return diloco.site if diloco is not None else None
+
     def _checkpoint_sites(self) -> dict[str, Any]:
+        if self.elastic:  # the job's state, one site's copy (the round's leader writes it): read on every site
+            return {"site": 0, "diloco": self.diloco}
         return {"site": self.topology.site, "diloco": self.diloco} if self.topology is not None else {}
 
     @classmethod

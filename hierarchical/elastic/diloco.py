@@ -54,10 +54,19 @@ class ElasticDiLoCo(DiLoCo):
         start_rounds: ``step()`` joins the next round's quorum right after a sync; False: call ``start_round()``
             yourself between steps, after stepping what ``state_dict`` holds (LR schedulers), so a rejoining site
             receives it in the state it has between steps (the Lightning and Accelerate front-ends do).
+        join: construction joins the first round's quorum; False: the first ``start_round()``, before the first
+            inner step, does, so a checkpoint can be restored first (``load_state_dict``; see below).
         **site_options: ``site``, ``lighthouse``, ``min_sites``, ``sites``, ``quorum_timeout_s`` (default 3600
             here: a joining site waits for the live sites' next round), ``heal_timeout_s``, ``max_failed_steps``
             (counted in rounds), ``host``: see ``ElasticSite``. Set ``sites`` (or ``MULTIDC_NUM_SITES``): a site
             that has not trained with the job waits for them, instead of training alone.
+
+    Checkpoints: ``state_dict()`` is DiLoCo's outer state plus the job's committed rounds; store it with the model
+    and inner optimizer of one site (the first of the round's quorum: ``site.is_leader``). A site built with
+    ``join=False`` that loads it (``load_state_dict``) resumes the job at that round: the first quorum gives its
+    state to sites that start without one, and it takes the live sites' state instead if they are further on.
+    Saved right after a round (inner steps a multiple of ``sync_every``) every site holds the global parameters and a
+    resumed run continues as an unbroken one; saved mid-round, every site resumes from the saving site's parameters.
 
     Raises:
         ValueError: bad or unsupported settings (streaming, overlap), differing settings inside the site; a site
@@ -77,6 +86,7 @@ class ElasticDiLoCo(DiLoCo):
         state_dict: Callable[[], dict] | None = None,
         load_state_dict: Callable[[dict], None] | None = None,
         start_rounds: bool = True,
+        join: bool = True,
         **site_options,
     ) -> None:
         config = check_elastic_config(config_or_default(config))
@@ -101,11 +111,14 @@ class ElasticDiLoCo(DiLoCo):
             DiLoCo.close(self)  # the step hook and the site's own topology must not outlive a failed start
             self.topology.close()
             raise
-        try:
-            self._round = self.site.start_step()
-        except BaseException:
-            self.close()
-            raise
+        self._round = None
+        self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
+        if join:
+            try:
+                self.start_round()
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def inner_steps(self) -> int:
@@ -127,6 +140,23 @@ class ElasticDiLoCo(DiLoCo):
         groups = [{key: value for key, value in group.items() if key != "params"}
                   for fragment in self._fragments for group in fragment.outer.param_groups]
         return {"config": repr(self.config), "outer": repr(groups)}
+
+    def state_dict(self) -> dict:
+        """For a checkpoint: ``DiLoCo.state_dict()`` and the rounds the job committed (``outer_steps``)."""
+        return {**super().state_dict(), "outer_steps": torch.tensor(self.outer_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's ``state_dict()`` before the first round (``join=False``): the job resumes at its
+        round (see the class docstring). Every rank of the site.
+
+        Raises:
+            RuntimeError: the site joined a round already (a rejoining site receives the live state instead).
+        """
+        if self._round is not None:
+            raise RuntimeError("ElasticDiLoCo.load_state_dict restores a checkpoint before the first round: build it "
+                               "with join=False and load before the first start_round().")
+        super().load_state_dict(state)
+        self.site.resume(int(state["outer_steps"]))
 
     def _live_state(self) -> dict:
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
@@ -152,8 +182,8 @@ class ElasticDiLoCo(DiLoCo):
         outer optimizer if the site's ranks commit the round, and join the next quorum (with ``start_rounds=False``
         the caller does that: ``start_round()``). Every rank of the site."""
         if self.round_pending:
-            raise RuntimeError("ElasticDiLoCo(start_rounds=False): start_round() must come between a round's end "
-                               "and the next inner step.")
+            raise RuntimeError("ElasticDiLoCo: start_round() must come before the first inner step (join=False) and, "
+                               "with start_rounds=False, between a round's end and the next inner step.")
         self.stats.inner_steps += 1
         self.synced = None
         if self.stats.inner_steps % self.config.sync_every:

@@ -2,12 +2,13 @@
 per site, ``Trainer(strategy=DiLoCoStrategy(elastic=True))`` over that site's ranks).
 
     torchrun --nproc-per-node 1 --master-port P tests/strategies/_elastic_diloco_lightning_script.py \\
-        --site site1 --sites 2 --max-steps 200 --out DIR
+        --site site1 --sites 2 --max-steps 200 --out DIR [--ckpt-dir D] [--resume D/step=16.ckpt]
 
 Each rank trains ``tests.hierarchical.elastic_reference.model()`` with inner SGD on ``rows(site, local rank, t)``,
 ``t`` the job's inner step (``trainer.global_step``), at ``LR * lr_factor(t)``; every ``SYNC_EVERY`` steps DiLoCo
 averages over the sites of the round. Every committed round is logged with its sites and first inner step; each
-rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (inner steps) as it goes.
+rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (inner steps) as it goes. ``--ckpt-dir``: a
+``ModelCheckpoint`` every 2 rounds on every site.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--ckpt-dir", help="ModelCheckpoint every 2 rounds into this directory")
+    parser.add_argument("--resume", help="fit(ckpt_path=...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -85,9 +88,12 @@ def main() -> None:
         strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
                                 wan=WanConfig(timeout_s=args.timeout_s)),
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
-        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=args.ckpt_dir is not None, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", save_top_k=-1,
+                                                every_n_train_steps=2 * SYNC_EVERY)] if args.ckpt_dir else [],
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=args.resume)
     torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
                 "log": module.rounds, "discarded": module.discarded, "joined_at": module.joined_at,
                 "initial": module.initial, "final_step": trainer.global_step},

@@ -144,6 +144,41 @@ def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse):
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 
 
+def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_job(tmp_path, lighthouse):
+    # DiLoCoStrategy(elastic=True) with a ModelCheckpoint every 2 rounds on both sites; site0, the leader, is
+    # SIGKILLed: site1 alone saves the rounds in between, each once; such a checkpoint resumes a new elastic fit at
+    # the job's round, and its rounds continue the replay of the committed ones (outer momentum included)
+    ckpts, every = tmp_path / "ckpts", 2 * SYNC_EVERY
+    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "200", "--sleep", "0.08",
+                           "--ckpt-dir", str(ckpts), script=DILOCO_SCRIPT, kill_at=40)
+    survivor, restarted = run["ranks"][("site1", 0)], run["ranks"][("site0", 0)]
+    assert survivor["final_step"] == restarted["final_step"] == 200
+    saved = {info.step: info for name in os.listdir(ckpts) for info in list_checkpoints(str(ckpts / name))}
+    assert sorted(saved) == list(range(every, 201, every)), sorted(saved)  # every one, once
+    # a checkpoint saved at the end of a round that site1 ran alone (its save is site1's: the leader then)
+    alone = sorted(e["t0"] + SYNC_EVERY for e in survivor["log"] if e["sites"] == [1] and
+                   (e["t0"] + SYNC_EVERY) in saved)
+    assert alone, f"no checkpoint was saved while site0 was down (rounds {survivor['log']})"
+    step = alone[0]
+    (tmp_path / "resume").mkdir()
+    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", "--max-steps", str(step + 2 * SYNC_EVERY),
+                 "--resume", str(ckpts / f"step={step}.ckpt"), script=DILOCO_SCRIPT)
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    assert code == 0, _logs(tmp_path / "resume", "site0")
+    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    assert resumed["final_step"] == step + 2 * SYNC_EVERY
+    assert [e["t0"] for e in resumed["log"]] == [step, step + SYNC_EVERY] and resumed["log"][0]["sites"] == [0]
+    before = [e for e in survivor["log"] if e["t0"] < step]
+    assert resumed["log"][0]["step"] == len(before)  # the job's round count continues
+    expected = diloco_reference(before + resumed["log"], 1, survivor["initial"], sync_every=SYNC_EVERY,
+                                outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True)
+    for name, value in resumed["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--precision", "16-mixed"], "elastic with fp16 loss scaling"),
     (["--interval", "epoch"], "elastic=True steps LR schedulers once per committed step; LambdaLR has "
