@@ -167,6 +167,8 @@ class ElasticSite:
         if max_failed_steps is not None and (not isinstance(max_failed_steps, int) or max_failed_steps < 1):
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
+        self._voted = False  # whether the site has voted on a step (commit): it trained with the job
+        self._leads = False  # see is_leader
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
         self._votes = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -218,6 +220,7 @@ class ElasticSite:
                   for path in mine["tensors"].keys() & theirs["tensors"].keys()
                   if mine["tensors"][path] != theirs["tensors"][path]]
         problems += [f"tensor shapes differ: {', '.join(sorted(shapes)[:5])}"] if shapes else []
+        self._leads = False  # the state it saves would be the live one's, whose first site saves it
         try:
             if not problems:
                 self._load_state_dict(received["user"])
@@ -308,21 +311,26 @@ class ElasticSite:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this site saves the job's checkpoints at this step: the first site of the step's quorum, one
-        per quorum, the same answer on every rank of the site (the sites of a quorum hold identical states, so one
-        copy is the job's). A checkpoint saved by the leader of a degraded quorum is as complete as any."""
-        return self.topology is not None and self.topology.site == 0
+        """Whether this site saves the job's checkpoints now: it committed the last step (or round) it took part in
+        as the first site of that step's quorum, and received no live state since. One site per committed step, the
+        same answer on every rank of the site (the sites that commit a step hold identical states, so one copy is
+        the job's), whether the save comes before or after the next quorum. A checkpoint saved by the leader of a
+        degraded quorum is as complete as any. A step that its quorum's first site discards while another site
+        commits it has no leader (that other site may save the next one)."""
+        return self._leads
 
     def resume(self, step: int) -> None:
         """This site's state was loaded from a checkpoint of the job's step ``step``: call before the first
-        ``start_step`` (every rank of the site). The first quorum then gives the live sites' state to this site if
-        they are further on, and this site's state to sites that start from scratch; one site resuming is enough.
+        ``start_step``, or after it but before the site's first ``commit`` and then ``start_step`` again (every
+        rank of the site). The next quorum then gives the live sites' state to this site if they are further on, and
+        this site's state to sites that start from scratch or are behind; one site resuming is enough.
 
         Raises:
-            RuntimeError: called after the site joined the job.
+            RuntimeError: called after the site voted on a step (it trained with the job already).
         """
-        if self._joined:
-            raise RuntimeError("ElasticSite.resume(step) comes before the first start_step(): this site has joined.")
+        if self._voted:
+            raise RuntimeError("ElasticSite.resume(step) restores a checkpoint before the site's first step: this "
+                               "site has trained with the job already (load checkpoints before training).")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be the checkpoint's step, a non-negative integer.")
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
@@ -357,7 +365,9 @@ class ElasticSite:
         Raises:
             RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
         """
+        self._voted = True
         committed = self.manager.should_commit()
+        self._leads = committed and self.topology is not None and self.topology.site == 0
         # the site's vote and quorum are the same on every rank: its ranks count (and raise) together
         failed = not committed and self.manager.num_participants() >= self._min_sites
         self._failed_steps = self._failed_steps + 1 if failed else 0

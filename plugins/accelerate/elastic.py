@@ -13,7 +13,10 @@ model, optimizer and LR scheduler states there, not from storage). Then:
 * ``cross_site="diloco"``: one quorum per outer round (``multidc.hierarchical.elastic.ElasticDiLoCo``).
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
-rejoined site takes from the live ones. Parallel layouts and checkpoints (``save_state``) are refused in this mode.
+rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only the first site
+of the step's quorum writes (one copy of the job's state, named by ``job_step``), and ``load_state(url)`` right after
+``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``). Parallel layouts
+are refused in this mode.
 """
 
 from __future__ import annotations
@@ -74,6 +77,13 @@ class ElasticSteps:
     def _start(self) -> None:
         self.site.start_step()
         self._open = True
+
+    def resume(self, step: int) -> None:
+        """The prepared objects were loaded from a checkpoint of the job's step ``step`` (``load_state``, before
+        the site's first step): this step's quorum forms again at that step, so the sites further on give this site
+        their state and those behind (or starting) receive this one's."""
+        self.site.resume(step)
+        self._start()
 
     def _state(self) -> dict:
         return {"model": _unwrap(self.model).state_dict(), "optimizer": self.optimizer.optimizer.state_dict(),

@@ -46,10 +46,14 @@ class StateMixin:
                 they are deleted after this one committed (``multidc.plugins.Checkpointer.save``).
             **save_model_func_kwargs: Accelerate's own format only.
 
+        Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only the first site of the step's
+        quorum writes (the sites of a quorum hold the same job state; under DiLoCo its model and inner optimizer
+        are stored as site 0), also in a degraded quorum, so every site may call it alike; ``step`` defaults to
+        ``job_step``. The others return the same location without writing.
+
         Returns:
             Where the checkpoint is (committed when this returns, unless async).
         """
-        _refuse_elastic(self, "save_state")
         if not self._through_multidc(output_dir, loading=False):
             if replace:
                 raise ValueError("save_state(replace=True) applies to multidc checkpoints only; this directory "
@@ -57,8 +61,11 @@ class StateMixin:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
         _no_accelerate_kwargs(save_model_func_kwargs, "save_state")
         ckpt = self._checkpointer(output_dir)
-        step = self.save_iteration if step is None else step
-        ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
+        site = self.elastic_site if self.multidc_plugin.elastic else None
+        if step is None:
+            step = self.job_step if site is not None else self.save_iteration
+        if site is None or site.is_leader:
+            ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
         self.project_configuration.iteration = step + 1
         return f"{ckpt.url}/{checkpoint_name(step)}"
 
@@ -68,14 +75,18 @@ class StateMixin:
         it. Through multidc: ``step=None`` picks the newest committed checkpoint under ``input_dir``; ``trusted``
         lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control).
 
+        Elastic mode: call it right after ``prepare``, before the first step, on one site or all; the job resumes
+        at the checkpoint's step (the step's quorum forms again: sites further on give this site their state, and
+        sites behind or starting receive this one's).
+
         Returns:
             A ``multidc.plugins.CheckpointInfo`` (multidc) or Accelerate's return value.
 
         Raises:
             FileNotFoundError: no committed checkpoint matches.
             multidc.plugins.CheckpointCorruptError: a shard fails its checksum (named).
+            RuntimeError: elastic mode, after the site's first step.
         """
-        _refuse_elastic(self, "load_state")
         if not self._through_multidc(input_dir, loading=True):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         _no_accelerate_kwargs({**(load_kwargs or {}), **load_model_func_kwargs}, "load_state")
@@ -84,6 +95,10 @@ class StateMixin:
                                                                    trusted=trusted)
         self.step = state["accelerator"]["step"]
         self.project_configuration.iteration = info.step + 1
+        if self.elastic_steps is not None:  # elastic: the job goes on from the checkpoint's step
+            self.elastic_steps.resume(int(state["accelerator"]["job_step"]))
+        elif self.multidc_plugin.elastic and self.diloco is not None:
+            self.diloco.start_round()  # its load_state_dict set the round: the quorum forms there again
         return info
 
     def wait_for_checkpoint(self) -> list[CheckpointInfo]:
@@ -103,6 +118,11 @@ class StateMixin:
             raise first
 
     def _through_multidc(self, path, *, loading: bool) -> bool:
+        if self.multidc_plugin.elastic:  # one site writes the job's state: Accelerate's format has every site write
+            if path is None:
+                raise ValueError("with MultiDCPlugin(elastic=True) save_state / load_state need a URL or directory "
+                                 "(one site writes the job's checkpoint there, through multidc).")
+            return True
         if self.gradient_sync.diloco_config is not None:  # every site's model and the DiLoCo state: only multidc's
             if path is None:
                 raise ValueError(
@@ -142,7 +162,12 @@ class StateMixin:
         if sync.diloco_config is None:
             state: dict = dict(models)
         else:  # DiLoCo: each site's model differs between syncs; the DiLoCo state is the same everywhere
-            site = sync.topology.site if sync.topology is not None else self.device_mesh.get_local_rank("site")
+            if self.multidc_plugin.elastic:  # one site's copy, the writing site's (the quorum's first)
+                site = 0
+            elif sync.topology is not None:
+                site = sync.topology.site
+            else:
+                site = self.device_mesh.get_local_rank("site")
             state = {site_key(site): StatefulDict(models)}
             if sync.diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
                 from multidc.strategies.parallel import DiLoCoShardState
@@ -158,6 +183,8 @@ class StateMixin:
             state["scaler"] = self.scaler
         state["rng"] = RNGState()
         state["accelerator"] = {"step": self.step, "iteration": step}
+        if self.elastic_steps is not None:  # the job's committed steps (elastic DiLoCo: in the DiLoCo state)
+            state["accelerator"]["job_step"] = self.job_step
         return state
 
 
@@ -184,8 +211,3 @@ def _no_accelerate_kwargs(kwargs: dict, what: str) -> None:
             f"sharded checkpoints take step=, async_save= (save) / step=, trusted= (load)."
         )
 
-
-def _refuse_elastic(accelerator, what: str) -> None:
-    if accelerator.multidc_plugin.elastic:
-        raise ValueError(f"{what} is not available with MultiDCPlugin(elastic=True) yet: a restarted site receives "
-                         f"the live state from the others; train without elastic to checkpoint.")

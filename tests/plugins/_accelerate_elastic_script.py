@@ -2,7 +2,7 @@
 per site, ``MultiDCAccelerator`` with ``MultiDCPlugin(elastic=True)``).
 
     accelerate launch --config_file CONFIG --num_processes K tests/plugins/_accelerate_elastic_script.py \\
-        --site site1 --sites 2 --steps 40 --out DIR [--diloco]
+        --site site1 --sites 2 --steps 40 --out DIR [--diloco] [--ckpt-dir D [--ckpt-every 4]] [--resume D]
 
 An ordinary Accelerate loop: ``prepare``, forward, ``backward``, ``optimizer.step()``, ``scheduler.step()``,
 ``optimizer.zero_grad()``; the rows of each step are ``rows(site, process index, accelerator.job_step)``. Every
@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--ckpt-dir", help="save_state here after every --ckpt-every-th committed job step")
+    parser.add_argument("--ckpt-every", type=int, default=4)
+    parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
+    parser.add_argument("--resume-step", type=int)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -51,6 +55,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per committed step, or per inner step
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     rank, site = accelerator.process_index, accelerator.elastic_site
+    if args.resume:
+        accelerator.load_state(args.resume, step=args.resume_step)
     def job_step() -> int:  # the job's committed steps (rounds with --diloco)
         return accelerator.diloco.outer_steps if args.diloco else accelerator.job_step
 
@@ -80,6 +86,8 @@ def main() -> None:
         if committed:
             log.append(entry)
             last, last_step = entry["sites"], entry["step"]
+            if args.ckpt_dir and accelerator.job_step % args.ckpt_every == 0:
+                accelerator.save_state(args.ckpt_dir)  # written by the first site of the quorum only
         elif committed is False:
             discarded += 1
         if rank == 0:

@@ -19,10 +19,10 @@ from tests._resources import require_module
 require_module("torchft", "elastic")
 require_module("accelerate", "accelerate")
 
-from multidc.plugins import MultiDCPlugin  # noqa: E402
+from multidc.plugins import MultiDCPlugin, list_checkpoints  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import TIMEOUT_S, _run_with_a_kill, check_rejoined  # noqa: E402
+from tests.hierarchical.test_elastic import TIMEOUT_S, _logs, _run_with_a_kill, _site, check_rejoined  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "plugins" / "_accelerate_elastic_script.py")
@@ -48,6 +48,47 @@ def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, 
     expected = diloco_reference(survivor["log"], 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                                 outer_momentum=OUTER_MOMENTUM, scheduled=True)
     for name, value in survivor["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "diloco"])
+def test_elastic_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_job(tmp_path, lighthouse, mode):
+    # save_state on both sites every `every` job steps; site0, the first of the quorum, SIGKILLed: site1 alone saves
+    # the steps in between (a second writer of a step would fail: steps must grow); a checkpoint of such a step,
+    # load_state'd right after prepare, resumes a new run at the job's step, equal to the replay of the committed ones
+    diloco = mode == "diloco"
+    every = 2 * SYNC_EVERY if diloco else 4  # job steps: inner steps under DiLoCo
+    ckpts = tmp_path / "ckpts"
+    extra = ["--diloco", "--steps", "10", "--sleep", "0.1"] if diloco else ["--steps", "30", "--sleep", "0.05"]
+    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, *extra, "--ckpt-dir", str(ckpts), "--ckpt-every",
+                           str(every), script=SCRIPT, kill_at=3 if diloco else 8, accelerate=ACCELERATE)
+    _, survivor = check_rejoined(run, 2, 10 if diloco else 30)
+    ends = {e["t0"] + SYNC_EVERY if diloco else e["step"] + 1: e for e in survivor["log"]}  # job step after each
+    saved = [info.step for info in list_checkpoints(str(ckpts))]
+    assert saved == [s for s in sorted(ends) if s % every == 0], (saved, sorted(ends))
+    alone = [s for s in saved if ends[s]["sites"] == [1]]
+    assert alone, f"no checkpoint was saved while site0 was down ({survivor['log']})"
+    step = alone[0]
+    before = [e for e in survivor["log"] if (e["t0"] if diloco else e["step"]) < step]
+    (tmp_path / "resume").mkdir()
+    more = 2 if diloco else 4
+    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", *(["--diloco"] if diloco else []), "--steps",
+                 str(len(before) + more), "--resume", str(ckpts), "--resume-step", str(step), script=SCRIPT,
+                 accelerate=ACCELERATE)
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    assert code == 0, _logs(tmp_path / "resume", "site0")
+    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    assert [e["step"] for e in resumed["log"]] == list(range(len(before), len(before) + more))
+    if diloco:
+        assert resumed["log"][0]["t0"] == step
+        expected = diloco_reference(before + resumed["log"], 1, survivor["initial"], sync_every=SYNC_EVERY,
+                                    outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True)
+    else:
+        expected = reference(before + resumed["log"], 1, survivor["initial"], scheduled=True)
+    for name, value in resumed["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 
 
