@@ -31,13 +31,15 @@ _MIB = 1 << 20
 class ReadConfig:
     """How a load reads: piece size, memory budgets, parallelism, and which replicated items are striped."""
 
-    piece_bytes: int = 4 * _MIB
+    piece_bytes: int = 8 * _MIB
     """Bytes per ranged GET (rounded to whole dim-0 rows)."""
-    round_bytes: int = 16 * _MIB
-    """Most bytes a rank reads, or receives from its site, in one exchange round: bounds the receive buffers."""
-    read_ahead_bytes: int = 16 * _MIB
+    round_bytes: int = 64 * _MIB
+    """Most bytes a rank reads, or receives from its site, in one exchange round: bounds the receive buffer (used
+    only by pieces that cannot land straight in their destination)."""
+    read_ahead_bytes: int = 64 * _MIB
     """Most bytes of GET buffers a rank holds at once, in flight or kept for reuse (raised to ``round_bytes`` if
-    below it); buffers of ``piece_bytes`` are reused whatever the exact piece size."""
+    below it); buffers of ``piece_bytes`` are reused whatever the exact piece size. Pieces that land straight in
+    their destination take no buffer."""
     concurrency: int | None = None
     """Ranged GETs in flight per rank (``None``: the Checkpointer's ``max_concurrency``, else 8)."""
     stripe_min_bytes: int | None = None
@@ -123,6 +125,7 @@ class ObjectStoreReader(StorageReader):
         except Exception as exc:  # reported through the read's first round, so no rank waits for this one
             error = exc
         read = StripedRead(self.store, self.checkpoint, schedule, targets.deliver if targets else None,
+                           direct=targets.direct if targets else None,
                            rank=comm.rank if comm else 0, group=getattr(comm, "data_group", None),
                            stop=comm.stopped if comm else None, concurrency=self.config.concurrency,
                            read_ahead_bytes=self.config.read_ahead_bytes, piece_bytes=self.config.piece_bytes,
@@ -161,6 +164,25 @@ class _Targets:
                     f"{item.dest_index.fqn}: stored chunk {tuple(item.lengths)} does not fit the requested "
                     f"{tuple(target.size())} in {where}")
             self.tensors.setdefault(index, []).append((item, target))
+
+    def direct(self, piece: Piece) -> torch.Tensor | None:
+        """The destination bytes of ``piece`` as a writable uint8 view, when one destination takes all of them as
+        they are stored (same dtype, whole rows of a contiguous CPU tensor that spans every other dimension): its
+        GET or its receive then lands there, with no buffer and no copy. ``None``: use a buffer and ``deliver``."""
+        entries = self.tensors.get(piece.loc, ())
+        if len(entries) != 1 or piece.loc in self.values:
+            return None
+        (item, target), = entries
+        loc = self.schedule.locations[piece.loc]
+        if (not loc.sizes or target.dtype != parse_dtype(loc.dtype) or target.device.type != "cpu"
+                or not target.is_contiguous() or any(item.storage_offsets[1:])
+                or tuple(item.lengths[1:]) != tuple(loc.sizes[1:])):
+            return None
+        row = row_bytes(loc)
+        first, last, start = piece.start // row, piece.end // row, item.storage_offsets[0]
+        if first < start or last > start + item.lengths[0]:
+            return None
+        return target.reshape(-1).view(torch.uint8)[(first - start) * row:(last - start) * row]
 
     def deliver(self, piece: Piece, buffer: torch.Tensor) -> None:
         """Copy piece bytes (whole dim-0 rows of the stored chunk) into every destination that overlaps them."""

@@ -2,12 +2,17 @@
 
 Invariants:
 
-* **Bounded memory.** GETs land in reused buffers (``read_buffers.GetBuffers``): at most ``read_ahead_bytes`` of
-  them are allocated (in flight, waiting to be sent, or kept for reuse) at once; a round's receives land in one
-  buffer of this rank's largest round of receives (at most the schedule's ``round_bytes``, or one larger piece),
-  reused every round. A piece larger than the budget is held alone. Nothing holds a second copy of the share.
-* **Nothing written after a stop.** Every chunk of a GET and every received piece is copied into the caller's
-  tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some rank).
+* **Straight into place.** A piece whose bytes one destination takes as stored (``direct``: same dtype, whole rows
+  of a contiguous tensor) is GET into, received into and sent from that destination: no buffer, no copy.
+* **Bounded memory.** Other GETs land in reused buffers (``read_buffers.GetBuffers``): at most
+  ``read_ahead_bytes`` of them are allocated (in flight, waiting to be sent, or kept for reuse) at once; a round's
+  other receives land in one buffer of this rank's largest round of receives (at most the schedule's
+  ``round_bytes``, or one larger piece), reused every round. A piece larger than the budget is held alone. Nothing
+  holds a second copy of the share.
+* **Nothing written after a stop.** Every chunk of a GET is written, and every buffered piece copied, into the
+  caller's tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some
+  rank). A receive posted into a destination before a failure is given ``_LATE_RECEIVE_S`` to land before the load
+  raises (its sender passed the round's status, so it sends at once, or never if it was lost).
 * **The same outcome everywhere.** Every rank learns at each round whether any rank failed and then stops reading;
   afterwards the ranks gather every piece's CRC-32 and every error, so each rank raises the same error (the lowest
   failing rank's, or the first corrupt item in schedule order) or verifies every item it got.
@@ -35,6 +40,7 @@ from multidc.plugins.checkpoint.read_buffers import GetBuffers, aligned, receive
 from multidc.plugins.checkpoint.read_plan import Piece, ReadSchedule
 
 _POLL_S = 0.05  # how soon a wait notices the heartbeat failed; completion is noticed at once
+_LATE_RECEIVE_S = 2.0  # after giving up, how long receives into the caller's tensors may still land
 
 
 class _PeerFailed(Exception):
@@ -70,8 +76,9 @@ class StripedRead:
 
     def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
                  concurrency: int, read_ahead_bytes: int, piece_bytes: int, peer_failed=None,
-                 on_abandon=None) -> None:
+                 on_abandon=None, direct=None) -> None:
         self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
+        self.direct = direct or (lambda piece: None)
         self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
         self.halt = threading.Event()  # this load failed somewhere: read nothing more
         self.stop = _Either(stop, self.halt)
@@ -85,6 +92,9 @@ class StripedRead:
         self._local: Exception | None = None  # this rank's first failure, not yet reported to the others
         self._feed_error: BaseException | None = None  # the GET feeder's failure, raised by _future
         self._gets = GetBuffers(limit=read_ahead_bytes, slot=piece_bytes)  # guarded by _cond
+        # pieces whose GET lands in their destination (no buffer) -> size; they count against the read-ahead too, so
+        # a failing load stops reading soon, as with buffers
+        self._in_place: dict[tuple[int, int], int] = {}
         self._received: torch.Tensor | None = None  # allocated at the first exchange that receives
 
     # ------------------------------------------------------------------ driver
@@ -160,12 +170,17 @@ class StripedRead:
         thread waiting forever while the heartbeat still reports this rank as working."""
         try:
             for piece in mine:
+                target = self.direct(piece)
                 with self._cond:
-                    while not self._gets.fits(piece.size) and not self.stop.is_set():
+                    while not self._room(piece.size, target is not None) and not self.stop.is_set():
                         self._cond.wait(0.1)
                     if self.stop.is_set():
                         return
-                    buffer = self._take(piece.size)
+                    if target is None:
+                        buffer = self._take(piece.size)
+                    else:  # straight into the destination
+                        buffer = target
+                        self._in_place[(piece.loc, piece.start)] = piece.size
                     self._buffers[(piece.loc, piece.start)] = buffer
                     self._futures[(piece.loc, piece.start)] = pool.submit(self._get, piece, buffer)
                     self._cond.notify_all()
@@ -173,6 +188,14 @@ class StripedRead:
             with self._cond:
                 self._feed_error = exc
                 self._cond.notify_all()
+
+    def _room(self, size: int, in_place: bool) -> bool:
+        """Whether a GET of ``size`` bytes may start now: buffers within their budget; GETs into destinations
+        within the same read-ahead (one at least)."""
+        if not in_place:
+            return self._gets.fits(size)
+        ahead = sum(self._in_place.values())
+        return ahead == 0 or ahead + size <= self.read_ahead
 
     def _future(self, piece: Piece):
         key = (piece.loc, piece.start)
@@ -200,14 +223,18 @@ class StripedRead:
         self.store.read_into(f"{self.checkpoint}/{loc.file}", loc.offset + piece.start, view, stop=self.stop)
         self.crcs[_crc_key(piece)] = zlib.crc32(view)  # off the event loop, while other GETs stream
         check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
-        self.deliver(piece, buffer)
+        if (piece.loc, piece.start) not in self._in_place:
+            self.deliver(piece, buffer)
         if not piece.receivers:
             self._release(piece)
 
     def _release(self, piece: Piece) -> None:
         with self._cond:
-            buffer = self._buffers.pop((piece.loc, piece.start), None)
-            if buffer is not None:  # after a failure a send may still read it: never reused then
+            key = (piece.loc, piece.start)
+            buffer = self._buffers.pop(key, None)
+            if key in self._in_place:  # the destination itself: nothing to give back
+                del self._in_place[key]
+            elif buffer is not None:  # after a failure a send may still read it: never reused then
                 self._gets.give(buffer._base, reuse=not self.halt.is_set())  # the whole buffer _take narrowed
             self._cond.notify_all()
 
@@ -225,12 +252,16 @@ class StripedRead:
     def _exchange(self, pieces: tuple[Piece, ...]) -> None:
         """Send this rank's pieces of the round to their receivers and receive its own; copy them into place. A
         failed copy is kept in ``_local`` (reported at the next status); a failed transfer raises :class:`_Left`."""
-        works, received, offset = [], [], 0
+        works, received, offset, in_place = [], [], 0, False
         if self.group is None:
             return self._release_round(pieces)
         try:
             for tag, piece in enumerate(pieces):
-                if self.rank in piece.receivers:
+                target = self.direct(piece) if self.rank in piece.receivers else None
+                if target is not None:  # straight into the destination
+                    works.append(dist.irecv(target, src=self._global(piece.reader), group=self.group, tag=tag))
+                    in_place = True
+                elif self.rank in piece.receivers:
                     if self._received is None:
                         self._received = torch.empty(receive_bytes(self.schedule.rounds, self.rank),
                                                      dtype=torch.uint8)
@@ -244,7 +275,9 @@ class StripedRead:
                               for r in piece.receivers]
         except Exception as exc:  # posting failed: the group is broken for this rank
             raise _Left(exc) from exc
-        self._poll(works)
+        # giving up with a receive into the caller's tensors posted: let a send already under way land first, so
+        # the load does not write into them after it raised (a lost sender never sends; the wait is bounded)
+        self._poll(works, grace_s=_LATE_RECEIVE_S if in_place else 0.0)
         try:
             for piece, buffer in received:
                 check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
@@ -261,7 +294,7 @@ class StripedRead:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
-    def _poll(self, works: list) -> None:
+    def _poll(self, works: list, grace_s: float = 0.0) -> None:
         """Wait for ``works``. Gives up (:class:`_Left`) when this rank's checkpoint group failed (``stop``) or
         when another rank left the read with an error (``peer_failed``, from the heartbeat): so no wait outlasts
         a lost peer by more than the group's timeout plus one beat, and a healthy slow peer is waited for.
@@ -280,8 +313,12 @@ class StripedRead:
                 done.set()
 
         threading.Thread(target=wait_all, name="multidc-ckpt-exchange", daemon=True).start()
-        while not done.wait(_POLL_S):
-            self._check_peers("exchanging checkpoint pieces")
+        try:
+            while not done.wait(_POLL_S):
+                self._check_peers("exchanging checkpoint pieces")
+        except _Left:
+            done.wait(grace_s)
+            raise
         if failed:
             raise _Left(failed[0]) from failed[0]
 

@@ -182,6 +182,41 @@ def _load(rank, world, url, options, fail_rank):
     return outcome, equal, len(calls)
 
 
+def _load_counting_copies(rank, world, url, options):
+    from multidc.plugins import Checkpointer, ReadConfig
+    from multidc.plugins.checkpoint import reader
+
+    copied, original = Counter(), reader._Targets.deliver
+
+    def deliver(self, piece, buffer):
+        copied[self.schedule.names[piece.loc].split(" ")[0]] += 1
+        return original(self, piece, buffer)
+
+    reader._Targets.deliver = deliver
+    ckpt = Checkpointer(url, storage_options=options, stripe_min_mb=0, read_config=ReadConfig(**CONFIG))
+    target = _zeros()
+    target["w"] = torch.zeros(1024, ROWS).t()  # the right shape, not contiguous: its rows are not its bytes
+    ckpt.load(target)
+    in_place = dict(copied)
+    copied.clear()
+    contiguous = _zeros()
+    ckpt.load(contiguous)
+    ckpt.close()
+    equal = [all(torch.equal(t[k], v) for k, v in _state().items() if k != "meta") for t in (target, contiguous)]
+    return in_place, dict(copied), equal
+
+
+def test_pieces_land_straight_in_contiguous_destinations_and_others_are_copied(s3_server, s3_bucket):
+    # GETs and receives of a tensor whose destination is contiguous with the stored dtype go into it directly
+    # (no buffer, no copy); a non-contiguous destination takes its pieces through a buffer: both load exactly
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    run_ranks(_save, 2, url, options, timeout=120)
+    for strided, contiguous, equal in run_ranks(_load_counting_copies, 2, url, options, timeout=120):
+        assert equal == [True, True]
+        assert strided.get("w", 0) >= (ROWS * 1024 * 4) // PIECE and "b" not in strided, strided
+        assert set(contiguous) == {"meta.step"}, contiguous  # the pickled value only
+
+
 def test_loading_on_another_world_size_reshards_striped_reads_exactly(s3_server, s3_bucket):
     url, options = f"{s3_bucket}/run", s3_server.storage_options()
     run_ranks(_save, 2, url, options, timeout=120)
@@ -290,18 +325,18 @@ def _load_with_failing_feed(rank, world, url, options):
     import time
 
     from multidc.plugins import Checkpointer, ReadConfig
-    from multidc.plugins.checkpoint.read_buffers import GetBuffers
+    from multidc.plugins.checkpoint.striped_read import StripedRead
 
-    original, takes = GetBuffers.take, []
+    original, takes = StripedRead._room, []
 
-    def take(self, size):
+    def room(self, size, in_place):  # the feeder asks before every GET, into a buffer or a destination
         if threading.current_thread().name == "multidc-ckpt-feed":
             takes.append(size)
             if rank == 1 and len(takes) == 3:
                 raise MemoryError("injected allocation failure in rank 1's GET feed")
-        return original(self, size)
+        return original(self, size, in_place)
 
-    GetBuffers.take = take
+    StripedRead._room = room
     ckpt = Checkpointer(url, storage_options=options, read_config=ReadConfig(**CONFIG))
     started = time.monotonic()
     try:
