@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 
 import torch.distributed as dist
 
@@ -12,6 +13,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 _EXIT_HANDLER_REGISTERED = False
+_BEFORE_EXIT_DESTROY: list = []  # called first by the handler (e.g. finish checkpoint uploads, which need groups)
 
 
 def destroy_process_groups_at_exit() -> None:
@@ -21,7 +23,8 @@ def destroy_process_groups_at_exit() -> None:
     work whose tensors need the GIL: the process then aborts now and then ("terminate called without an active
     exception", SIGABRT; pytorch/pytorch#179291, abandoned upstream). Lightning registers the same handler for NCCL
     only; the strategies and the accelerator of this package register it for every backend. A script that calls
-    ``destroy_process_group()`` itself makes it a no-op.
+    ``destroy_process_group()`` itself makes it a no-op. Garbage (a finished run's groups, DDP reducers) is
+    collected first, so the groups it holds end with the others.
     """
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
@@ -29,6 +32,17 @@ def destroy_process_groups_at_exit() -> None:
         _EXIT_HANDLER_REGISTERED = True
 
 
+def before_process_groups_end(fn) -> None:
+    """Run ``fn()`` in the exit handler before it ends the process groups (once per ``fn``)."""
+    if fn not in _BEFORE_EXIT_DESTROY:
+        _BEFORE_EXIT_DESTROY.append(fn)
+
+
 def _destroy_process_groups() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        for fn in _BEFORE_EXIT_DESTROY:
+            fn()
+    finally:
+        gc.collect()  # groups only garbage still holds end now, while their worker threads can stop cleanly
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 
 import torch.distributed as dist
 
@@ -17,12 +18,25 @@ _PATH: list[str] = []
 
 
 def report_to(path: str) -> None:
-    """At exit, write ``{"groups_alive_at_exit": bool}`` to ``path``."""
+    """At exit, write ``{"groups_alive_at_exit": bool, "gloo_threads_at_exit": int}`` to ``path``."""
     _PATH[:] = [path]
+
+
+def _gloo_threads() -> int:
+    """Threads of gloo's transport and work loops still running in this process."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
 
 
 @atexit.register
 def _probe() -> None:
     if _PATH:
         with open(_PATH[0], "w") as f:
-            json.dump({"groups_alive_at_exit": dist.is_available() and dist.is_initialized()}, f)
+            json.dump({"groups_alive_at_exit": dist.is_available() and dist.is_initialized(),
+                       "gloo_threads_at_exit": _gloo_threads()}, f)

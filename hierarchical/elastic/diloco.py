@@ -113,7 +113,6 @@ class ElasticDiLoCo(DiLoCo):
             raise
         self._round = None
         self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
-        self._joined_at_steps = 0  # inner steps when the site joined (or loaded a checkpoint): none trained since
         if join:
             try:
                 self.start_round()
@@ -147,21 +146,23 @@ class ElasticDiLoCo(DiLoCo):
         return {**super().state_dict(), "outer_steps": torch.tensor(self.outer_steps)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a checkpoint's ``state_dict()`` before the site's first inner step; the next ``start_round()``
-        (the first one with ``join=False``; call it once the model and inner optimizer are loaded too, if the site
-        joined at construction) forms the round's quorum at the checkpoint's round: the job resumes there (see the
-        class docstring). Every rank of the site.
+        """Restore a checkpoint's ``state_dict()`` before the first round (``join=False``): its quorum, at the first
+        ``start_round()``, resumes the job at the checkpoint's round (see the class docstring). Every rank of the
+        site.
 
         Raises:
-            RuntimeError: the site has taken inner steps already (a rejoining site receives the live state instead).
+            RuntimeError: the site joined a round already (a rejoining site receives the live state instead).
         """
-        if self.stats.inner_steps != self._joined_at_steps:
-            raise RuntimeError("ElasticDiLoCo.load_state_dict restores a checkpoint before the site's first inner "
-                               "step: this site has trained already (load checkpoints before training).")
+        if self.joined:
+            raise RuntimeError("ElasticDiLoCo.load_state_dict restores a checkpoint before the first round: build it "
+                               "with join=False and load before the first start_round().")
         super().load_state_dict(state)
-        self._joined_at_steps = self.stats.inner_steps
         self.site.resume(int(state["outer_steps"]))
-        self.round_pending = True
+
+    @property
+    def joined(self) -> bool:
+        """Whether the site has joined its first round's quorum."""
+        return self._round is not None
 
     def _live_state(self) -> dict:
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
@@ -224,10 +225,7 @@ class ElasticDiLoCo(DiLoCo):
             return
         started = time.perf_counter()
         self.round_pending = False
-        first = self._round is None
         self._round = self.site.start_step()
-        if first:  # a (re)joining site takes the job's count here
-            self._joined_at_steps = self.stats.inner_steps
         self.stats.exposed_s += time.perf_counter() - started
 
     def close(self) -> None:

@@ -167,7 +167,6 @@ class ElasticSite:
         if max_failed_steps is not None and (not isinstance(max_failed_steps, int) or max_failed_steps < 1):
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
-        self._voted = False  # whether the site has voted on a step (commit): it trained with the job
         self._leads = False  # see is_leader
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
@@ -315,22 +314,22 @@ class ElasticSite:
         as the first site of that step's quorum, and received no live state since. One site per committed step, the
         same answer on every rank of the site (the sites that commit a step hold identical states, so one copy is
         the job's), whether the save comes before or after the next quorum. A checkpoint saved by the leader of a
-        degraded quorum is as complete as any. A step that its quorum's first site discards while another site
-        commits it has no leader (that other site may save the next one)."""
+        degraded quorum is as complete as any. No site leads before its first committed step, nor after a step that
+        its quorum's first site discarded while another site committed it (that other site may save the next)."""
         return self._leads
 
     def resume(self, step: int) -> None:
         """This site's state was loaded from a checkpoint of the job's step ``step``: call before the first
-        ``start_step``, or after it but before the site's first ``commit`` and then ``start_step`` again (every
-        rank of the site). The next quorum then gives the live sites' state to this site if they are further on, and
-        this site's state to sites that start from scratch or are behind; one site resuming is enough.
+        ``start_step`` (every rank of the site). The first quorum then gives the live sites' state to this site if
+        they are further on, and this site's state to sites that start from scratch or are behind; one site
+        resuming is enough.
 
         Raises:
-            RuntimeError: called after the site voted on a step (it trained with the job already).
+            RuntimeError: called after the site joined the job.
         """
-        if self._voted:
-            raise RuntimeError("ElasticSite.resume(step) restores a checkpoint before the site's first step: this "
-                               "site has trained with the job already (load checkpoints before training).")
+        if self._joined:
+            raise RuntimeError("ElasticSite.resume(step) comes before the first start_step(): this site has joined "
+                               "(load checkpoints before the first quorum).")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be the checkpoint's step, a non-negative integer.")
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
@@ -365,7 +364,6 @@ class ElasticSite:
         Raises:
             RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
         """
-        self._voted = True
         committed = self.manager.should_commit()
         self._leads = committed and self.topology is not None and self.topology.site == 0
         # the site's vote and quorum are the same on every rank: its ranks count (and raise) together

@@ -247,8 +247,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                                                              self.gradient_sync.diloco_config, self.multidc_plugin))
 
     def _attach_elastic(self) -> None:
-        """Elastic ``cross_site="allreduce"``: once ``prepare`` has seen the one model and its one optimizer, join
-        the first quorum and take over the optimizer's ``step`` / ``zero_grad`` (see ``ElasticSteps``)."""
+        """Elastic ``cross_site="allreduce"``: once ``prepare`` has seen the one model and its one optimizer, take
+        over the optimizer's ``step`` / ``zero_grad`` (see ``ElasticSteps``; the first quorum forms at the first
+        ``job_step``, forward, ``zero_grad`` or ``step``)."""
         plugin = self.multidc_plugin
         ready = self._optimizers and self._models and self.elastic_steps is None
         if plugin.elastic and plugin.diloco is None and ready:
@@ -260,8 +261,10 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         """Elastic mode: the job's optimizer steps so far (committed steps; inner steps under DiLoCo), which a
         rejoined site takes from the live sites: loop on it. Otherwise ``self.step``."""
         if self.elastic_steps is not None:
-            return self.elastic_steps.job_step
+            return self.elastic_steps.job_step  # joins the first quorum if not yet
         if self.multidc_plugin.elastic and self.diloco is not None:
+            if not self.diloco.joined:
+                self.diloco.start_round()  # the first round's quorum: a late site takes the job's count here
             return self.diloco.inner_steps
         return self.step
 

@@ -1,8 +1,9 @@
 """Elastic sites under Accelerate: ``MultiDCPlugin(elastic=True)`` (env ``MULTIDC_ELASTIC=1``).
 
 Each site is its own ``accelerate launch`` (its own rendezvous; ``--num_processes`` counts that site's processes) and
-a torchft replica group. ``prepare`` joins the first quorum (a site that starts late or restarts receives the live
-model, optimizer and LR scheduler states there, not from storage). Then:
+a torchft replica group. The first quorum forms at the site's first ``accelerator.job_step``, forward, ``zero_grad``
+or ``step``, whichever comes first (a site that starts late or restarts receives the live model, optimizer and LR
+scheduler states there, not from storage), so a ``load_state`` right after ``prepare`` comes before it. Then:
 
 * ``cross_site="allreduce"``: one quorum per optimizer step. The prepared optimizer's ``step`` averages the
   gradients over the sites present (DDP has averaged them inside the site) and steps only if the site's ranks
@@ -14,9 +15,9 @@ model, optimizer and LR scheduler states there, not from storage). Then:
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
 rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only the first site
-of the step's quorum writes (one copy of the job's state, named by ``job_step``), and ``load_state(url)`` right after
-``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``). Parallel layouts
-are refused in this mode.
+of the quorum of the step it committed writes (one copy of the job's state, named by ``job_step``), and
+``load_state(url)`` right after ``prepare`` resumes the job at the checkpoint's step (see
+``multidc.plugins.accelerate.state``). Parallel layouts are refused in this mode.
 """
 
 from __future__ import annotations
@@ -46,16 +47,12 @@ class ElasticSteps:
         self.optimizer, self._schedulers = optimizer, schedulers
         self.committed = False
         """Whether the last optimizer step committed."""
-        self._open = False
+        self._open = self.joined = False
         self.site = ElasticSite(state_dict=self._state, load_state_dict=self._load, wan=plugin.wan,
                                 **site_options(plugin))
         self._step, self._zero_grad = optimizer.step, optimizer.zero_grad
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad  # this instance only
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
+        self._hook = join_before_forward(model, self.join)
 
     @classmethod
     def build(cls, models: list, optimizers: list, schedulers: list, scaler, plugin) -> ElasticSteps:
@@ -72,7 +69,16 @@ class ElasticSteps:
 
     @property
     def job_step(self) -> int:
+        self.join()
         return self.site.step
+
+    def join(self) -> None:
+        """The site's first quorum, once (collective over the site): a site that is behind receives the live
+        state here."""
+        if not self.joined:
+            self.joined = True
+            self._hook.remove()
+            self._start()
 
     def _start(self) -> None:
         self.site.start_step()
@@ -80,10 +86,9 @@ class ElasticSteps:
 
     def resume(self, step: int) -> None:
         """The prepared objects were loaded from a checkpoint of the job's step ``step`` (``load_state``, before
-        the site's first step): this step's quorum forms again at that step, so the sites further on give this site
-        their state and those behind (or starting) receive this one's."""
+        the first quorum): it forms at that step, so the sites further on give this site their state and those
+        behind (or starting) receive this one's."""
         self.site.resume(step)
-        self._start()
 
     def _state(self) -> dict:
         return {"model": _unwrap(self.model).state_dict(), "optimizer": self.optimizer.optimizer.state_dict(),
@@ -99,6 +104,7 @@ class ElasticSteps:
         optimizer step if the step commits. Accumulation micro-steps: Accelerate's own (nothing)."""
         if not self.optimizer.gradient_state.sync_gradients:
             return self._step(closure)
+        self.join()
         if not self._open:
             raise RuntimeError(
                 "elastic mode: optimizer.step() came twice without optimizer.zero_grad() between: call zero_grad() "
@@ -115,20 +121,24 @@ class ElasticSteps:
     def zero_grad(self, set_to_none=None) -> None:
         """Accelerate's ``zero_grad``; at a sync step after a ``step``, the next step's quorum."""
         self._zero_grad(set_to_none)
-        if self.optimizer.gradient_state.sync_gradients and not self._open:
+        if not self.joined:
+            self.join()
+        elif self.optimizer.gradient_state.sync_gradients and not self._open:
             self._start()
 
     def close(self) -> None:
         """Leave the job (this site's manager) and give the optimizer its own methods back."""
         for name in ("step", "zero_grad"):
             vars(self.optimizer).pop(name, None)
+        self._hook.remove()
         self.site.close()
 
 
 def build_elastic_diloco(models: list, optimizers: list, schedulers: list, config, plugin):
     """``ElasticDiLoCo`` on the one prepared model and its one prepared optimizer (DiLoCo steps after its inner
-    optimizer); the prepared LR schedulers travel with the live state. The next round's quorum starts in the
-    optimizer's ``zero_grad`` after the step that ended a round (after ``scheduler.step()`` when the loop calls
+    optimizer); the prepared LR schedulers travel with the live state. The first round's quorum forms at the
+    first forward, ``zero_grad`` or ``accelerator.job_step`` (after a ``load_state``); the next round's starts in
+    the optimizer's ``zero_grad`` after the step that ended a round (after ``scheduler.step()`` when the loop calls
     that first, as it should: the live state then holds the schedulers as a joining site does)."""
     from multidc.hierarchical.elastic import ElasticDiLoCo
 
@@ -139,7 +149,7 @@ def build_elastic_diloco(models: list, optimizers: list, schedulers: list, confi
         )
     prepared = optimizers[0]
     diloco = ElasticDiLoCo(
-        models[0], prepared.optimizer, config, wan=plugin.wan, start_rounds=False,
+        models[0], prepared.optimizer, config, wan=plugin.wan, start_rounds=False, join=False,
         state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
         load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]), **site_options(plugin),
     )
@@ -151,7 +161,19 @@ def build_elastic_diloco(models: list, optimizers: list, schedulers: list, confi
             diloco.start_round()
 
     prepared.zero_grad = zero_grad_then_round  # this instance only
+    join_before_forward(models[0], lambda: diloco.start_round() if not diloco.joined else None)  # closed: no-op
     return diloco
+
+
+def join_before_forward(model, join):
+    """Call ``join()`` before the model's first forward (then never again): a site that heals at its first
+    quorum must compute its first gradients on the live state. Returns the hook's handle."""
+    def before(*_):
+        handle.remove()
+        join()
+
+    handle = getattr(model, "_orig_mod", model).register_forward_pre_hook(before)
+    return handle
 
 
 def site_options(plugin) -> dict:

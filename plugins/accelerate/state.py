@@ -49,7 +49,8 @@ class StateMixin:
         Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only the first site of the step's
         quorum writes (the sites of a quorum hold the same job state; under DiLoCo its model and inner optimizer
         are stored as site 0), also in a degraded quorum, so every site may call it alike; ``step`` defaults to
-        ``job_step``. The others return the same location without writing.
+        ``job_step``. The others return the same location without writing. Nothing is written before the job's
+        first committed step, nor for a step that its quorum's first site discarded while another committed it.
 
         Returns:
             Where the checkpoint is (committed when this returns, unless async).
@@ -62,6 +63,9 @@ class StateMixin:
         _no_accelerate_kwargs(save_model_func_kwargs, "save_state")
         ckpt = self._checkpointer(output_dir)
         site = self.elastic_site if self.multidc_plugin.elastic else None
+        if self.multidc_plugin.elastic and site is None:
+            raise ValueError("save_state with MultiDCPlugin(elastic=True) comes after accelerator.prepare(model, "
+                             "optimizer, ...): the site's quorum decides which site writes.")
         if step is None:
             step = self.job_step if site is not None else self.save_iteration
         if site is None or site.is_leader:
@@ -75,9 +79,10 @@ class StateMixin:
         it. Through multidc: ``step=None`` picks the newest committed checkpoint under ``input_dir``; ``trusted``
         lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control).
 
-        Elastic mode: call it right after ``prepare``, before the first step, on one site or all; the job resumes
-        at the checkpoint's step (the step's quorum forms again: sites further on give this site their state, and
-        sites behind or starting receive this one's).
+        Elastic mode: call it right after ``prepare``, before the site's first quorum (its first ``job_step``,
+        forward, ``zero_grad`` or ``step``), on one site or all: the job resumes at the checkpoint's step (that
+        quorum gives this site the live state if the sites present are further on, and this site's state to those
+        behind or starting).
 
         Returns:
             A ``multidc.plugins.CheckpointInfo`` (multidc) or Accelerate's return value.
@@ -85,8 +90,12 @@ class StateMixin:
         Raises:
             FileNotFoundError: no committed checkpoint matches.
             multidc.plugins.CheckpointCorruptError: a shard fails its checksum (named).
-            RuntimeError: elastic mode, after the site's first step.
+            RuntimeError: elastic mode, after the site's first quorum (nothing loaded).
         """
+        if self._elastic_joined():
+            raise RuntimeError("load_state with MultiDCPlugin(elastic=True) comes right after prepare, before the "
+                               "first job_step, forward, zero_grad or step: this site has joined the job (a site "
+                               "that joins receives the live state instead).")
         if not self._through_multidc(input_dir, loading=True):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         _no_accelerate_kwargs({**(load_kwargs or {}), **load_model_func_kwargs}, "load_state")
@@ -95,11 +104,14 @@ class StateMixin:
                                                                    trusted=trusted)
         self.step = state["accelerator"]["step"]
         self.project_configuration.iteration = info.step + 1
-        if self.elastic_steps is not None:  # elastic: the job goes on from the checkpoint's step
-            self.elastic_steps.resume(int(state["accelerator"]["job_step"]))
-        elif self.multidc_plugin.elastic and self.diloco is not None:
-            self.diloco.start_round()  # its load_state_dict set the round: the quorum forms there again
+        if self.elastic_steps is not None:  # elastic: the first quorum resumes the job at the checkpoint's step
+            self.elastic_steps.resume(int(state["accelerator"]["job_step"]))  # (DiLoCo: its load_state_dict did)
         return info
+
+    def _elastic_joined(self) -> bool:
+        if self.elastic_steps is not None:
+            return self.elastic_steps.joined
+        return self.multidc_plugin.elastic and self.diloco is not None and self.diloco.joined
 
     def wait_for_checkpoint(self) -> list[CheckpointInfo]:
         """Wait for every pending async ``save_state``; return what committed, or raise the first upload error."""
@@ -184,7 +196,7 @@ class StateMixin:
         state["rng"] = RNGState()
         state["accelerator"] = {"step": self.step, "iteration": step}
         if self.elastic_steps is not None:  # the job's committed steps (elastic DiLoCo: in the DiLoCo state)
-            state["accelerator"]["job_step"] = self.job_step
+            state["accelerator"]["job_step"] = self.elastic_steps.site.step  # not job_step: that would join
         return state
 
 

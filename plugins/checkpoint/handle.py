@@ -8,7 +8,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from multidc.hierarchical._compat import destroy_process_groups_at_exit
+from multidc.hierarchical._compat import before_process_groups_end
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
 
@@ -58,10 +58,6 @@ class SaveHandle:
 # Async saves nobody has waited for yet (a successful one leaves at once): handle -> where it writes.
 UNWAITED: dict[SaveHandle, str] = {}
 
-# An upload in flight at exit still needs its process groups: atexit runs handlers last-registered first, so the
-# handler that ends the groups is registered before the one that finishes the uploads.
-destroy_process_groups_at_exit()
-
 
 @atexit.register
 def _wait_at_exit() -> None:
@@ -74,3 +70,7 @@ def _wait_at_exit() -> None:
                        "it (call Checkpointer.wait() or close() to have it raised): %s: %s", where,
                        type(handle._error).__name__, handle._error)
     UNWAITED.clear()
+
+
+# An upload in flight at exit still needs its process groups: the handler that ends them finishes uploads first.
+before_process_groups_end(_wait_at_exit)

@@ -60,6 +60,7 @@ def main() -> None:
     def job_step() -> int:  # the job's committed steps (rounds with --diloco)
         return accelerator.diloco.outer_steps if args.diloco else accelerator.job_step
 
+    accelerator.job_step  # noqa: B018  (the site joins the job here, after the load_state above)
     joined_at = job_step()
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     log, discarded, last, last_step = [], 0, [], -1
