@@ -12,7 +12,8 @@ site, and every optimizer step is one step of the elastic job:
 
 The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
 and a rejoined site continues the job's count. Checkpoints (``ModelCheckpoint`` on every site, as usual) are
-written by the first site of each step's quorum only (``ElasticSite.is_leader``), also in a degraded quorum, so
+written only by the site that committed the last step as the first of its quorum (``ElasticSite.is_leader``),
+also in a degraded quorum, so
 each save happens once; ``fit(ckpt_path=...)`` on one site or all resumes the job at the checkpoint's step (the
 first quorum gives that state to sites that start without one). A ``monitor``-ed top-k follows the leader's
 metrics. Refused, with a clear error: gradient accumulation (a site
