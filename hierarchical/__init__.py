@@ -16,15 +16,39 @@ Low-bandwidth sites (DiLoCo: sites train alone, pseudo-gradients cross the WAN e
     # ... the usual loop: every optimizer.step() is followed by diloco.step() (a hook on the optimizer)
 """
 
-from multidc.hierarchical.all_reduce import all_reduce
-from multidc.hierarchical.chunking import Chunk, plan_chunks
-from multidc.hierarchical.compression import get_codec
-from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, register_site_ddp_hook
-from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig, DiLoCoStats
-from multidc.hierarchical.errors import WanError
-from multidc.hierarchical.stats import WanStats
-from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# name -> submodule; imported on first use (PEP 562), so tools that need no torch (`multidc lighthouse`) start fast
+_LAZY = {
+    "all_reduce": "all_reduce", "Chunk": "chunking", "plan_chunks": "chunking", "get_codec": "compression",
+    "WanConfig": "config", "HierarchicalHookState": "ddp_hook", "register_ddp_hook": "ddp_hook",
+    "register_site_ddp_hook": "ddp_hook", "DiLoCo": "diloco", "DiLoCoConfig": "diloco", "DiLoCoStats": "diloco",
+    "WanError": "errors", "WanStats": "stats", "SiteLayout": "topology", "Topology": "topology",
+    "resolve_sites": "topology",
+}
+
+if TYPE_CHECKING:
+    from multidc.hierarchical.all_reduce import all_reduce
+    from multidc.hierarchical.chunking import Chunk, plan_chunks
+    from multidc.hierarchical.compression import get_codec
+    from multidc.hierarchical.config import WanConfig
+    from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, register_site_ddp_hook
+    from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig, DiLoCoStats
+    from multidc.hierarchical.errors import WanError
+    from multidc.hierarchical.stats import WanStats
+    from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Chunk",

@@ -8,17 +8,38 @@ The lighthouse's traffic (gRPC over HTTP/2) is as unauthenticated and unencrypte
 interconnect or VPN the sites already share.
 """
 
-from multidc.hierarchical.elastic.diloco import ElasticDiLoCo
-from multidc.hierarchical.elastic.lighthouse import (
-    LighthouseUnreachable,
-    check_lighthouse,
-    import_torchft,
-    lighthouse_url,
-    refuse_elastic_env,
-    resolve_elastic,
-    start_lighthouse,
-)
-from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_LAZY = {  # name -> submodule, imported on first use: the lighthouse and its checks need neither torch nor torchft's
+    "ElasticDiLoCo": "diloco", "ElasticSite": "site", "ElasticTopology": "site",  # Python side
+    **{name: "lighthouse" for name in ("LighthouseUnreachable", "check_lighthouse", "import_torchft",
+                                       "lighthouse_url", "refuse_elastic_env", "resolve_elastic", "start_lighthouse")},
+}
+
+if TYPE_CHECKING:
+    from multidc.hierarchical.elastic.diloco import ElasticDiLoCo
+    from multidc.hierarchical.elastic.lighthouse import (
+        LighthouseUnreachable,
+        check_lighthouse,
+        import_torchft,
+        lighthouse_url,
+        refuse_elastic_env,
+        resolve_elastic,
+        start_lighthouse,
+    )
+    from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ElasticDiLoCo",

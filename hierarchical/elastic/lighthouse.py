@@ -8,6 +8,10 @@ site, or the site least likely to fail); its port must be open to every site.
 from __future__ import annotations
 
 import datetime
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from types import ModuleType
 
 from multidc.hierarchical import _env
@@ -26,6 +30,26 @@ def import_torchft() -> ModuleType:
             "elastic sites run on torchft, which is not installed: pip install 'multidc[elastic]' (torchft 0.2)."
         ) from exc
     return torchft
+
+
+def _torchft_native() -> ModuleType:
+    """torchft's native extension (``LighthouseServer``, ``LighthouseClient``) without torchft's Python side, which
+    imports torch (seconds on a busy host): a restarted lighthouse is back that much sooner. The module is the one
+    ``import torchft`` uses later in the same process."""
+    if "torchft._torchft" in sys.modules:
+        return sys.modules["torchft._torchft"]
+    spec = importlib.util.find_spec("torchft")
+    paths = [os.path.join(folder, name) for folder in (spec.submodule_search_locations or []) if spec
+             for name in sorted(os.listdir(folder)) if name.startswith("_torchft.")
+             and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))] if spec else []
+    if not paths:
+        return import_torchft()._torchft  # not installed (a clear ImportError), or laid out otherwise
+    loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", paths[0])
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("torchft._torchft", paths[0],
+                                                                                     loader=loader))
+    loader.exec_module(module)
+    sys.modules["torchft._torchft"] = module
+    return module
 
 
 def lighthouse_url(address: str | None = None) -> str:
@@ -93,10 +117,7 @@ def start_lighthouse(bind: str, *, min_sites: int = 1, join_timeout_ms: int = 60
                         ("quorum_tick_ms", quorum_tick_ms), ("heartbeat_timeout_ms", heartbeat_timeout_ms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer.")
-    import_torchft()
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(bind=bind, min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
+    return _torchft_native().LighthouseServer(bind=bind, min_replicas=min_sites, join_timeout_ms=join_timeout_ms,
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 

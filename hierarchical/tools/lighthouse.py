@@ -41,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"multidc lighthouse: listening on {host}:{port} (min sites {args.min_sites}); set "
           f"MULTIDC_LIGHTHOUSE={shown}:{port} on every site. Ctrl-C stops it.", flush=True)
     try:
-        stop.wait()
+        # a timed wait: a signal delivered to one of the server's native threads sets the handler's flag, which the
+        # main thread only runs once it wakes
+        while not stop.wait(0.2):
+            pass
     finally:
         server.shutdown()
     print("multidc lighthouse: stopped", flush=True)

@@ -122,6 +122,19 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
     return {"ranks": ranks, "killed_at": killed_at, "survivors_went_on": survivors_went_on, "victim": victim}
 
 
+def run_alone(out: Path, lighthouse: str, *extra: str, script: str, accelerate: list[str] | None = None) -> dict:
+    """One run of site0 alone (one rank) in ``out`` (e.g. resuming from a checkpoint); it must end cleanly.
+    Returns its rank's results."""
+    out.mkdir()
+    tree = _site("site0", 1, 1, lighthouse, out, *extra, script=script, accelerate=accelerate)
+    try:
+        code, _ = tree.wait(TIMEOUT_S)
+    finally:
+        tree.kill()
+    assert code == 0, _logs(out, "site0")
+    return torch.load(out / "site0_rank0.pt")
+
+
 def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
     """The checks of a ``_run_with_a_kill`` run (``step``: the job's steps, or rounds): the job ended with every
     site at the same step (>= ``min_final``), every rank bitwise identical; each survivor committed every step

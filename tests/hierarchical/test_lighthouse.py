@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -53,6 +54,20 @@ def test_cli_serves_until_sigterm_and_check_reaches_it(lighthouse_cli):
     assert tree.process.returncode == 0 and "stopped" in output
     with pytest.raises(LighthouseUnreachable, match=re.escape(f"http://{address}")):
         check_lighthouse(address, timeout_s=1)
+
+
+def test_the_lighthouse_starts_without_importing_torch_so_a_restart_is_quick():
+    # a restarted lighthouse is what every site waits for: its process loads torchft's native server only
+    code = ("import sys, subprocess; from multidc.hierarchical.elastic import start_lighthouse; "
+            "server = start_lighthouse('127.0.0.1:0'); print('torch' in sys.modules, server.address()); "
+            "server.shutdown()")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False http://"), out.stdout
+    assert time.monotonic() - started < 10
+    address = out.stdout.split("http://", 1)[1].strip()
+    assert address.rsplit(":", 1)[1].isdigit()
 
 
 def test_unreachable_lighthouse_says_where_and_what_to_do():

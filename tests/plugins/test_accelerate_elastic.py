@@ -22,7 +22,7 @@ require_module("accelerate", "accelerate")
 from multidc.plugins import MultiDCPlugin, list_checkpoints  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import TIMEOUT_S, _logs, _run_with_a_kill, _site, check_rejoined  # noqa: E402
+from tests.hierarchical.test_elastic import TIMEOUT_S, _run_with_a_kill, check_rejoined, run_alone  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "plugins" / "_accelerate_elastic_script.py")
@@ -70,17 +70,10 @@ def test_elastic_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_
     assert alone, f"no checkpoint was saved while site0 was down ({survivor['log']})"
     step = alone[0]
     before = [e for e in survivor["log"] if (e["t0"] if diloco else e["step"]) < step]
-    (tmp_path / "resume").mkdir()
     more = 2 if diloco else 4
-    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", *(["--diloco"] if diloco else []), "--steps",
-                 str(len(before) + more), "--resume", str(ckpts), "--resume-step", str(step), script=SCRIPT,
-                 accelerate=ACCELERATE)
-    try:
-        code, _ = tree.wait(TIMEOUT_S)
-    finally:
-        tree.kill()
-    assert code == 0, _logs(tmp_path / "resume", "site0")
-    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    resumed = run_alone(tmp_path / "resume", lighthouse.address, *(["--diloco"] if diloco else []), "--steps",
+                        str(len(before) + more), "--resume", str(ckpts), "--resume-step", str(step), script=SCRIPT,
+                        accelerate=ACCELERATE)
     assert [e["step"] for e in resumed["log"]] == list(range(len(before), len(before) + more))
     if diloco:
         assert resumed["log"][0]["t0"] == step

@@ -22,7 +22,15 @@ from multidc.plugins import list_checkpoints  # noqa: E402
 from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import KILL_AT, TIMEOUT_S, _logs, _progress, _run_with_a_kill, _site  # noqa: E402
+from tests.hierarchical.test_elastic import (  # noqa: E402
+    KILL_AT,
+    TIMEOUT_S,
+    _logs,
+    _progress,
+    _run_with_a_kill,
+    _site,
+    run_alone,
+)
 
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
 DILOCO_SCRIPT = str(Path(__file__).resolve().parent / "_elastic_diloco_lightning_script.py")
@@ -82,15 +90,8 @@ def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, ligh
     alone = [step for step in saved if step in degraded]
     assert alone, f"no checkpoint was saved while site0 was down (degraded steps {degraded})"
     step = alone[0]
-    (tmp_path / "resume").mkdir()
-    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", "--max-steps", str(step + 5), "--resume",
-                 str(ckpts / f"step={step}.ckpt"), script=SCRIPT)
-    try:
-        code, _ = tree.wait(TIMEOUT_S)
-    finally:
-        tree.kill()
-    assert code == 0, _logs(tmp_path / "resume", "site0")
-    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    resumed = run_alone(tmp_path / "resume", lighthouse.address, "--max-steps", str(step + 5), "--resume",
+                        str(ckpts / f"step={step}.ckpt"), script=SCRIPT)
     assert resumed["final_step"] == step + 5 and [e["step"] for e in resumed["log"]] == list(range(step, step + 5))
     before = [e for e in survivor["log"] if e["step"] < step]
     expected = reference(before + resumed["log"], 1, survivor["initial"], scheduled=True)
@@ -160,15 +161,8 @@ def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resu
                    (e["t0"] + SYNC_EVERY) in saved)
     assert alone, f"no checkpoint was saved while site0 was down (rounds {survivor['log']})"
     step = alone[0]
-    (tmp_path / "resume").mkdir()
-    tree = _site("site0", 1, 1, lighthouse.address, tmp_path / "resume", "--max-steps", str(step + 2 * SYNC_EVERY),
-                 "--resume", str(ckpts / f"step={step}.ckpt"), script=DILOCO_SCRIPT)
-    try:
-        code, _ = tree.wait(TIMEOUT_S)
-    finally:
-        tree.kill()
-    assert code == 0, _logs(tmp_path / "resume", "site0")
-    resumed = torch.load(tmp_path / "resume" / "site0_rank0.pt")
+    resumed = run_alone(tmp_path / "resume", lighthouse.address, "--max-steps", str(step + 2 * SYNC_EVERY),
+                        "--resume", str(ckpts / f"step={step}.ckpt"), script=DILOCO_SCRIPT)
     assert resumed["final_step"] == step + 2 * SYNC_EVERY
     assert [e["t0"] for e in resumed["log"]] == [step, step + SYNC_EVERY] and resumed["log"][0]["sites"] == [0]
     before = [e for e in survivor["log"] if e["t0"] < step]
