@@ -19,6 +19,8 @@ Low-bandwidth sites (DiLoCo: sites train alone, pseudo-gradients cross the WAN e
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 # name -> submodule; imported on first use (PEP 562), so tools that need no torch (`multidc lighthouse`) start fast
@@ -48,6 +50,23 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """Importing submodule ``all_reduce`` sets this package's attribute of that name to the module; the package's
+    ``all_reduce`` is the function (as with eager imports, which rebound it after the submodule's import)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -39,10 +39,14 @@ def before_process_groups_end(fn) -> None:
 
 
 def _destroy_process_groups() -> None:
-    try:
-        for fn in _BEFORE_EXIT_DESTROY:
+    errors = []
+    for fn in _BEFORE_EXIT_DESTROY:  # each runs, whatever another raised
+        try:
             fn()
-    finally:
-        gc.collect()  # groups only garbage still holds end now, while their worker threads can stop cleanly
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        except Exception as exc:  # raised below, once the groups ended
+            errors.append(exc)
+    gc.collect()  # groups only garbage still holds end now, while their worker threads can stop cleanly
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if errors:
+        raise errors[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-_LAZY = {  # name -> submodule, imported on first use: the lighthouse and its checks need neither torch nor torchft's
+_LAZY = {  # name -> submodule, imported on first use: starting the lighthouse needs neither torch nor torchft's
     "ElasticDiLoCo": "diloco", "ElasticSite": "site", "ElasticTopology": "site",  # Python side
     **{name: "lighthouse" for name in ("LighthouseUnreachable", "check_lighthouse", "import_torchft",
                                        "lighthouse_url", "refuse_elastic_env", "resolve_elastic", "start_lighthouse")},
@@ -39,6 +39,10 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

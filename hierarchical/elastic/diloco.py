@@ -113,6 +113,8 @@ class ElasticDiLoCo(DiLoCo):
             raise
         self._round = None
         self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
+        self.on_close: list[Callable[[], None]] = []
+        """Called by ``close()`` (a front-end's clean-up: hooks it put on the user's objects)."""
         if join:
             try:
                 self.start_round()
@@ -224,8 +226,8 @@ class ElasticDiLoCo(DiLoCo):
         if not self.round_pending:
             return
         started = time.perf_counter()
-        self.round_pending = False
         self._round = self.site.start_step()
+        self.round_pending = False  # after the quorum: one that failed is tried again by the next call
         self.stats.exposed_s += time.perf_counter() - started
 
     def close(self) -> None:
@@ -234,6 +236,8 @@ class ElasticDiLoCo(DiLoCo):
         try:
             super().close()
         finally:
+            for fn in self.on_close:
+                fn()
             self.site.close()
             self.topology.close()
 

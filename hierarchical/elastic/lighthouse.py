@@ -29,6 +29,8 @@ def import_torchft() -> ModuleType:
         raise ImportError(
             "elastic sites run on torchft, which is not installed: pip install 'multidc[elastic]' (torchft 0.2)."
         ) from exc
+    if not hasattr(torchft, "_torchft") and "torchft._torchft" in sys.modules:  # loaded by _torchft_native first
+        torchft._torchft = sys.modules["torchft._torchft"]
     return torchft
 
 
@@ -39,9 +41,9 @@ def _torchft_native() -> ModuleType:
     if "torchft._torchft" in sys.modules:
         return sys.modules["torchft._torchft"]
     spec = importlib.util.find_spec("torchft")
-    paths = [os.path.join(folder, name) for folder in (spec.submodule_search_locations or []) if spec
-             for name in sorted(os.listdir(folder)) if name.startswith("_torchft.")
-             and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))] if spec else []
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    paths = [path for folder in folders for suffix in importlib.machinery.EXTENSION_SUFFIXES  # the importer's order
+             if os.path.isfile(path := os.path.join(folder, f"_torchft{suffix}"))]
     if not paths:
         return import_torchft()._torchft  # not installed (a clear ImportError), or laid out otherwise
     loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", paths[0])

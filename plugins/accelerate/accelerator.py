@@ -249,7 +249,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     def _attach_elastic(self) -> None:
         """Elastic ``cross_site="allreduce"``: once ``prepare`` has seen the one model and its one optimizer, take
         over the optimizer's ``step`` / ``zero_grad`` (see ``ElasticSteps``; the first quorum forms at the first
-        ``job_step``, forward, ``zero_grad`` or ``step``)."""
+        ``job_step``, training forward or ``zero_grad``)."""
         plugin = self.multidc_plugin
         ready = self._optimizers and self._models and self.elastic_steps is None
         if plugin.elastic and plugin.diloco is None and ready:
@@ -259,7 +259,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     @property
     def job_step(self) -> int:
         """Elastic mode: the job's optimizer steps so far (committed steps; inner steps under DiLoCo), which a
-        rejoined site takes from the live sites: loop on it. Otherwise ``self.step``."""
+        rejoined site takes from the live sites: loop on it. The first read joins the job (collective over the
+        site: read it on every rank). Otherwise ``self.step``."""
         if self.elastic_steps is not None:
             return self.elastic_steps.job_step  # joins the first quorum if not yet
         if self.multidc_plugin.elastic and self.diloco is not None:

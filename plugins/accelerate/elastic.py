@@ -1,9 +1,12 @@
 """Elastic sites under Accelerate: ``MultiDCPlugin(elastic=True)`` (env ``MULTIDC_ELASTIC=1``).
 
 Each site is its own ``accelerate launch`` (its own rendezvous; ``--num_processes`` counts that site's processes) and
-a torchft replica group. The first quorum forms at the site's first ``accelerator.job_step``, forward, ``zero_grad``
-or ``step``, whichever comes first (a site that starts late or restarts receives the live model, optimizer and LR
-scheduler states there, not from storage), so a ``load_state`` right after ``prepare`` comes before it. Then:
+a torchft replica group. The first quorum forms at the site's first ``accelerator.job_step``, training forward
+(``model.train()``, gradients enabled) or ``zero_grad``, whichever comes first (a site that starts late or restarts
+receives the live model, optimizer and LR scheduler states there, not from storage), so a ``load_state`` right after
+``prepare`` comes before it. Each of these is collective over the site's ranks: read ``job_step`` on every rank, and
+keep rank-0-only forwards (a sample, an evaluation) in ``model.eval()`` or ``torch.no_grad()`` before training
+starts. Then:
 
 * ``cross_site="allreduce"``: one quorum per optimizer step. The prepared optimizer's ``step`` averages the
   gradients over the sites present (DDP has averaged them inside the site) and steps only if the site's ranks
@@ -76,9 +79,9 @@ class ElasticSteps:
         """The site's first quorum, once (collective over the site): a site that is behind receives the live
         state here."""
         if not self.joined:
-            self.joined = True
             self._hook.remove()
             self._start()
+            self.joined = True
 
     def _start(self) -> None:
         self.site.start_step()
@@ -104,7 +107,12 @@ class ElasticSteps:
         optimizer step if the step commits. Accumulation micro-steps: Accelerate's own (nothing)."""
         if not self.optimizer.gradient_state.sync_gradients:
             return self._step(closure)
-        self.join()
+        if not self.joined:  # joining now could heal the weights after their gradients were computed
+            raise RuntimeError(
+                "elastic mode: optimizer.step() before the site joined the job: read accelerator.job_step, call "
+                "optimizer.zero_grad() or run the training forward through the prepared model first (a site that "
+                "joins late receives the live weights there, before computing gradients)."
+            )
         if not self._open:
             raise RuntimeError(
                 "elastic mode: optimizer.step() came twice without optimizer.zero_grad() between: call zero_grad() "
@@ -137,9 +145,9 @@ class ElasticSteps:
 def build_elastic_diloco(models: list, optimizers: list, schedulers: list, config, plugin):
     """``ElasticDiLoCo`` on the one prepared model and its one prepared optimizer (DiLoCo steps after its inner
     optimizer); the prepared LR schedulers travel with the live state. The first round's quorum forms at the
-    first forward, ``zero_grad`` or ``accelerator.job_step`` (after a ``load_state``); the next round's starts in
-    the optimizer's ``zero_grad`` after the step that ended a round (after ``scheduler.step()`` when the loop calls
-    that first, as it should: the live state then holds the schedulers as a joining site does)."""
+    first training forward, ``zero_grad`` or ``accelerator.job_step`` (after a ``load_state``); the next round's
+    starts in the optimizer's ``zero_grad`` after the step that ended a round (after ``scheduler.step()`` when the
+    loop calls that first, as it should: the live state then holds the schedulers as a joining site does)."""
     from multidc.hierarchical.elastic import ElasticDiLoCo
 
     if len(models) != 1 or len(optimizers) != 1:
@@ -161,16 +169,21 @@ def build_elastic_diloco(models: list, optimizers: list, schedulers: list, confi
             diloco.start_round()
 
     prepared.zero_grad = zero_grad_then_round  # this instance only
-    join_before_forward(models[0], lambda: diloco.start_round() if not diloco.joined else None)  # closed: no-op
+    hook = join_before_forward(models[0], lambda: diloco.start_round() if not diloco.joined else None)
+    diloco.on_close.append(hook.remove)  # if it never ran: no hook left on the user's model (it holds the DiLoCo)
     return diloco
 
 
 def join_before_forward(model, join):
-    """Call ``join()`` before the model's first forward (then never again): a site that heals at its first
-    quorum must compute its first gradients on the live state. Returns the hook's handle."""
-    def before(*_):
+    """Call ``join()`` before the model's first training forward (``model.training``, gradients enabled; then never
+    again): a site that heals at its first quorum must compute its first gradients on the live state. An evaluation
+    forward (one rank's sample) does not join: the join is collective over the site. Returns the hook's handle."""
+    def before(module, _args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
         handle.remove()
-        join()
+        with torch.inference_mode(False):
+            join()
 
     handle = getattr(model, "_orig_mod", model).register_forward_pre_hook(before)
     return handle

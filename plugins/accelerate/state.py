@@ -61,11 +61,11 @@ class StateMixin:
                                  "keeps Accelerate's own format (see MultiDCAccelerator).")
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
         _no_accelerate_kwargs(save_model_func_kwargs, "save_state")
-        ckpt = self._checkpointer(output_dir)
         site = self.elastic_site if self.multidc_plugin.elastic else None
         if self.multidc_plugin.elastic and site is None:
             raise ValueError("save_state with MultiDCPlugin(elastic=True) comes after accelerator.prepare(model, "
                              "optimizer, ...): the site's quorum decides which site writes.")
+        ckpt = self._checkpointer(output_dir)
         if step is None:
             step = self.job_step if site is not None else self.save_iteration
         if site is None or site.is_leader:
@@ -80,7 +80,7 @@ class StateMixin:
         lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control).
 
         Elastic mode: call it right after ``prepare``, before the site's first quorum (its first ``job_step``,
-        forward, ``zero_grad`` or ``step``), on one site or all: the job resumes at the checkpoint's step (that
+        training forward or ``zero_grad``), on one site or all: the job resumes at the checkpoint's step (that
         quorum gives this site the live state if the sites present are further on, and this site's state to those
         behind or starting).
 
@@ -92,10 +92,13 @@ class StateMixin:
             multidc.plugins.CheckpointCorruptError: a shard fails its checksum (named).
             RuntimeError: elastic mode, after the site's first quorum (nothing loaded).
         """
+        if self.multidc_plugin.elastic and self.elastic_site is None:
+            raise ValueError("load_state with MultiDCPlugin(elastic=True) comes after accelerator.prepare(model, "
+                             "optimizer, ...), before the site's first job_step, training forward or zero_grad.")
         if self._elastic_joined():
             raise RuntimeError("load_state with MultiDCPlugin(elastic=True) comes right after prepare, before the "
-                               "first job_step, forward, zero_grad or step: this site has joined the job (a site "
-                               "that joins receives the live state instead).")
+                               "first job_step, training forward or zero_grad: this site has joined the job (a site "
+                               "that joins receives the live state instead). Nothing was loaded.")
         if not self._through_multidc(input_dir, loading=True):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         _no_accelerate_kwargs({**(load_kwargs or {}), **load_model_func_kwargs}, "load_state")

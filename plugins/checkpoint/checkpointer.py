@@ -118,9 +118,9 @@ class Checkpointer:
             (e.g. the WAN was cut during a save) instead of gloo's bare error. Loads read what a whole site needs
             once per site (striped over its ranks, exchanged inside the site).
         read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 8 MiB,
-            ``max_concurrency`` GETs in flight, straight into the tensors that take the stored bytes as they are
-            (same dtype, contiguous), else at most 64 MiB of GET buffers (in flight or kept for reuse) and one
-            64 MiB receive buffer per rank (a single larger piece is held alone), items of at least
+            ``max_concurrency`` GETs in flight, straight into the CPU tensors that take the stored bytes as they are
+            (same dtype, contiguous), else (GPU tensors too) at most 64 MiB of GET buffers (in flight or kept for
+            reuse) and one 64 MiB receive buffer per rank (a single larger piece is held alone), items of at least
             ``stripe_min_mb`` striped. A ReadConfig's ``concurrency`` / ``stripe_min_bytes`` left ``None`` take
             ``max_concurrency`` / ``stripe_min_mb``.
     """

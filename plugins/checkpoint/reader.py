@@ -164,25 +164,31 @@ class _Targets:
                     f"{item.dest_index.fqn}: stored chunk {tuple(item.lengths)} does not fit the requested "
                     f"{tuple(target.size())} in {where}")
             self.tensors.setdefault(index, []).append((item, target))
+        self._shared = _overlapping(self.tensors)  # tied weights: one destination for two items: copy those
 
     def direct(self, piece: Piece) -> torch.Tensor | None:
         """The destination bytes of ``piece`` as a writable uint8 view, when one destination takes all of them as
         they are stored (same dtype, whole rows of a contiguous CPU tensor that spans every other dimension): its
-        GET or its receive then lands there, with no buffer and no copy. ``None``: use a buffer and ``deliver``."""
+        GET or its receive then lands there, with no buffer and no copy. ``None``: use a buffer and ``deliver`` (which
+        also reports what is wrong with a destination: this never raises)."""
         entries = self.tensors.get(piece.loc, ())
-        if len(entries) != 1 or piece.loc in self.values:
+        if len(entries) != 1 or piece.loc in self.values or piece.loc in self._shared:
             return None
         (item, target), = entries
-        loc = self.schedule.locations[piece.loc]
-        if (not loc.sizes or target.dtype != parse_dtype(loc.dtype) or target.device.type != "cpu"
-                or not target.is_contiguous() or any(item.storage_offsets[1:])
-                or tuple(item.lengths[1:]) != tuple(loc.sizes[1:])):
+        try:
+            loc = self.schedule.locations[piece.loc]
+            if (not loc.sizes or target.dtype != parse_dtype(loc.dtype) or target.device.type != "cpu"
+                    or target.layout != torch.strided or target.is_conj() or target.is_neg()
+                    or not target.is_contiguous() or any(item.storage_offsets[1:])
+                    or tuple(item.lengths[1:]) != tuple(loc.sizes[1:])):
+                return None
+            row = row_bytes(loc)
+            first, last, start = piece.start // row, piece.end // row, item.storage_offsets[0]
+            if first < start or last > start + item.lengths[0]:
+                return None
+            return target.reshape(-1).view(torch.uint8)[(first - start) * row:(last - start) * row]
+        except Exception:  # noqa: BLE001  (not a failure: the buffered path copies it, or reports the error)
             return None
-        row = row_bytes(loc)
-        first, last, start = piece.start // row, piece.end // row, item.storage_offsets[0]
-        if first < start or last > start + item.lengths[0]:
-            return None
-        return target.reshape(-1).view(torch.uint8)[(first - start) * row:(last - start) * row]
 
     def deliver(self, piece: Piece, buffer: torch.Tensor) -> None:
         """Copy piece bytes (whole dim-0 rows of the stored chunk) into every destination that overlaps them."""
@@ -216,6 +222,25 @@ class _Targets:
         for entries in self.tensors.values():
             for item, target in entries:
                 planner.commit_tensor(item, target)
+
+
+def _overlapping(tensors: dict[int, list]) -> set[int]:
+    """Locations whose destination shares memory with another destination (tied weights): writing those in place
+    would let two transfers write the same bytes at once."""
+    spans = []
+    for index, entries in tensors.items():
+        for _, target in entries:
+            if target.device.type == "cpu" and target.numel():
+                start = target.data_ptr()
+                spans.append((start, start + target.numel() * target.element_size(), index))
+    spans.sort()
+    shared, reach, owner = set(), -1, None
+    for start, end, index in spans:
+        if start < reach and index != owner:
+            shared |= {index, owner}
+        if end > reach:
+            reach, owner = end, index
+    return shared
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:

@@ -12,7 +12,8 @@ Invariants:
 * **Nothing written after a stop.** Every chunk of a GET is written, and every buffered piece copied, into the
   caller's tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some
   rank). A receive posted into a destination before a failure is given ``_LATE_RECEIVE_S`` to land before the load
-  raises (its sender passed the round's status, so it sends at once, or never if it was lost).
+  raises (its sender passed the round's status, so it sends at once, or never if it was lost); one still pending
+  then may write into the destination later: a failed load's destinations hold no state to use.
 * **The same outcome everywhere.** Every rank learns at each round whether any rank failed and then stops reading;
   afterwards the ranks gather every piece's CRC-32 and every error, so each rank raises the same error (the lowest
   failing rank's, or the first corrupt item in schedule order) or verifies every item it got.
@@ -252,7 +253,7 @@ class StripedRead:
     def _exchange(self, pieces: tuple[Piece, ...]) -> None:
         """Send this rank's pieces of the round to their receivers and receive its own; copy them into place. A
         failed copy is kept in ``_local`` (reported at the next status); a failed transfer raises :class:`_Left`."""
-        works, received, offset, in_place = [], [], 0, False
+        works, received, offset, in_place = [], [], 0, []
         if self.group is None:
             return self._release_round(pieces)
         try:
@@ -260,7 +261,7 @@ class StripedRead:
                 target = self.direct(piece) if self.rank in piece.receivers else None
                 if target is not None:  # straight into the destination
                     works.append(dist.irecv(target, src=self._global(piece.reader), group=self.group, tag=tag))
-                    in_place = True
+                    in_place.append(works[-1])
                 elif self.rank in piece.receivers:
                     if self._received is None:
                         self._received = torch.empty(receive_bytes(self.schedule.rounds, self.rank),
@@ -277,7 +278,7 @@ class StripedRead:
             raise _Left(exc) from exc
         # giving up with a receive into the caller's tensors posted: let a send already under way land first, so
         # the load does not write into them after it raised (a lost sender never sends; the wait is bounded)
-        self._poll(works, grace_s=_LATE_RECEIVE_S if in_place else 0.0)
+        self._poll(works, late=in_place)
         try:
             for piece, buffer in received:
                 check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
@@ -294,7 +295,7 @@ class StripedRead:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
-    def _poll(self, works: list, grace_s: float = 0.0) -> None:
+    def _poll(self, works: list, late: list = ()) -> None:
         """Wait for ``works``. Gives up (:class:`_Left`) when this rank's checkpoint group failed (``stop``) or
         when another rank left the read with an error (``peer_failed``, from the heartbeat): so no wait outlasts
         a lost peer by more than the group's timeout plus one beat, and a healthy slow peer is waited for.
@@ -316,11 +317,11 @@ class StripedRead:
         try:
             while not done.wait(_POLL_S):
                 self._check_peers("exchanging checkpoint pieces")
+            if failed:
+                raise _Left(failed[0]) from failed[0]
         except _Left:
-            done.wait(grace_s)
+            _let_land(late)
             raise
-        if failed:
-            raise _Left(failed[0]) from failed[0]
 
     def _check_peers(self, what: str) -> None:
         if self.outer_stop is not None and self.outer_stop.is_set():
@@ -360,6 +361,25 @@ class StripedRead:
                     f"[{loc.offset}, {loc.offset + loc.length}) holding {self.schedule.names[index]} have crc32 "
                     f"{crc:08x}, the commit record says crc32 {loc.crc32:08x}. The object was changed or damaged "
                     "after it was committed; load an older checkpoint (list_checkpoints) instead.")
+
+
+def _let_land(receives: list) -> None:
+    """Give receives posted into the caller's tensors up to ``_LATE_RECEIVE_S`` to complete before the load raises:
+    their senders passed the round's status, so a live one sends at once (a lost one never does)."""
+    if not receives:
+        return
+    landed = threading.Event()
+
+    def wait():
+        for work in receives:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001, S112  (the load raises its own error; a failed receive wrote nothing)
+                continue
+        landed.set()
+
+    threading.Thread(target=wait, name="multidc-ckpt-late-receives", daemon=True).start()
+    landed.wait(_LATE_RECEIVE_S)
 
 
 def _crc_key(piece: Piece) -> tuple[int, int, int]:

@@ -70,6 +70,17 @@ def test_the_lighthouse_starts_without_importing_torch_so_a_restart_is_quick():
     assert address.rsplit(":", 1)[1].isdigit()
 
 
+def test_the_lazily_imported_names_are_the_functions_whatever_was_imported_first():
+    # multidc.hierarchical imports its names on first use; its submodule all_reduce must not replace the function
+    code = ("import multidc.hierarchical.diloco, multidc.hierarchical.elastic.site\n"
+            "import multidc.hierarchical as h, multidc.hierarchical.elastic as e\n"
+            "from multidc.hierarchical import all_reduce, Topology\n"
+            "assert callable(h.all_reduce) and all_reduce is h.all_reduce and callable(e.ElasticSite), h.all_reduce\n"
+            "assert {'all_reduce', 'Topology', 'DiLoCo'} <= set(dir(h)) and 'ElasticDiLoCo' in dir(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_unreachable_lighthouse_says_where_and_what_to_do():
     address = f"127.0.0.1:{_free_port()}"
     started = time.monotonic()

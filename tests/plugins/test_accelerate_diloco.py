@@ -116,7 +116,7 @@ def test_diloco_checkpoints_never_fall_back_to_accelerates_format():
     from multidc.plugins.accelerate.state import StateMixin
 
     stub = SimpleNamespace(gradient_sync=SimpleNamespace(diloco_config=DiLoCoConfig(sync_every=4)), device_mesh=None,
-                           multidc_plugin=SimpleNamespace(shard_local_checkpoints=False))
+                           multidc_plugin=SimpleNamespace(shard_local_checkpoints=False, elastic=False))
     assert StateMixin._through_multidc(stub, "plain/local/dir", loading=False)  # every site's model + DiLoCo state
     with pytest.raises(ValueError, match="need a URL or directory"):
         StateMixin._through_multidc(stub, None, loading=False)
