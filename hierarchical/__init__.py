@@ -18,10 +18,9 @@ Low-bandwidth sites (DiLoCo: sites train alone, pseudo-gradients cross the WAN e
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
+
+from multidc.hierarchical._lazy import lazy_exports
 
 # name -> submodule; imported on first use (PEP 562), so tools that need no torch (`multidc lighthouse`) start fast
 _LAZY = {
@@ -44,30 +43,7 @@ if TYPE_CHECKING:
     from multidc.hierarchical.topology import SiteLayout, Topology, resolve_sites
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
-
-class _Package(types.ModuleType):
-    """Importing submodule ``all_reduce`` sets this package's attribute of that name to the module; the package's
-    ``all_reduce`` is the function (as with eager imports, which rebound it after the submodule's import)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "Chunk",

@@ -10,8 +10,9 @@ interconnect or VPN the sites already share.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from multidc.hierarchical._lazy import lazy_exports
 
 _LAZY = {  # name -> submodule, imported on first use: starting the lighthouse needs neither torch nor torchft's
     "ElasticDiLoCo": "diloco", "ElasticSite": "site", "ElasticTopology": "site",  # Python side
@@ -33,17 +34,7 @@ if TYPE_CHECKING:
     from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "ElasticDiLoCo",
