@@ -40,9 +40,11 @@ def _free_port() -> int:
 def lighthouse_cli():
     """``multidc lighthouse`` on a free loopback port: (address, the process tree)."""
     with ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0"], env=dict(os.environ)) as tree:
-        line = tree.process.stdout.readline()
-        match = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
-        assert match, line
+        lines = []  # torchft's own log line (stderr, merged) may come first: the native server starts at once
+        while not lines or (lines[-1] and "multidc lighthouse: listening" not in lines[-1] and len(lines) < 20):
+            lines.append(tree.process.stdout.readline())
+        match = re.search(r"multidc lighthouse: listening on (127\.0\.0\.1:\d+)", lines[-1])
+        assert match, "".join(lines)
         yield match.group(1), tree
 
 
