@@ -1,9 +1,10 @@
 """Who reads which byte ranges of a checkpoint, and in which rounds the ranges are exchanged. Pure: no I/O.
 
 A stored item (one :class:`ItemLocation`) that several ranks of one site need (a replicated tensor: DDP, the
-replicas of HSDP) is read from the store once per site: its rows are cut into equal ranges, one per rank that
-needs it, each range into pieces of at most ``piece_bytes``; every piece is read by one rank and sent to the
-site's other ranks that need it. Ranks of other sites read their own copy, so nothing needed by a whole site
+replicas of HSDP) is read from the store once per site: its rows are cut into equal ranges, one per reader (as
+many of those ranks as get at least half a piece each, the least loaded: a small item has one reader, so ranged
+GETs stay large), each range into pieces of at most ``piece_bytes``; every piece is read by one rank and sent to
+the site's other ranks that need it. Ranks of other sites read their own copy, so nothing needed by a whole site
 crosses the WAN more than once per site and no exchange leaves a site. Small items, values and items needed by
 one rank are read whole by each rank that needs them.
 
@@ -75,8 +76,26 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
             needers[loc].append(rank)
             names.setdefault(loc, name)
     locations = sorted(needers, key=lambda loc: (loc.file, loc.offset, loc.length))
+    groups = _readers(locations, needers, sites, piece_bytes, stripe_min_bytes)
     queues: dict[int, list[Piece]] = defaultdict(list)
     copies = 0
+    for index, loc in enumerate(locations):
+        for readers, holders in groups[index]:
+            for piece in _cut(index, loc, readers, holders, piece_bytes, copies):
+                queues[piece.reader].append(piece)
+            copies += 1
+    return ReadSchedule(locations=tuple(locations), names=tuple(names[loc] for loc in locations),
+                        rounds=_rounds(queues, round_bytes, piece_bytes))
+
+
+def _readers(locations: list[ItemLocation], needers: dict, sites: list[int], piece_bytes: int,
+             stripe_min_bytes: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Per location, its copies as ``(readers, holders)``. A striped item is read by as many of its site's ranks
+    as give each a share of at least half a piece (small ranged GETs cost a request each for little data), the
+    least loaded first, largest items first, so that the site's ranks read about equal bytes."""
+    groups: list[list] = [[] for _ in locations]
+    load: dict[int, int] = defaultdict(int)  # bytes each rank reads
+    striped = []
     for index, loc in enumerate(locations):
         by_site: dict[int, list[int]] = defaultdict(list)
         for rank in needers[loc]:
@@ -84,15 +103,21 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
         for site in sorted(by_site):
             ranks = sorted(by_site[site])
             if len(ranks) > 1 and loc.dtype is not None and loc.length >= stripe_min_bytes:
-                groups = [(ranks, ranks)]  # striped: all of them read, all of them receive
-            else:
-                groups = [([rank], [rank]) for rank in ranks]  # each reads the whole item for itself
-            for readers, holders in groups:
-                for piece in _cut(index, loc, readers, holders, piece_bytes, copies):
-                    queues[piece.reader].append(piece)
-                copies += 1
-    return ReadSchedule(locations=tuple(locations), names=tuple(names[loc] for loc in locations),
-                        rounds=_rounds(queues, round_bytes, piece_bytes))
+                striped.append((index, ranks))  # some of them read, all of them receive
+                continue
+            for rank in ranks:  # each reads the whole item for itself
+                groups[index].append(([rank], [rank]))
+                load[rank] += loc.length
+    for index, ranks in sorted(striped, key=lambda s: (-locations[s[0]].length, s[0])):
+        length = locations[index].length
+        count = max(1, min(len(ranks), length // max(1, piece_bytes // 2)))
+        readers = sorted(sorted(ranks, key=lambda r: (load[r], r))[:count])
+        for reader in readers:
+            load[reader] += length // count
+        groups[index].append((readers, ranks))
+    for copies in groups:  # one order for the copies of a location: the sites' (the plan is deterministic)
+        copies.sort(key=lambda c: (sites[c[1][0]], c[0]))
+    return groups
 
 
 def _cut(index: int, loc: ItemLocation, readers: list[int], holders: list[int], piece_bytes: int,

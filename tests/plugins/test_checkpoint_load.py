@@ -70,6 +70,26 @@ def test_replicated_items_are_read_once_per_site_in_equal_shares_within_the_roun
             assert sum(p.size for p in round_ if rank in p.receivers) <= budget
 
 
+def test_small_replicated_items_are_read_whole_by_one_rank_each_and_the_ranks_read_equal_bytes():
+    # 4 ranks of one site need 32 items of 3/4 piece and one large item: slicing the small ones 4 ways would cost
+    # 4 ranged GETs of 3/16 piece each; each is read whole by one rank instead, the ranks taking turns by load,
+    # while the large item is still striped over all four
+    small = [_loc(i * (24 << 10), 24) for i in range(32)]
+    large = _loc(32 * (24 << 10), 1000)
+    needs = [{loc: "w" for loc in [*small, large]} for _ in range(4)]
+    schedule = plan_reads(needs, [0] * 4, piece_bytes=PIECE, round_bytes=4 * PIECE, stripe_min_bytes=0)
+    pieces = schedule.pieces()
+    for index, loc in enumerate(schedule.locations):
+        readers = {p.reader for p in pieces if p.loc == index}
+        if loc in small:
+            (piece,) = [p for p in pieces if p.loc == index]  # one GET of the whole item
+            assert (piece.start, piece.end) == (0, loc.length) and len(piece.receivers) == 3
+        else:
+            assert readers == {0, 1, 2, 3}
+    read = [sum(p.size for p in pieces if p.reader == r) for r in range(4)]
+    assert max(read) - min(read) <= 24 << 10, read
+
+
 # ----------------------------------------------------------------------------- distributed, SeaweedFS
 def _record_gets(log: list) -> None:
     """Record every GET s3fs sends in this process: (key, Range header)."""
