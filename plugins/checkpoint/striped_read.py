@@ -105,21 +105,20 @@ class StripedRead:
         its destinations); it reads nothing, and every rank raises that error.
 
         Every rank runs the same collectives: a status per round (did anyone fail?), the round's exchange while
-        nobody has, a last status, the gather. A local failure is reported at the next status, never raised in
+        nobody has, the gather (which also carries a failure in the last round's copies). A local failure is reported at the next status, never raised in
         between. A collective that fails itself (the group broke) leaves at once: the others learn it from the
         heartbeat (``peer_failed``) and stop waiting."""
         mine = [p for p in self.schedule.pieces() if p.reader == self.rank] if error is None else []
+        self._local = error  # reported at the first round's status (or gathered, with no round)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="multidc-ckpt-get")
         threading.Thread(target=self._feed, args=(pool, mine), name="multidc-ckpt-feed", daemon=True).start()
         try:
-            if self._any_failed(error is not None):
-                raise error or _PeerFailed()
             for pieces in self.schedule.rounds:
                 if self._any_failed(self._wait_gets(pieces)):
                     raise self._local or _PeerFailed()
                 self._exchange(pieces)
-            if self._any_failed(self._local is not None):  # a failure in the last exchange's copies
-                raise self._local or _PeerFailed()
+            if self._local is not None:  # a failure in the last exchange's copies: the gather tells every rank
+                raise self._local
         except _Left as left:
             self.halt.set()
             self._abandon(left.cause)
