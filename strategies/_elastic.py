@@ -11,13 +11,13 @@ site, and every optimizer step is one step of the elastic job:
    weight, optimizer or scheduler state (its batch is consumed, not retried).
 
 The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
-and a rejoined site continues the job's count. Checkpoints (``ModelCheckpoint`` on every site, as usual) are
-written only by the site that committed the last step as the first of its quorum (``ElasticSite.is_leader``),
-also in a degraded quorum, so
-each save happens once; ``fit(ckpt_path=...)`` on one site or all resumes the job at the checkpoint's step (the
-first quorum gives that state to sites that start without one). A ``monitor``-ed top-k follows the leader's
-metrics. Refused, with a clear error: gradient accumulation (a site
-receiving the live state mid-accumulation would mix gradients of two models), fp16 loss scaling (the scale is not
+and a rejoined site continues the job's count. Checkpoints (``ModelCheckpoint`` on every site, as usual) are written
+only by the site that committed the last step as the first of its quorum (``ElasticSite.is_leader``: saves come at
+the batch end, after the commit), also in a degraded quorum, so each save happens once (a step that the quorum's
+first site discarded while another committed it is not saved); ``fit(ckpt_path=...)`` on one site or all resumes the
+job at the checkpoint's step (the first quorum gives that state to sites that start without one). A ``monitor``-ed
+top-k follows the leader's metrics. Refused, with a clear error: gradient accumulation (a site receiving the live
+state mid-accumulation would mix gradients of two models), fp16 loss scaling (the scale is not
 shared), and LR schedulers other than ``interval="step"``, ``frequency=1`` (epochs and batch counts differ per site).
 """
 

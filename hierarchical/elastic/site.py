@@ -196,8 +196,14 @@ class ElasticSite:
             quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
-        self.manager._client = QuorumIdentity(self.manager._client, on_quorum=transport.expect)
+        self.manager._client = QuorumIdentity(self.manager._client, on_quorum=self._on_quorum)
         self.topology: ElasticTopology | None = None
+
+    def _on_quorum(self, quorum) -> None:
+        """Each quorum answer (every rank): whether it makes this rank a source of the live state, and whether this
+        site holds the job's latest state as the first of the sites that hold it (``is_leader``)."""
+        self._transport.expect(quorum)
+        self._leads = leads_after_quorum(quorum)
 
     def _claim(self, state: dict) -> dict:
         """What a joining site must share with the live ones: the site size, the WAN settings, tensor shapes."""
@@ -250,9 +256,11 @@ class ElasticSite:
                 self._transport.quorum_done()
             # trained with the job before, received the live state, or the job starts with every site
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
-            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step()), self._votes)
+            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step(), self._leads),
+                                self._votes)
             steps = {vote[2] for vote in votes}
             ready, late = all(vote[0] for vote in votes) and len(steps) == 1, any(vote[1] for vote in votes)
+            self._leads = all(vote[3] for vote in votes) and len(steps) == 1  # the site leads as one
             if len(steps) > 1:  # a rank failed to heal: the whole site registers as behind, and heals next quorum
                 manager.load_state_dict({"step": min(steps), "batches_committed": manager.batches_committed()})
             if ready:
@@ -310,12 +318,17 @@ class ElasticSite:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this site saves the job's checkpoints now: it committed the last step (or round) it took part in
-        as the first site of that step's quorum, and received no live state since. One site per committed step, the
-        same answer on every rank of the site (the sites that commit a step hold identical states, so one copy is
-        the job's), whether the save comes before or after the next quorum. A checkpoint saved by the leader of a
-        degraded quorum is as complete as any. No site leads before its first committed step, nor after a step that
-        its quorum's first site discarded while another site committed it (that other site may save the next)."""
+        """Whether this site saves the job's checkpoints now. One site per committed step, the same answer on every
+        rank of the site (the sites that commit a step hold identical states, so one copy is the job's):
+
+        * after a commit, the site that committed the step as the first site of that step's quorum;
+        * after a quorum, the first site (in the quorum's order) of those that hold the job's latest step, unless
+          it received the live state in it. This also names a writer for a step that its quorum's first site
+          discarded while another site committed it, and for sites resumed from a checkpoint.
+
+        Every site saves at the same point of its loop, so one rule applies to a save on every site. A checkpoint
+        saved by the leader of a degraded quorum is as complete as any. No site leads at step 0, nor, before the
+        next quorum, after a step that its quorum's first site discarded."""
         return self._leads
 
     def resume(self, step: int) -> None:
@@ -393,6 +406,13 @@ class ElasticSite:
 def advertised_host(host: str | None = None) -> str:
     """The address other sites reach this host at: ``host``, else ``MULTIDC_ELASTIC_HOST``, else the host's name."""
     return host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
+
+
+def leads_after_quorum(quorum) -> bool:
+    """``is_leader`` from a torchft quorum answer: this site is the first (``max_replica_rank`` 0) of the sites at
+    the job's latest step, past step 0, and does not heal in this quorum (torchft also makes sites at step 0
+    other than its primary heal)."""
+    return quorum.max_replica_rank == 0 and quorum.max_step > 0 and not quorum.heal
 
 
 def _site_votes(vote: tuple, group) -> list[tuple]:

@@ -17,10 +17,10 @@ starts. Then:
 * ``cross_site="diloco"``: one quorum per outer round (``multidc.hierarchical.elastic.ElasticDiLoCo``).
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
-rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only the first site
-of the quorum of the step it committed writes (one copy of the job's state, named by ``job_step``), and
-``load_state(url)`` right after ``prepare`` resumes the job at the checkpoint's step (see
-``multidc.plugins.accelerate.state``). Parallel layouts are refused in this mode.
+rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only one site
+writes (``ElasticSite.is_leader``: the first of the sites that hold the job's latest step; one copy of the job's
+state, named by ``job_step``), and ``load_state(url)`` right after ``prepare`` resumes the job at the checkpoint's
+step (see ``multidc.plugins.accelerate.state``). Parallel layouts are refused in this mode.
 """
 
 from __future__ import annotations

@@ -46,11 +46,11 @@ class StateMixin:
                 they are deleted after this one committed (``multidc.plugins.Checkpointer.save``).
             **save_model_func_kwargs: Accelerate's own format only.
 
-        Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only the first site of the step's
-        quorum writes (the sites of a quorum hold the same job state; under DiLoCo its model and inner optimizer
-        are stored as site 0), also in a degraded quorum, so every site may call it alike; ``step`` defaults to
-        ``job_step``. The others return the same location without writing. Nothing is written before the job's
-        first committed step, nor for a step that its quorum's first site discarded while another committed it.
+        Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only one site writes, the first (in
+        quorum order) of the sites that hold the job's latest step (they hold the same job state; under DiLoCo its
+        model and inner optimizer are stored as site 0), also in a degraded quorum, so every site may call it alike;
+        ``step`` defaults to ``job_step``. The others return the same location without writing. Nothing is written
+        at step 0 (before the job's first committed step).
 
         Returns:
             Where the checkpoint is (committed when this returns, unless async).

@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--max-failed-steps", type=int, default=10)
     parser.add_argument("--quorum-timeout-s", type=float, default=120.0)
     parser.add_argument("--stall-s", type=float, default=0.0, help="sleep inside every step (a site too slow)")
+    parser.add_argument("--discard-at", type=int, default=-1, help="this site discards that step (a local error)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -64,9 +65,12 @@ def main() -> None:
                        sites=args.sites, max_failed_steps=args.max_failed_steps,
                        quorum_timeout_s=args.quorum_timeout_s)
     log, discarded, joined_at, last, last_step = [], 0, None, [], -1
+    leads = {"quorum": [], "commit": []}  # the job steps whose state this site would save, after which event
     while True:
         site.start_step()
         step = site.step
+        if site.is_leader:
+            leads["quorum"].append(step)
         # the end: every site took part in the last committed step (a site that just received the state included)
         if (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps:
             break
@@ -79,12 +83,16 @@ def main() -> None:
         present = torch.zeros(MAX_SITES)
         present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per site present
         site.all_reduce(present, op="sum")
+        if step == args.discard_at:
+            site.manager.report_error(RuntimeError(f"test: {args.site} discards step {step}"))
         if site.commit():
             opt.step()
             last, last_step = [s for s in range(MAX_SITES) if present[s] > 0.5], step
             log.append({"step": step, "sites": last})
         else:
             discarded += 1
+        if site.is_leader:
+            leads["commit"].append(site.step)
         opt.zero_grad()
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
@@ -92,7 +100,7 @@ def main() -> None:
         time.sleep(args.sleep)
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
-                "initial": initial,
+                "initial": initial, "leads": leads,
                 "final_step": site.step, "num_sites": site.num_sites},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     site.close()

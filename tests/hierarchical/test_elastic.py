@@ -276,6 +276,31 @@ def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_pa
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
+def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_committed_it(tmp_path, lighthouse):
+    # site0, the first of every quorum, discards step 4 (a local error) while site1 commits it: after the next
+    # quorum site1 is the one site that holds the job's state and leads; no step has two writers
+    names, discard = ["site0", "site1"], 4
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "10",
+                         *(["--discard-at", str(discard)] if name == "site0" else []))
+             for name in names}
+    try:
+        for name, tree in trees.items():
+            code, _ = tree.wait(TIMEOUT_S)
+            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
+    assert discard not in [e["step"] for e in ranks["site0"]["log"]]
+    assert discard in [e["step"] for e in ranks["site1"]["log"]]
+    final = ranks["site0"]["final_step"]
+    after_quorum = sorted(n for rank in ranks.values() for n in rank["leads"]["quorum"])
+    assert after_quorum == list(range(1, final + 1)), after_quorum  # one writer per job step, the gap filled
+    assert discard + 1 in ranks["site1"]["leads"]["quorum"]
+    after_commit = sorted(n for rank in ranks.values() for n in rank["leads"]["commit"])
+    assert after_commit == [n for n in range(1, final + 1) if n != discard + 1], after_commit  # documented gap
+
+
 def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path):
     # site1 stalls longer than the WAN timeout inside every step: every step fails; after max_failed_steps in a
     # row both sites raise, saying why, instead of retrying for ever (a long join timeout keeps them in one quorum)
