@@ -41,6 +41,8 @@ from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available  # noq
 from multidc.hierarchical.tools.launch import free_port  # noqa: E402
 from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 
+KINDS = ("kill", "cut", "lighthouse")
+
 
 class ElasticLabJob:
     """The lighthouse and the sites of one elastic job in ``lab``; every process is killed on exit."""
@@ -127,7 +129,7 @@ def _run(lab: Lab, args: argparse.Namespace, out: Path, faults: int, rng: random
                 down = None
             if len(injected) < faults and now >= next_fault:
                 progress = max((e["step"] for site in range(args.sites) for e in job.events(site)), default=-1)
-                kind = rng.choice(["kill", "cut", "lighthouse"])
+                kind = rng.choice(args.kinds)
                 returned = returns[-1] if returns else None
                 if (progress < 3 or progress >= args.steps - 5 or (kind != "lighthouse" and down is not None)
                         or (injected and progress <= injected[-1]["step"])
@@ -193,13 +195,18 @@ def _measure(run: dict, args: argparse.Namespace) -> dict:
                 stalls.append(b["time"] - a["time"])
                 if not any(a["time"] <= up and down <= b["time"] for down, up in run["lighthouse_down"]):
                     site_stalls.append(b["time"] - a["time"])
+    restarts = []  # per lighthouse restart: the longest gap of a site's commits across it
+    for down, up in run["lighthouse_down"]:
+        gaps = [b["time"] - a["time"] for log in events.values() for a, b in zip(log, log[1:])
+                if a["time"] <= down and up <= b["time"]]
+        restarts.append(max(gaps, default=0.0))
     rejoin = []
     for back in run["returns"]:
         firsts = [e["time"] for e in events[back["site"]] if e["time"] > back["at"]]
         rejoin.append(min(firsts) - back["at"] if firsts else float("inf"))
     digests = {f["digest"] for f in run["finals"]}
     return {"final_step": final, "lost": lost, "problems": problems, "longest_stall_s": max(stalls, default=0.0),
-            "longest_site_fault_stall_s": max(site_stalls, default=0.0),
+            "longest_site_fault_stall_s": max(site_stalls, default=0.0), "lighthouse_stalls_s": restarts,
             "rejoin_s": rejoin, "divergent": len(digests) - 1 if digests else 0,
             "val_loss": sorted(f["val_loss"] for f in run["finals"]), "ranks": len(run["finals"])}
 
@@ -241,6 +248,8 @@ def main() -> int:
     parser.add_argument("--gap-s", type=float, nargs=2, default=(3.0, 8.0))
     parser.add_argument("--down-s", type=float, nargs=2, default=(10.0, 30.0))
     parser.add_argument("--lighthouse-down-s", type=float, default=2.0)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="faults to draw from (default: all)")
     parser.add_argument("--max-run-s", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-results/fault_elastic")
@@ -259,7 +268,7 @@ def main() -> int:
         print(f"faulty run: {args.faults} faults", flush=True)
         faulty_run = _run(lab, args, out / "faulty", args.faults, rng)
     faulty = _measure(faulty_run, args)
-    kinds = {k: sum(f["kind"] == k for f in faulty_run["injected"]) for k in ("kill", "cut", "lighthouse")}
+    kinds = {k: sum(f["kind"] == k for f in faulty_run["injected"]) for k in KINDS}
     budget = args.timeout_s + 5.0
     print(f"faults injected          {len(faulty_run['injected'])} ({kinds})")
     print(f"exit codes               {faulty_run['codes']}")
@@ -267,6 +276,7 @@ def main() -> int:
     print(f"longest stall (sites up) {faulty['longest_site_fault_stall_s']:.1f} s after a site fault (target <= "
           f"timeout_s + 5 = {budget:.0f} s); {faulty['longest_stall_s']:.1f} s counting the lighthouse's restarts "
           f"({args.lighthouse_down_s:.0f} s down + its start: no quorum can form meanwhile)")
+    print(f"across each lighthouse restart: {', '.join(f'{g:.1f}' for g in faulty['lighthouse_stalls_s']) or '-'} s")
     print(f"cut sites that gave up   {faulty_run['gave_up'] or 'none'} (restarted with the same command)")
     rejoin = faulty["rejoin_s"]
     print(f"back in the quorum after {', '.join(f'{r:.1f}' for r in rejoin)} s (max {max(rejoin, default=0):.1f})")
