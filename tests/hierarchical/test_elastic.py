@@ -338,7 +338,8 @@ def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every
             return next(self.quorums)
 
     def quorum(qid, members, step):
-        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1")
+        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1",
+                               replica_world_size=len(members), max_world_size=len(members))
 
     site_a = QuorumIdentity(Client([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
                                      quorum(1, ["a"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
@@ -351,6 +352,61 @@ def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every
     assert len(set(ids_a)) == 4 and ids_a[4] not in ids_a[:4]  # the lighthouse's repeated id 2: a new quorum here
     assert ids_b[0] == ids_a[1] and ids_b[3] == ids_b[4] == ids_a[4]  # its members agree on it
     assert results[0].store_address == "s:1" and results[0].max_step == 0  # the rest is torchft's result
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_site_that_missed_a_restarted_lighthouses_first_quorum_reconfigures_with_the_others(committed):
+    """Seen in the fault benchmark: a restarted lighthouse formed its first quorum of sites a and b before c's
+    request came, then numbered the next one, of a, b and c, 2 again, as before the restart. c must not keep its
+    old rails for good: if a and b committed their step alone (``max_step`` jumps for c), every member takes the
+    same new id at once; if they discarded it, c cannot tell, the next step fails everywhere, and then every member
+    takes the same new id. A member behind (it failed a step the others committed) makes every member rebuild."""
+    from types import SimpleNamespace
+
+    from multidc.hierarchical.elastic.transport import QuorumIdentity
+
+    class Client:
+        def __init__(self, quorums):
+            self.quorums = iter(quorums)
+
+        def _quorum(self, **kwargs):
+            return next(self.quorums)
+
+    def quorum(qid, members, step, behind=0):
+        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, replica_world_size=len(members),
+                               max_world_size=len(members) - behind)
+
+    def ids(steps):  # steps: (quorum, whether this site's step then failed)
+        identity = QuorumIdentity(Client([q for q, _ in steps]))
+        out = []
+        for _, failed in steps:
+            out.append(identity._quorum().quorum_id)
+            identity.step_failed = failed
+        return out
+
+    abc = ["a", "b", "c"]
+    before = [(quorum(2, abc, 2), False), (quorum(2, abc, 3), False)]  # the old lighthouse
+    alone = [(quorum(1, ["a", "b"], 4), not committed)]  # a and b run step 4 without c
+    if committed:
+        shared = [(quorum(2, abc, 5), False), (quorum(2, abc, 6), True), (quorum(2, abc, 7, behind=1), False),
+                  (quorum(2, abc, 8), False)]  # at step 6 c alone fails: it is behind at the next quorum
+        fails = {"a": False, "b": False, "c": True}
+    else:
+        shared = [(quorum(2, abc, 4), True), (quorum(2, abc, 4), False), (quorum(2, abc, 5), False)]
+    got = {}
+    for site in abc:
+        steps = [*before, *(alone if site != "c" else []), *shared]
+        if committed:
+            steps[-3] = (steps[-3][0], fails[site])
+        got[site] = ids(steps)[:2] + ids(steps)[-len(shared):]
+    old = got["c"][1]
+    if committed:
+        assert got["a"] == got["b"] == got["c"], got  # agreed at once
+        first, kept, rebuilt, last = got["c"][2:]
+        assert first != old and kept == first and rebuilt != first and last == rebuilt
+    else:
+        assert got["a"] == got["b"] and got["c"][2] == old != got["a"][2]  # c cannot tell: this step fails
+        assert got["a"][3:] == got["c"][3:] and len({old, got["a"][2], got["a"][3]}) == 3 and got["a"][4] == got["a"][3]
 
 
 def test_a_site_asked_for_a_state_it_does_not_serve_answers_within_the_wan_timeout():
