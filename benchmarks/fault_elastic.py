@@ -196,9 +196,10 @@ def _measure(run: dict, args: argparse.Namespace) -> dict:
                 if not any(a["time"] <= up and down <= b["time"] for down, up in run["lighthouse_down"]):
                     site_stalls.append(b["time"] - a["time"])
     restarts = []  # per lighthouse restart: the longest gap of a site's commits across it
-    for down, up in run["lighthouse_down"]:
-        gaps = [b["time"] - a["time"] for log in events.values() for a, b in zip(log, log[1:])
-                if a["time"] <= down and up <= b["time"]]
+    for down, up in run["lighthouse_down"]:  # not counting gaps that span the site's own outage
+        gaps = [b["time"] - a["time"] for site, log in events.items() for a, b in zip(log, log[1:])
+                if a["time"] <= down and up <= b["time"]
+                and not any(a["time"] - 1 <= o["at"] <= b["time"] for o in run["outages"] if o["site"] == site)]
         restarts.append(max(gaps, default=0.0))
     rejoin = []
     for back in run["returns"]:

@@ -196,8 +196,7 @@ class ElasticSite:
             quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
-        self._identity = QuorumIdentity(self.manager._client, on_quorum=self._on_quorum)
-        self.manager._client = self._identity
+        self.manager._client = QuorumIdentity(self.manager._client, on_quorum=self._on_quorum)
         self.topology: ElasticTopology | None = None
 
     def _on_quorum(self, quorum) -> None:
@@ -379,7 +378,6 @@ class ElasticSite:
             RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
         """
         committed = self.manager.should_commit()
-        self._identity.step_failed = not committed  # a failed step rebuilds the rails at the next quorum
         self._leads = committed and self.topology is not None and self.topology.site == 0
         # the site's vote and quorum are the same on every rank: its ranks count (and raise) together
         failed = not committed and self.manager.num_participants() >= self._min_sites

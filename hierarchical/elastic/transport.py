@@ -25,27 +25,25 @@ class QuorumIdentity:
     from 1 in memory, so after a lighthouse restart the ids repeat: a site whose last id comes again keeps a group
     with the old members, and the others rendezvous among keys left by the earlier quorum of that id (gloo then
     dials ports closed long ago and times out). Here a quorum gets a new id, a hash of the lighthouse's id, the
-    members, ``max_step`` and why (the same in every member's answer), whenever
+    members and ``max_step`` (the same in every member's answer), whenever
 
     * its lighthouse id or members differ from this site's last quorum;
     * ``max_step`` grew by more than one since this site's last quorum: the others ran a quorum without it (a
       restarted lighthouse formed its first quorum before this site's request came), which may have repeated
       this site's last id and members;
-    * a member is behind (``max_world_size`` < ``replica_world_size``: it failed a step the others committed),
-      or this site's last step failed (``step_failed``): the rails may be out of step. When some members failed
-      and others committed, the failed ones are behind, which every member sees; when all failed, each knows.
+    * this site heals while its lighthouse id and members are unchanged: it failed a step the others committed,
+      and (the lighthouse gives a new id to a quorum after a member's failed step) that step was not in this
+      site's last quorum.
 
     Every member decides from the same answer and its own last quorum, which it shared with the others unless it
-    missed one (then the others' membership changed): they agree on the id, and it differs from earlier ones. One
-    case needs a failed step to converge: the quorum a site missed discarded its step (``max_step`` did not grow),
-    so that site keeps its rails while the others rebuild theirs; the step fails everywhere and the next quorum
-    rebuilds every member's (torchft 0.2's answer carries no ``commit_failures`` to tell it at once)."""
+    missed one (then the others' lighthouse id or members changed): they agree on the id, and it differs from
+    earlier ones. One case takes a failed step to converge: the quorum a site missed discarded its step, so neither
+    ``max_step`` nor its own step tells it; it keeps its rails while the others rebuild theirs, the step fails
+    everywhere, and the lighthouse's new id after that failure rebuilds every member's."""
 
     def __init__(self, client, on_quorum=None) -> None:
         self._client, self._seen, self._id, self._on_quorum = client, None, -1, on_quorum
         self._max_step: int | None = None  # of this site's last quorum
-        self.step_failed = False
-        """Set by the site after each step: whether it was discarded here."""
 
     def _quorum(self, *args, **kwargs):
         quorum = self._client._quorum(*args, **kwargs)
@@ -53,12 +51,10 @@ class QuorumIdentity:
             self._on_quorum(quorum)
         seen = (quorum.quorum_id, tuple(quorum.replica_ids))
         missed = self._max_step is not None and quorum.max_step > self._max_step + 1
-        failed = self.step_failed or quorum.max_world_size < quorum.replica_world_size
-        if seen != self._seen or missed or failed:
-            why = "failed" if failed and seen == self._seen and not missed else "new"
-            key = f"{seen[0]}|{','.join(seen[1])}|{quorum.max_step}|{why}".encode()
+        if seen != self._seen or missed or quorum.heal:
+            key = f"{seen[0]}|{','.join(seen[1])}|{quorum.max_step}".encode()
             self._seen, self._id = seen, int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
-        self._max_step, self.step_failed = quorum.max_step, False
+        self._max_step = quorum.max_step
         return _Renumbered(quorum, self._id)
 
     def __getattr__(self, name: str):

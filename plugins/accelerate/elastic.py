@@ -18,9 +18,9 @@ starts. Then:
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
 rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only one site
-writes (``ElasticSite.is_leader``: the first of the sites that hold the job's latest step; one copy of the job's
-state, named by ``job_step``), and ``load_state(url)`` right after ``prepare`` resumes the job at the checkpoint's
-step (see ``multidc.plugins.accelerate.state``). Parallel layouts are refused in this mode.
+writes (``ElasticSite.is_leader``; one copy of the job's state, named by ``job_step``), and ``load_state(url)``
+right after ``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``).
+Parallel layouts are refused in this mode.
 """
 
 from __future__ import annotations

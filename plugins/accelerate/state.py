@@ -46,11 +46,14 @@ class StateMixin:
                 they are deleted after this one committed (``multidc.plugins.Checkpointer.save``).
             **save_model_func_kwargs: Accelerate's own format only.
 
-        Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only one site writes, the first (in
-        quorum order) of the sites that hold the job's latest step (they hold the same job state; under DiLoCo its
-        model and inner optimizer are stored as site 0), also in a degraded quorum, so every site may call it alike;
-        ``step`` defaults to ``job_step``. The others return the same location without writing. Nothing is written
-        at step 0 (before the job's first committed step).
+        Elastic mode (``MultiDCPlugin(elastic=True)``): always through multidc; only one site writes
+        (``ElasticSite.is_leader``; the sites of a quorum hold the same job state; under DiLoCo its model and inner
+        optimizer are stored as site 0), also in a degraded quorum, so every site may call it alike; ``step``
+        defaults to ``job_step``. The others return the same location without writing. The writer: after
+        ``zero_grad()`` or the next training forward (the next quorum), the first of the sites that hold the job's
+        latest step; between ``optimizer.step()`` and the next quorum, the first site of the step's quorum if it
+        committed the step (a step it discarded while another site committed it is then not saved). Nothing is
+        written at step 0.
 
         Returns:
             Where the checkpoint is (committed when this returns, unless async).

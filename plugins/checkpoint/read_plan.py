@@ -109,11 +109,12 @@ def _readers(locations: list[ItemLocation], needers: dict, sites: list[int], pie
                 groups[index].append(([rank], [rank]))
                 load[rank] += loc.length
     for index, ranks in sorted(striped, key=lambda s: (-locations[s[0]].length, s[0])):
-        length = locations[index].length
-        count = max(1, min(len(ranks), length // max(1, piece_bytes // 2)))
+        loc = locations[index]
+        rows = loc.length // row_bytes(loc)
+        count = max(1, min(len(ranks), rows, loc.length // max(1, piece_bytes // 2)))
         readers = sorted(sorted(ranks, key=lambda r: (load[r], r))[:count])
         for reader in readers:
-            load[reader] += length // count
+            load[reader] += loc.length // count
         groups[index].append((readers, ranks))
     for copies in groups:  # one order for the copies of a location: the sites' (the plan is deterministic)
         copies.sort(key=lambda c: (sites[c[1][0]], c[0]))

@@ -105,9 +105,9 @@ class StripedRead:
         its destinations); it reads nothing, and every rank raises that error.
 
         Every rank runs the same collectives: a status per round (did anyone fail?), the round's exchange while
-        nobody has, the gather (which also carries a failure in the last round's copies). A local failure is reported at the next status, never raised in
-        between. A collective that fails itself (the group broke) leaves at once: the others learn it from the
-        heartbeat (``peer_failed``) and stop waiting."""
+        nobody has, the gather (which also carries a failure in the last round's copies). A local failure is
+        reported at the next status, never raised in between. A collective that fails itself (the group broke)
+        leaves at once: the others learn it from the heartbeat (``peer_failed``) and stop waiting."""
         mine = [p for p in self.schedule.pieces() if p.reader == self.rank] if error is None else []
         self._local = error  # reported at the first round's status (or gathered, with no round)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="multidc-ckpt-get")
