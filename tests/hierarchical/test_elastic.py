@@ -112,9 +112,7 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         (tmp_path / f"{names[victim]}.progress").unlink()
         trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
                                      **launch)  # the same command
-        for name, tree in trees.items():
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+        finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():
             tree.kill()
@@ -182,9 +180,7 @@ def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
             assert time.monotonic() < deadline, "the job never reached the restart step"
             time.sleep(0.05)
         lighthouse.restart(down_s=2.0)
-        for name, tree in trees.items():
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+        finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():
             tree.kill()
@@ -194,6 +190,18 @@ def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
                                                                                           rank["final_step"]))
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def finish_all(trees: dict, out: Path, timeout_s: float = TIMEOUT_S) -> None:
+    """Wait for every site's tree to end with exit code 0 (else fail with its log); kill every process after."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        for name, tree in trees.items():
+            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"{name}:\n{_logs(out, name)}"
+    finally:
+        for tree in trees.values():
+            tree.kill()
 
 
 def _logs(out: Path, name: str) -> str:
@@ -257,13 +265,7 @@ def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_pa
     names = ["site0", "site1"]
     trees = {name: _site(name, 2, 2, lighthouse.address, tmp_path, "--seed-per-site", "--steps", "6")
              for name in names}
-    try:
-        for name, tree in trees.items():
-            code, _ = tree.wait(TIMEOUT_S)
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
+    finish_all(trees, tmp_path)
     ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt") for name in names for r in range(2)]
     for rank in ranks:
         assert rank["joined_at"] == 0
@@ -283,13 +285,7 @@ def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_commi
     trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "10",
                          *(["--discard-at", str(discard)] if name == "site0" else []))
              for name in names}
-    try:
-        for name, tree in trees.items():
-            code, _ = tree.wait(TIMEOUT_S)
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
+    finish_all(trees, tmp_path)
     ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
     assert discard not in [e["step"] for e in ranks["site0"]["log"]]
     assert discard in [e["step"] for e in ranks["site1"]["log"]]

@@ -29,6 +29,7 @@ from tests.hierarchical.test_elastic import (  # noqa: E402
     _progress,
     _run_with_a_kill,
     _site,
+    finish_all,
     run_alone,
 )
 
@@ -56,9 +57,7 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse):
         (tmp_path / "site1.progress").unlink()
         time.sleep(2)
         trees["site1"] = _trainer_site("site1", lighthouse.address, tmp_path)
-        for name, tree in trees.items():
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+        finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():
             tree.kill()
@@ -106,13 +105,7 @@ def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path,
     trees = {"site0": _site("site0", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT),
              "site1": _site("site1", 1, 2, lighthouse.address, tmp_path, *common, "--stall-at", "5", "--stall-s",
                             "5", script=SCRIPT)}
-    try:
-        for name, tree in trees.items():
-            code, _ = tree.wait(TIMEOUT_S)
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
+    finish_all(trees, tmp_path)
     ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1")]
     assert ranks[0]["discarded"] >= 1, "no step was discarded"
     assert [e["step"] for e in ranks[0]["log"]] == list(range(20))
