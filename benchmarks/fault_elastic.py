@@ -110,6 +110,7 @@ def _run(lab: Lab, args: argparse.Namespace, out: Path, faults: int, rng: random
     """One job; ``faults`` random faults (0: the unbroken reference). Returns the measurements."""
     injected, returns, outages, lighthouse_down, gave_up, stacks_dumped = [], [], [], [], [], set()
     deadline = time.monotonic() + args.max_run_s
+    shutil.rmtree(out, ignore_errors=True)  # events of an earlier run in the same --out would count as this one's
     with ElasticLabJob(lab, args, out) as job:
         down = None  # (site, kind, back_at)
         next_fault = time.monotonic() + rng.uniform(*args.gap_s)
