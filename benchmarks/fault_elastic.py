@@ -188,20 +188,16 @@ def _measure(run: dict, args: argparse.Namespace) -> dict:
         problems.append(f"steps committed by different groups of sites (split quorum): {split[:10]}")
     union = sorted({e["step"] for log in events.values() for e in log})
     lost = [s for s in range(final) if s not in union]
-    stalls, site_stalls = [], []
-    for site, log in events.items():  # gaps between a site's commits, except those spanning its own outage
+    gaps = []  # (from, to) between a site's consecutive commits, except those spanning its own outage
+    for site, log in events.items():
         starts = [o["at"] for o in run["outages"] if o["site"] == site]
-        for a, b in zip(log, log[1:]):
-            if not any(a["time"] - 1 <= start <= b["time"] for start in starts):
-                stalls.append(b["time"] - a["time"])
-                if not any(a["time"] <= up and down <= b["time"] for down, up in run["lighthouse_down"]):
-                    site_stalls.append(b["time"] - a["time"])
-    restarts = []  # per lighthouse restart: the longest gap of a site's commits across it
-    for down, up in run["lighthouse_down"]:  # not counting gaps that span the site's own outage
-        gaps = [b["time"] - a["time"] for site, log in events.items() for a, b in zip(log, log[1:])
-                if a["time"] <= down and up <= b["time"]
-                and not any(a["time"] - 1 <= o["at"] <= b["time"] for o in run["outages"] if o["site"] == site)]
-        restarts.append(max(gaps, default=0.0))
+        gaps += [(a["time"], b["time"]) for a, b in zip(log, log[1:])
+                 if not any(a["time"] - 1 <= start <= b["time"] for start in starts)]
+    downs = run["lighthouse_down"]
+    stalls = [b - a for a, b in gaps]
+    site_stalls = [b - a for a, b in gaps if not any(a <= up and down <= b for down, up in downs)]
+    restarts = [max((b - a for a, b in gaps if a <= down and up <= b), default=0.0)  # the longest across each
+                for down, up in downs]
     rejoin = []
     for back in run["returns"]:
         firsts = [e["time"] for e in events[back["site"]] if e["time"] > back["at"]]

@@ -325,27 +325,33 @@ def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path)
         server.shutdown()
 
 
+class _Answers:
+    """A torchft manager client that answers the given quorums, one per call."""
+
+    def __init__(self, quorums):
+        self.quorums = iter(quorums)
+
+    def _quorum(self, **kwargs):
+        return next(self.quorums)
+
+
+def _answer(qid, members, step, heal=False):
+    """A torchft quorum answer with the fields ``QuorumIdentity`` reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1", heal=heal)
+
+
 def test_a_restarted_lighthouse_that_repeats_quorum_ids_still_reconfigures_every_site():
     """torchft's manager reconfigures (and rendezvouses under ``torchft/<quorum_id>``) only when the id changes; a
     restarted lighthouse numbers its quorums from 1 again. Each distinct quorum must get an id no earlier one had,
     the same one in every member, and keep it while it lasts."""
-    from types import SimpleNamespace
-
     from multidc.hierarchical.elastic.transport import QuorumIdentity
 
-    class Client:
-        def __init__(self, quorums):
-            self.quorums = iter(quorums)
-
-        def _quorum(self, **kwargs):
-            return next(self.quorums)
-
-    def quorum(qid, members, step):
-        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, store_address="s:1", heal=False)
-
-    site_a = QuorumIdentity(Client([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+    quorum = _answer
+    site_a = QuorumIdentity(_Answers([quorum(1, ["a"], 0), quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
                                      quorum(1, ["a"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
-    site_b = QuorumIdentity(Client([quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
+    site_b = QuorumIdentity(_Answers([quorum(2, ["a", "b"], 0), quorum(2, ["a", "b"], 1),
                                      quorum(1, ["b"], 2), quorum(2, ["a", "b"], 2), quorum(2, ["a", "b"], 3)]))
     results = [site_a._quorum() for _ in range(6)]  # the lighthouse restarts after the third quorum
     ids_a = [result.quorum_id for result in results]
@@ -363,31 +369,22 @@ def test_a_site_that_missed_a_restarted_lighthouses_first_quorum_reconfigures_wi
     old rails for good. When a and b committed a step alone, c sees it (``max_step`` jumps, or c is behind and
     heals) and every member takes the same new id at once; when they discarded it, c cannot tell, the next step
     fails everywhere, and the lighthouse's new id after that failure gives every member the same new id."""
-    from types import SimpleNamespace
-
     from multidc.hierarchical.elastic.transport import QuorumIdentity
 
-    class Client:
-        def __init__(self, quorums):
-            self.quorums = iter(quorums)
-
-        def _quorum(self, **kwargs):
-            return next(self.quorums)
-
-    def quorum(qid, members, step, heal=False):
-        return SimpleNamespace(quorum_id=qid, replica_ids=members, max_step=step, heal=heal)
+    quorum = _answer
 
     def ids(quorums):
-        identity = QuorumIdentity(Client(quorums))
+        identity = QuorumIdentity(_Answers(quorums))
         return [identity._quorum().quorum_id for _ in quorums]
 
     abc, ab = ["a", "b", "c"], ["a", "b"]
+    before = [quorum(2, abc, 2), quorum(2, abc, 3)]  # the old lighthouse
     if case == "committed alone":  # all commit step 3, then a and b step 4 alone
-        before, alone, shared = [quorum(2, abc, 2), quorum(2, abc, 3)], [quorum(1, ab, 4)], [5, 6]
+        alone, shared = [quorum(1, ab, 4)], [5, 6]
     elif case == "committed what c failed":  # step 3 fails everywhere; a and b commit it alone
-        before, alone, shared = [quorum(2, abc, 2), quorum(2, abc, 3)], [quorum(1, ab, 3)], [4, 5]
+        alone, shared = [quorum(1, ab, 3)], [4, 5]
     else:  # all commit step 3; a and b discard step 4 alone, then step 4 fails for all: a new lighthouse id
-        before, alone, shared = [quorum(2, abc, 2), quorum(2, abc, 3)], [quorum(1, ab, 4)], [4, 4, 5]
+        alone, shared = [quorum(1, ab, 4)], [4, 4, 5]
     got = {}
     for site in abc:
         later = [quorum(2 if i < 1 or case != "discarded alone" else 3, abc, step,
