@@ -36,14 +36,14 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     site's parameters; ``strategy.diloco.global_parameters()`` swaps in the global ones (while fitting).
 
     ``elastic=True`` (env ``MULTIDC_ELASTIC=1``; see ``HierarchicalDDPStrategy``): each site is its own job and
-    each outer round has its own quorum of the sites present (``multidc.hierarchical.elastic.ElasticDiLoCo``); a
+    each outer sync has its own quorum of the sites present (``multidc.hierarchical.elastic.ElasticDiLoCo``); a
     restarted site receives the global parameters, the outer and inner optimizer states, the LR schedulers and the
     job's inner step from a live site. ``ModelCheckpoint`` runs on every site as usual and the first site of the
     round's quorum writes each checkpoint, once, also in a degraded round: its model and inner optimizer (as site 0)
     and the DiLoCo state with the job's round. ``fit(ckpt_path=...)`` on one site or all resumes the job there.
     Save at round ends (``every_n_train_steps`` a multiple of ``sync_every``) for a resume that continues as an
-    unbroken run; a mid-round checkpoint resumes every site from the saving site's parameters. Plain DiLoCo only
-    (``fragments=1``, ``overlap_steps=0``).
+    unbroken run; a mid-round checkpoint resumes every site from the saving site's parameters. Streaming DiLoCo
+    (``fragments > 1``) has a quorum per fragment sync; ``overlap_steps`` must be 0.
 
     Args:
         diloco: ``DiLoCoConfig``; default ``DiLoCoConfig()`` from ``MULTIDC_DILOCO_*``, built here, so a missing

@@ -1,16 +1,18 @@
-"""``ElasticDiLoCo``: DiLoCo whose outer rounds are the steps of an elastic job (torchft quorum per outer sync).
+"""``ElasticDiLoCo``: DiLoCo whose syncs are the steps of an elastic job (torchft quorum per outer sync).
 
-A round is ``sync_every`` inner steps. Its quorum forms at its start, right after the previous sync (a site that
-(re)joins receives the live global parameters, outer optimizer state, inner optimizer state and step counts there,
-and trains the whole round with the others). At its end the pseudo-gradients ``global - local`` are averaged over
-the round's sites (the hierarchical all-reduce in ``replicated`` mode over each rail, compressed as configured),
-and the sites' ranks vote: a committed round steps the outer optimizer; a discarded one (a site died or its link
-was cut during the round) changes no global parameter and puts the local parameters back to the global ones, so
-no half-reduced update is ever applied. Either way every site then starts its next round from the same global
+A round is the inner steps up to the next sync: ``sync_every`` of them in plain DiLoCo, ``sync_every / fragments``
+in streaming DiLoCo, where each sync averages one fragment (the fragments take turns). A round's quorum forms at its
+start, right after the previous sync (a site that (re)joins receives the live global parameters, outer optimizer
+states, its peer's local parameters, inner optimizer state and step counts there, and trains the whole round with
+the others). At its end the fragment's pseudo-gradients ``global - local`` are averaged over the round's sites (the
+hierarchical all-reduce in ``replicated`` mode over each rail, compressed as configured), and the sites' ranks vote:
+a committed round steps the fragment's outer optimizer; a discarded one (a site died or its link was cut during the
+round) changes no global parameter and puts the fragment's local parameters back to the global ones, so no
+half-reduced update is ever applied. Either way every site then starts its next round from the same global
 parameters, and the next quorum heals a site that discarded a round another committed.
 
-Plain DiLoCo only: streaming fragments and overlapped syncs keep a sync in flight across a round boundary, where a
-membership change has no consistent meaning, so ``fragments`` must be 1 and ``overlap_steps`` 0.
+Overlapped syncs (``overlap_steps > 0``) are refused: their all-reduce is still in flight when the next round's
+quorum may change the sites present, so the sites that merge a result would not be the sites that computed it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ElasticDiLoCo(DiLoCo):
     Args:
         model, inner_optimizer, outer_optimizer, blocks: as for ``DiLoCo``; ``inner_optimizer`` is required (its
             state travels to a rejoining site).
-        config: ``DiLoCoConfig`` with ``fragments=1`` and ``overlap_steps=0``; ``None``: ``DiLoCoConfig()``.
+        config: ``DiLoCoConfig`` with ``overlap_steps=0`` (plain or streaming); ``None``: ``DiLoCoConfig()``.
         wan: WAN settings of the syncs (``timeout_s``: how long a round's sync waits for a dead site before the
             round is discarded); ``config.compression`` is its codec.
         state_dict, load_state_dict: more state that travels to a rejoining site (LR schedulers, data loader
@@ -65,11 +67,12 @@ class ElasticDiLoCo(DiLoCo):
     and inner optimizer of one site (the first of the round's quorum: ``site.is_leader``). A site built with
     ``join=False`` that loads it (``load_state_dict``) resumes the job at that round: the first quorum gives its
     state to sites that start without one, and it takes the live sites' state instead if they are further on.
-    Saved right after a round (inner steps a multiple of ``sync_every``) every site holds the global parameters and a
-    resumed run continues as an unbroken one; saved mid-round, every site resumes from the saving site's parameters.
+    Saved right after a plain DiLoCo round (inner steps a multiple of ``sync_every``) every site holds the global
+    parameters and a resumed run continues as an unbroken one; saved at any other step (and always in streaming
+    DiLoCo, where only the fragment just synced is global) every site resumes from the saving site's parameters.
 
     Raises:
-        ValueError: bad or unsupported settings (streaming, overlap), differing settings inside the site; a site
+        ValueError: bad or unsupported settings (overlap), differing settings inside the site; a site
             whose model or settings differ from the live sites' fails when it joins, and they go on without it.
         ImportError: torchft is missing.
     """
@@ -186,18 +189,19 @@ class ElasticDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Count one inner step; at a round's end average the pseudo-gradients over the round's sites, step the
-        outer optimizer if the site's ranks commit the round, and join the next quorum (with ``start_rounds=False``
-        the caller does that: ``start_round()``). Every rank of the site."""
+        """Count one inner step; at a round's end average the due fragment's pseudo-gradients over the round's
+        sites, step its outer optimizer if the site's ranks commit the round, and join the next quorum (with
+        ``start_rounds=False`` the caller does that: ``start_round()``). Every rank of the site."""
         if self.round_pending:
             raise RuntimeError("ElasticDiLoCo: start_round() must come before the first inner step (join=False) and, "
                                "with start_rounds=False, between a round's end and the next inner step.")
         self.stats.inner_steps += 1
         self.synced = None
-        if self.stats.inner_steps % self.config.sync_every:
+        due = self._due(self.stats.inner_steps)
+        if due is None:
             return
         started = time.perf_counter()
-        fragment = self._fragments[0]
+        fragment = self._fragments[due]
         delta = fragment.global_flat.clone()
         for local, view in zip(fragment.params, _views(delta, fragment.params)):
             view.sub_(local)
@@ -212,11 +216,16 @@ class ElasticDiLoCo(DiLoCo):
             fragment.outer.zero_grad(set_to_none=True)
             self.stats.outer_syncs += 1
         for local, view in zip(fragment.params, fragment.global_views):
-            local.copy_(view)  # the next round starts from the global parameters, also after a discarded one
+            local.copy_(view)  # the fragment starts the next round from its global parameters, also after a discard
         self.stats.exposed_s += time.perf_counter() - started
         self.round_pending = True
         if self._start_rounds:
             self.start_round()
+
+    def _due(self, t: int) -> int | None:
+        """The fragment whose sync ends the round at inner step ``t``, or None (at most one: ``fragments <=
+        sync_every`` spreads their offsets apart)."""
+        return next((i for i, f in enumerate(self._fragments) if t % self.config.sync_every == f.offset), None)
 
     def start_round(self) -> None:
         """Join the next round's quorum; a site that is behind receives the live state here. Called by ``step()``
@@ -244,10 +253,10 @@ class ElasticDiLoCo(DiLoCo):
 
 def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
     """``config``, if elastic DiLoCo can run it; else a ValueError saying what to change."""
-    if config.fragments != 1 or config.overlap_steps != 0:
+    if config.overlap_steps != 0:
         raise ValueError(
-            f"elastic DiLoCo runs plain DiLoCo: fragments={config.fragments}, overlap_steps={config.overlap_steps}"
-            f" must be 1 and 0 (a streaming or overlapped sync spans a change of the sites present); set "
-            f"MULTIDC_DILOCO_FRAGMENTS=1 and MULTIDC_DILOCO_OVERLAP_STEPS=0, or train without elastic."
+            f"elastic DiLoCo syncs without overlap: overlap_steps={config.overlap_steps} must be 0 (an overlapped "
+            f"sync is still in flight when the next round's quorum may change the sites present); set "
+            f"MULTIDC_DILOCO_OVERLAP_STEPS=0 (streaming fragments are fine), or train without elastic."
         )
     return config

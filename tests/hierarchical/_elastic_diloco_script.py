@@ -4,10 +4,11 @@
         --rounds 8 --sites 3 --out DIR
 
 Each rank trains ``model()`` (under DDP over its site's ranks) with inner SGD on its rows (``rows(site, local rank,
-inner step)``); ``ElasticDiLoCo`` averages the pseudo-gradients over the sites of each round. The job ends once
-``--rounds`` rounds are committed and all ``--sites`` sites took part in the last one. Every committed round is
-logged with its sites and first inner step; each rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress
-(committed rounds) as it goes.
+inner step)``); ``ElasticDiLoCo`` averages the pseudo-gradients over the sites of each round (``--fragments 2``:
+streaming, one of two fragments every ``SYNC_EVERY / 2`` steps). The job ends once ``--rounds`` syncs are committed
+and all ``--sites`` sites took part in the last one. Every committed round is logged with its sites and first inner
+step, every sync with its outcome, every state received from a peer (heal) with its source and inner step; each
+rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (committed syncs) as it goes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--sync-every", type=int, default=SYNC_EVERY)
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR)
+    parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: the model's two Linear layers")
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -47,9 +49,18 @@ def main() -> None:
     net = model(seed=index if args.seed_per_site else 0)
     trained = torch.nn.parallel.DistributedDataParallel(net) if dist.get_world_size() > 1 else net
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=OUTER_MOMENTUM)
+    config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=OUTER_MOMENTUM,
+                          fragments=args.fragments)
+    heals, live = [], {}
+
+    def healed(state: dict) -> None:  # the live state's sender, and the job's inner step it resumes at
+        heals.append({"source": state["site"], "t0": state["t0"]})
+
     diloco = ElasticDiLoCo(trained, opt, config, site=args.site, wan=WanConfig(timeout_s=args.timeout_s),
-                           sites=args.sites)
+                           sites=args.sites, blocks=[net[0], net[2]],
+                           state_dict=lambda: {"site": index, "t0": live["diloco"].inner_steps if live else 0},
+                           load_state_dict=healed)
+    live["diloco"] = diloco
 
     def round_start() -> tuple[list[int], int, int]:
         present = torch.zeros(MAX_SITES)
@@ -58,7 +69,7 @@ def main() -> None:
         return [s for s in range(MAX_SITES) if present[s] > 0.5], diloco.inner_steps, diloco.outer_steps
 
     joined_at, initial = diloco.outer_steps, {n: p.detach().clone() for n, p in net.named_parameters()}
-    log, discarded, last, last_step = [], 0, [], -1
+    log, syncs, discarded, last, last_step = [], [], 0, [], -1
     sites, t0, step = round_start()
     while True:
         x, y = rows(index, rank, diloco.inner_steps)
@@ -67,6 +78,7 @@ def main() -> None:
         opt.zero_grad()
         if diloco.synced is None:
             continue
+        syncs.append({"t0": t0, "t1": diloco.inner_steps, "committed": diloco.synced, "sites": sites})
         if diloco.synced:
             log.append({"step": step, "sites": sites, "t0": t0})
             last, last_step = sites, step
@@ -80,9 +92,12 @@ def main() -> None:
             break
         time.sleep(args.sleep)
         sites, t0, step = round_start()
-    params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
-                "initial": initial, "final_step": diloco.outer_steps, "num_sites": diloco.num_sites},
+    local = {n: p.detach().clone() for n, p in net.named_parameters()}
+    with diloco.global_parameters():  # every site's: equal after each sync (streaming: the site's own elsewhere)
+        params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"site": index, "params": params, "local": local, "log": log, "syncs": syncs, "heals": heals,
+                "discarded": discarded, "joined_at": joined_at, "initial": initial,
+                "final_step": diloco.outer_steps, "num_sites": diloco.num_sites},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     diloco.close()
     dist.destroy_process_group()

@@ -50,35 +50,62 @@ def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
 
 
 def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor], *, sync_every: int,
-                     outer_lr: float, outer_momentum: float, scheduled: bool = False) -> dict[str, torch.Tensor]:
-    """One process replays the committed DiLoCo rounds from the global parameters ``initial``: in each round
-    (``log``: ``{"step", "sites", "t0"}``, in order) every site that took part trains a copy of the global
-    parameters for ``sync_every`` inner SGD steps (inner step ``t`` of site ``s``: the mean gradient over its ranks
-    on ``rows(s, rank, t)``, ``t`` from ``t0``); the outer SGD (Nesterov momentum) steps the global parameters
-    with the mean of ``global - local`` over the sites; with ``scheduled``, inner step ``t`` runs at
-    ``LR * lr_factor(t)``."""
+                     outer_lr: float, outer_momentum: float, scheduled: bool = False, fragments: int = 1,
+                     heals: list[dict] = (), with_local: bool = False):
+    """One process replays elastic DiLoCo rounds from the parameters ``initial`` (every site's at the first round).
+
+    ``log``: the rounds in order, ``{"t0", "sites"}`` (first inner step, the sites that took part) and optionally
+    ``"t1"`` (the inner step whose sync ends the round; default ``t0 + sync_every``) and ``"committed"`` (default
+    True). In every round every site trains its own copy for inner steps ``t0 .. t1 - 1`` (inner step ``t`` of
+    site ``s``: the mean gradient over its ranks on ``rows(s, rank, t)``; with ``scheduled`` at ``LR *
+    lr_factor(t)``); the round's sync takes the fragment due at ``t1`` (the model's two Linear layers are blocks
+    0 and 1, block ``i`` in fragment ``i mod fragments``; fragment ``f`` syncs when ``t1 % sync_every ==
+    (f + 1) * sync_every // fragments % sync_every``). A committed sync steps the fragment's global parameters
+    by outer SGD (Nesterov momentum) with the mean of ``global - local`` over the round's sites; committed or not,
+    every site's fragment then takes the global values. ``heals``: ``{"site", "source", "t0"}``: before the round
+    starting at ``t0`` the site takes the source's parameters. Returns the global parameters, and with
+    ``with_local`` also ``{site: its parameters}``."""
     glob = model()
     glob.load_state_dict(initial)
+    names = [name for name, _ in glob.named_parameters()]
     params = [p.detach().float().clone() for p in glob.parameters()]
-    outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)  # skips grad-less ones
+    offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
+    fragment_of = [(0 if name.startswith("0.") else 1) % fragments for name in names]
+    nets = {site: model() for site in sorted({s for e in log for s in e["sites"]} | {h["site"] for h in heals})}
+    for net in nets.values():
+        net.load_state_dict(initial)
     for entry in log:
-        deltas = []
-        for site in entry["sites"]:
-            net = model()
-            with torch.no_grad():
-                for p, g in zip(net.parameters(), params):
-                    p.copy_(g)
-            inner = torch.optim.SGD(net.parameters(), lr=LR)
-            for t in range(entry["t0"], entry["t0"] + sync_every):
-                inner.param_groups[0]["lr"] = LR * lr_factor(t) if scheduled else LR
-                net.zero_grad()
-                for local in range(per_site):
-                    x, y = rows(site, local, t)
-                    (nn.functional.mse_loss(net(x), y) / per_site).backward()
-                inner.step()
-            deltas.append([g - p.detach() for g, p in zip(params, net.parameters())])
-        for i, p in enumerate(params):
-            p.grad = sum(d[i] for d in deltas) / len(deltas)
-        outer.step()
-        outer.zero_grad()
-    return {name: p for (name, _), p in zip(glob.named_parameters(), params)}
+        t0 = entry["t0"]
+        t1 = entry.get("t1", t0 + sync_every)
+        for heal in heals:
+            if heal["t0"] == t0:
+                nets[heal["site"]].load_state_dict(nets[heal["source"]].state_dict())
+        for site, net in nets.items():
+            _train(net, site, range(t0, t1), per_site, scheduled)
+        due = [i for i, f in enumerate(fragment_of) if offsets[f] == t1 % sync_every]
+        local = {site: [p.detach() for p in net.parameters()] for site, net in nets.items()}
+        if entry.get("committed", True):
+            for i in due:
+                params[i].grad = sum(params[i] - local[site][i] for site in entry["sites"]) / len(entry["sites"])
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for values in local.values():
+                for i in due:
+                    values[i].copy_(params[i])
+    result = {name: p for name, p in zip(names, params)}
+    if not with_local:
+        return result
+    return result, {site: {n: p.detach().clone() for n, p in net.named_parameters()} for site, net in nets.items()}
+
+
+def _train(net: nn.Module, site: int, steps: range, per_site: int, scheduled: bool) -> None:
+    inner = torch.optim.SGD(net.parameters(), lr=LR)  # stateless: a new one per round is the same
+    for t in steps:
+        inner.param_groups[0]["lr"] = LR * lr_factor(t) if scheduled else LR
+        net.zero_grad()
+        for local in range(per_site):
+            x, y = rows(site, local, t)
+            (nn.functional.mse_loss(net(x), y) / per_site).backward()
+        inner.step()

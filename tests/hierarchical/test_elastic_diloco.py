@@ -5,7 +5,8 @@ One site is SIGKILLed (all its processes) mid-training: the others keep committi
 in flight is discarded, never half-applied), no round is lost or applied twice, the killed site restarts with the
 same command, receives the live global parameters, outer and inner optimizer states from a peer site, and rejoins;
 the job ends with every site, every rank bitwise identical, equal to a single-process replay of the committed
-rounds (each averaged over the sites that took part)."""
+rounds (each averaged over the sites that took part). Also in streaming DiLoCo (one fragment per round), where the
+replay follows every site's own parameters, discarded rounds and the state a restarted site received."""
 
 from __future__ import annotations
 
@@ -35,17 +36,26 @@ ROUNDS, KILL_AT = 8, 3
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-@pytest.mark.parametrize("sites,per_site", [(3, 1), (2, 2)], ids=["3x1", "2x2-ddp"])
-def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site):
+@pytest.mark.parametrize("sites,per_site,fragments", [(3, 1, 1), (2, 2, 1), (3, 1, 2)],
+                         ids=["3x1", "2x2-ddp", "3x1-streaming"])
+def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site,
+                                                                     fragments):
     victim = sites - 1
     run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
-                           "--sleep", "0.3", script=SCRIPT, kill_at=KILL_AT)
-    first, survivor = check_rejoined(run, sites, ROUNDS)
+                           "--sleep", "0.3", "--fragments", str(fragments), script=SCRIPT, kill_at=KILL_AT)
+    first, survivor = check_rejoined(run, sites, ROUNDS)  # every rank's global parameters bitwise identical
     assert survivor["joined_at"] == 0
-    expected = diloco_reference(survivor["log"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
-                                outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    heals = [{"site": rank["site"], **heal} for (_, r), rank in run["ranks"].items() if r == 0
+             for heal in rank["heals"]]
+    assert any(h["site"] == victim and h["t0"] > 0 for h in heals), "the restarted site did not receive the live state"
+    expected, local = diloco_reference(survivor["syncs"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
+                                       outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, fragments=fragments,
+                                       heals=heals, with_local=True)
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+    for (_, _), rank in run["ranks"].items():  # streaming: each site's own parameters besides the fragment synced
+        for name, value in rank["local"].items():
+            torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("odd,message", [(["--sync-every", "6"], ("sync_every=4", "sync_every=6")),
@@ -56,9 +66,9 @@ def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd
                                ["--rounds", "60", *odd], ["the DiLoCo settings differ", *message], script=SCRIPT)
 
 
-@pytest.mark.parametrize("fragments,overlap", [(2, 0), (1, 1)])
-def test_streaming_or_overlapped_diloco_is_refused_before_connecting(fragments, overlap):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_overlapped_diloco_is_refused_before_connecting(fragments):
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    config = DiLoCoConfig(sync_every=4, fragments=fragments, overlap_steps=overlap)
-    with pytest.raises(ValueError, match="fragments=.*overlap_steps=.*must be 1 and 0"):
+    config = DiLoCoConfig(sync_every=4, fragments=fragments, overlap_steps=1)
+    with pytest.raises(ValueError, match="overlap_steps=1 must be 0"):
         ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), config, site="a")

@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--diloco", action="store_true")
+    parser.add_argument("--fragments", type=int, default=1, help="--diloco streaming: a round is SYNC_EVERY/fragments")
     parser.add_argument("--ckpt-dir", help="save_state here after every --ckpt-every-th committed job step")
     parser.add_argument("--ckpt-every", type=int, default=4)
     parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
@@ -44,13 +45,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
-    diloco = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    diloco = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                          fragments=args.fragments)
+    round_steps = SYNC_EVERY // args.fragments if args.diloco else 1
     plugin = MultiDCPlugin(elastic=True, site=args.site, num_sites=args.sites, wan=WanConfig(timeout_s=args.timeout_s),
                            cross_site="diloco" if args.diloco else None, diloco=diloco if args.diloco else None)
     # split_batches: the scheduler steps once per optimizer step (and skips the steps the optimizer skipped)
     accelerator = MultiDCAccelerator(multidc_plugin=plugin,
                                      dataloader_config=DataLoaderConfiguration(split_batches=True))
     net = model()
+    net.pipeline_blocks = lambda: [net[0], net[2]]  # DiLoCo's blocks: streaming makes each Linear a fragment
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per committed step, or per inner step
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
@@ -61,9 +65,9 @@ def main() -> None:
         return accelerator.diloco.outer_steps if args.diloco else accelerator.job_step
 
     accelerator.job_step  # noqa: B018  (the site joins the job here, after the load_state above)
-    joined_at = job_step()
+    joined_at, first_t = job_step(), accelerator.job_step
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
-    log, discarded, last, last_step = [], 0, [], -1
+    log, syncs, discarded, last, last_step = [], [], 0, [], -1
 
     def done(step: int) -> bool:  # every site took part in the last committed step
         return (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps
@@ -71,9 +75,9 @@ def main() -> None:
     entry = None
     while True:
         step, outer = accelerator.job_step, job_step()
-        if (not args.diloco or step % SYNC_EVERY == 0) and done(outer):
+        if step % round_steps == 0 and done(outer):
             break
-        if not args.diloco or step % SYNC_EVERY == 0:  # a step (a round) starts: which sites are in it
+        if step % round_steps == 0:  # a step (a round) starts: which sites are in it
             present = torch.zeros(MAX_SITES)
             present[index] = 1.0 / accelerator.num_processes  # summed over the site's ranks: 1 per site present
             site.all_reduce(present, op="sum")
@@ -84,6 +88,8 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad()
         committed = accelerator.diloco.synced if args.diloco else accelerator.elastic_steps.committed
+        if committed is not None:
+            syncs.append({**entry, "t1": accelerator.job_step, "committed": committed})
         if committed:
             log.append(entry)
             last, last_step = entry["sites"], entry["step"]
@@ -95,8 +101,12 @@ def main() -> None:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(job_step()))
         time.sleep(args.sleep)
-    params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
+    local = params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    if args.diloco:  # the global parameters: equal on every site (streaming: the local ones are not)
+        with accelerator.diloco.global_parameters():
+            params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"site": index, "params": params, "local": local, "syncs": syncs, "first_t": first_t, "log": log,
+                "discarded": discarded, "joined_at": joined_at,
                 "initial": initial, "final_step": job_step(), "num_sites": site.num_sites,
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))

@@ -6,7 +6,8 @@ per site, ``Trainer(strategy=DiLoCoStrategy(elastic=True))`` over that site's ra
 
 Each rank trains ``tests.hierarchical.elastic_reference.model()`` with inner SGD on ``rows(site, local rank, t)``,
 ``t`` the job's inner step (``trainer.global_step``), at ``LR * lr_factor(t)``; every ``SYNC_EVERY`` steps DiLoCo
-averages over the sites of the round. Every committed round is logged with its sites and first inner step; each
+averages over the sites of the round (``--fragments 2``: streaming, one of two fragments every ``SYNC_EVERY / 2``
+steps). Every committed round is logged with its sites and first inner step, every sync with its outcome; each
 rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (inner steps) as it goes. ``--ckpt-dir``: a
 ``ModelCheckpoint`` every 2 rounds on every site.
 """
@@ -30,17 +31,21 @@ from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model
 
 
 class Net(pl.LightningModule):
-    def __init__(self, index: int, sleep: float, out: str, name: str) -> None:
+    def __init__(self, index: int, sleep: float, out: str, name: str, round_steps: int) -> None:
         super().__init__()
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.rounds, self.discarded, self.initial, self.joined_at, self._round = [], 0, None, None, None
+        self.syncs, self.first_t, self.round_steps = [], None, round_steps
+
+    def pipeline_blocks(self):  # DiLoCo's blocks: streaming deals the two Linear layers into two fragments
+        return [self.net[0], self.net[2]]
 
     def training_step(self, batch, batch_idx):
         diloco, t = self.trainer.strategy.diloco, self.trainer.global_step  # the job's inner step
         if self.joined_at is None:
-            self.joined_at = diloco.outer_steps
+            self.joined_at, self.first_t = diloco.outer_steps, t
             self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
-        if t % SYNC_EVERY == 0:  # a round starts: which sites are in it
+        if t % self.round_steps == 0:  # a round starts: which sites are in it
             present = torch.zeros(MAX_SITES)
             present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site
             diloco.site.all_reduce(present, op="sum")
@@ -51,6 +56,8 @@ class Net(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         synced = self.trainer.strategy.diloco.synced
+        if synced is not None:
+            self.syncs.append({**self._round, "t1": self.trainer.global_step, "committed": synced})
         if synced:
             self.rounds.append(self._round)
         elif synced is False:
@@ -59,6 +66,10 @@ class Net(pl.LightningModule):
             with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
                 f.write(str(self.trainer.global_step))
         time.sleep(self.sleep)
+
+    def on_train_end(self):  # the global parameters, equal on every site (streaming: the local ones are not)
+        with self.trainer.strategy.diloco.global_parameters():
+            self.global_params = {n: p.detach().clone() for n, p in self.net.named_parameters()}
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.net.parameters(), lr=LR)
@@ -78,12 +89,14 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--ckpt-dir", help="ModelCheckpoint every 2 rounds into this directory")
     parser.add_argument("--resume", help="fit(ckpt_path=...)")
+    parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: a round is SYNC_EVERY/fragments")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
-    module = Net(index, args.sleep, args.out, args.site)
-    config = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    module = Net(index, args.sleep, args.out, args.site, SYNC_EVERY // args.fragments)
+    config = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                          fragments=args.fragments)
     trainer = pl.Trainer(
         strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
                                 wan=WanConfig(timeout_s=args.timeout_s)),
@@ -94,9 +107,10 @@ def main() -> None:
                                                 every_n_train_steps=2 * SYNC_EVERY)] if args.ckpt_dir else [],
     )
     trainer.fit(module, ckpt_path=args.resume)
-    torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
-                "log": module.rounds, "discarded": module.discarded, "joined_at": module.joined_at,
-                "initial": module.initial, "final_step": trainer.global_step},
+    local = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    torch.save({"site": index, "params": module.global_params, "local": local, "log": module.rounds,
+                "syncs": module.syncs, "discarded": module.discarded, "joined_at": module.joined_at,
+                "first_t": module.first_t, "initial": module.initial, "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 
 

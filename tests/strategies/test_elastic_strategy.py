@@ -116,12 +116,14 @@ def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path,
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
-def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse):
-    # DiLoCoStrategy(elastic=True): a quorum per outer round; the restarted site receives the global parameters,
-    # the outer and inner optimizer states and the job's inner step, and both sites end at max_steps identical
+@pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
+def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse, fragments):
+    # DiLoCoStrategy(elastic=True): a quorum per round (streaming: per fragment sync); the restarted site receives
+    # the global parameters, its peer's own, the outer and inner optimizer states and the job's inner step, and both
+    # sites end at max_steps with identical global parameters, each site's own equal to the replay's
     max_steps = 200
     run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--max-steps", str(max_steps), "--sleep", "0.08",
-                           script=DILOCO_SCRIPT, kill_at=40)
+                           "--fragments", str(fragments), script=DILOCO_SCRIPT, kill_at=40)
     survivor, restarted = run["ranks"][("site0", 0)], run["ranks"][("site1", 0)]
     assert run["survivors_went_on"], "the surviving site stopped while the other was down"
     assert survivor["final_step"] == restarted["final_step"] == max_steps
@@ -130,12 +132,17 @@ def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse):
     rounds = survivor["log"]
     assert [e["step"] for e in rounds] == list(range(len(rounds))) and rounds[-1]["sites"] == [0, 1]
     assert any(e["sites"] == [0] and e["t0"] >= run["killed_at"] for e in rounds)  # trained on alone
-    assert restarted["joined_at"] * SYNC_EVERY > run["killed_at"]  # rejoined live, at the job's round
+    assert restarted["first_t"] > run["killed_at"]  # rejoined live, at the job's step
     assert all(e["sites"] == [0, 1] for e in restarted["log"])
-    expected = diloco_reference(rounds, 1, survivor["initial"], sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
-                                outer_momentum=OUTER_MOMENTUM, scheduled=True)
+    heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
+    expected, local = diloco_reference(survivor["syncs"], 1, survivor["initial"], sync_every=SYNC_EVERY,
+                                       outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
+                                       fragments=fragments, heals=heals, with_local=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+    for rank in (survivor, restarted):
+        for name, value in rank["local"].items():
+            torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)
 
 
 def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_job(tmp_path, lighthouse):
