@@ -174,7 +174,7 @@ class ElasticSite:
         # every rank: a lighthouse that does not answer (within the quorum timeout: it may be restarting) is a
         # clear error on each rank of the site, before torchft's manager starts
         url = check_lighthouse(lighthouse, timeout_s=quorum_timeout_s)
-        torchft = import_torchft()
+        import_torchft()  # a clear ImportError before anything starts
         from torchft.process_group import ProcessGroupGloo
 
         self.name = str(site)
@@ -186,7 +186,7 @@ class ElasticSite:
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal in a URL
         heal_timeout = datetime.timedelta(seconds=max(heal_timeout_s, wan.timeout_s))
         self._transport = transport = state_server(host, heal_timeout, wan.timeout_s)
-        self.manager = torchft.Manager(
+        self._manager_options = dict(
             pg=self.rail, state_dict=self._send_state, load_state_dict=self._receive_state, min_replica_size=min_sites,
             hostname=host, checkpoint_transport=transport,
             use_async_quorum=False, timeout=heal_timeout,
@@ -196,8 +196,24 @@ class ElasticSite:
             quorum_retries=max(1, int(quorum_timeout_s)),
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
-        self.manager._client = QuorumIdentity(self.manager._client, on_quorum=self._on_quorum)
+        self._manager, self._resumed_at = None, 0
         self.topology: ElasticTopology | None = None
+
+    @property
+    def manager(self):
+        """The site's torchft ``Manager``, started at the first ``start_step()`` (or here, if read before it).
+
+        Not at construction: its server (rank 0) heartbeats to the lighthouse from its start, and a new quorum
+        waits for every heartbeating site to ask to join. A site built in a framework's setup (data loaders, a
+        validation sanity check before the first step) would hold the other sites' quorums meanwhile (observed: a
+        one-site job's first quorum, until its quorum timeout)."""
+        if self._manager is None:
+            manager = import_torchft().Manager(**self._manager_options)
+            manager._client = QuorumIdentity(manager._client, on_quorum=self._on_quorum)
+            if self._resumed_at:
+                manager.load_state_dict({"step": self._resumed_at, "batches_committed": manager.batches_committed()})
+            self._manager = manager
+        return self._manager
 
     def _on_quorum(self, quorum) -> None:
         """Each quorum answer (every rank): whether it makes this rank a source of the live state, and whether this
@@ -241,7 +257,7 @@ class ElasticSite:
     @property
     def step(self) -> int:
         """Steps committed by the job so far (a rejoined site takes the live sites' count)."""
-        return self.manager.current_step()
+        return self._manager.current_step() if self._manager is not None else self._resumed_at
 
     def start_step(self) -> ElasticTopology:
         """Join this step's quorum (collective over the site, blocks until the quorum forms); a site that needs
@@ -345,7 +361,9 @@ class ElasticSite:
                                "(load checkpoints before the first quorum).")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be the checkpoint's step, a non-negative integer.")
-        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self._resumed_at = step
+        if self._manager is not None:
+            self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
 
     @property
     def num_sites(self) -> int:
@@ -396,7 +414,8 @@ class ElasticSite:
         """Stop the site's manager (its server on rank 0) and the topology's worker."""
         if self.topology is not None:
             self.topology.close()
-        self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
         # torchft's gloo group is not in torch's group map, so destroy_process_group() leaves it to interpreter exit,
         # where gloo's worker threads still hold finished work whose tensors need the GIL: the process then aborts
         # ("terminate called without an active exception", SIGABRT; seen in the test suite). Drop it now.

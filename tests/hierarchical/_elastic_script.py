@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--quorum-timeout-s", type=float, default=120.0)
     parser.add_argument("--stall-s", type=float, default=0.0, help="sleep inside every step (a site too slow)")
     parser.add_argument("--discard-at", type=int, default=-1, help="this site discards that step (a local error)")
+    parser.add_argument("--hold-s", type=float, default=0.0, help="wait this long between building the site and "
+                        "its first step (a framework's setup); rank 0 writes DIR/<site>.built before")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -64,10 +66,15 @@ def main() -> None:
                        wan=WanConfig(timeout_s=args.timeout_s, compression=args.compression),
                        sites=args.sites, max_failed_steps=args.max_failed_steps,
                        quorum_timeout_s=args.quorum_timeout_s)
-    log, discarded, joined_at, last, last_step = [], 0, None, [], -1
+    if rank == 0:
+        open(os.path.join(args.out, f"{args.site}.built"), "w").close()
+    time.sleep(args.hold_s)
+    log, discarded, joined_at, last, last_step, first_quorum_s = [], 0, None, [], -1, None
     leads = {"quorum": [], "commit": []}  # the job steps whose state this site would save, after which event
     while True:
+        started = time.monotonic()
         site.start_step()
+        first_quorum_s = time.monotonic() - started if first_quorum_s is None else first_quorum_s
         step = site.step
         if site.is_leader:
             leads["quorum"].append(step)
@@ -100,7 +107,7 @@ def main() -> None:
         time.sleep(args.sleep)
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "log": log, "discarded": discarded, "joined_at": joined_at,
-                "initial": initial, "leads": leads,
+                "initial": initial, "leads": leads, "first_quorum_s": first_quorum_s,
                 "final_step": site.step, "num_sites": site.num_sites},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     site.close()

@@ -19,6 +19,7 @@ from tests._resources import require_module
 require_module("torchft", "elastic")
 require_module("accelerate", "accelerate")
 
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import MultiDCPlugin, list_checkpoints  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
@@ -101,6 +102,10 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     assert MultiDCPlugin().elastic and not MultiDCPlugin(elastic=False).elastic
     with pytest.raises(ValueError, match="elastic=True. runs data parallelism only"):
         MultiDCPlugin(dp_shard=2)
+    streaming = DiLoCoConfig(sync_every=4, fragments=2)
+    assert MultiDCPlugin(cross_site="diloco", diloco=streaming).elastic  # a quorum per fragment sync
+    with pytest.raises(ValueError, match="elastic DiLoCo syncs without overlap: overlap_steps=1 must be 0"):
+        MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1))
 
 
 def test_a_site_run_without_a_launcher_trains_as_a_one_process_site(tmp_path, lighthouse):

@@ -201,8 +201,9 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     assert HierarchicalDDPStrategy().elastic and not HierarchicalDDPStrategy(elastic=False).elastic
     config = DiLoCoConfig(sync_every=4)
     assert DiLoCoStrategy(diloco=config).elastic
-    with pytest.raises(ValueError, match="elastic DiLoCo runs plain DiLoCo: fragments=2"):
-        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2))
+    assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2)).elastic  # streaming: a quorum per sync
+    with pytest.raises(ValueError, match="elastic DiLoCo syncs without overlap: overlap_steps=1 must be 0"):
+        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1))
 
 
 def test_front_ends_without_an_elastic_mode_refuse_the_variable(monkeypatch):
