@@ -38,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.checkpoint_report import plot, report  # noqa: E402  (after the path fix)
+from benchmarks.memory import PeakRSS  # noqa: E402
 
 KEYS = ("BENCHKEY", "bench-secret-not-printed")
 MIN_STATE_BYTES = 200 * 10**6  # the targets are about a model of at least 200 MB of state
@@ -86,34 +87,6 @@ def _max(value: float, group) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
-
-
-class _PeakRSS:
-    """Peak resident memory of this process above its level at entry, sampled every 2 ms, in bytes."""
-
-    def __enter__(self):
-        import threading
-
-        self.base = self.peak = _rss()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._done.wait(0.002):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.extra = self.peak - self.base
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _raw_get(store, keys: list[str], buffer, piece_bytes: int, concurrency: int) -> None:
@@ -174,7 +147,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
 
     def measured(name, fn):
         """Time ``fn`` (max over ranks, barriers around) and record its peak extra RSS (max over ranks)."""
-        with _PeakRSS() as rss:
+        with PeakRSS() as rss:
             seconds, out = _timed(fn, group)
         record(name, seconds)
         memory.setdefault(name, []).append(_max(float(rss.extra), group))
