@@ -330,16 +330,24 @@ def test_a_site_built_long_before_its_first_step_holds_up_no_quorum(tmp_path):
     # first step. torchft's lighthouse makes a new quorum wait for every site that heartbeats but has not asked to
     # join: a site must not heartbeat before its first quorum. With the manager started at construction, site0's
     # first quorum waited until it timed out (120 s) and site0 failed
+    site0 = first_quorum_beside_an_idle_site(tmp_path, ["--hold-s", "600"], ["--steps", "3"])
+    assert site0["final_step"] == 3
+
+
+def first_quorum_beside_an_idle_site(tmp_path: Path, idle: list[str], run: list[str], script: str = SCRIPT) -> dict:
+    """site1 (``idle`` arguments) builds its site and then idles before its first step; once it has, site0, a job
+    of one site (``run`` arguments), must run to its end with its first quorum formed at once (< 10 s; the
+    lighthouse's join timeout is 30 s, its quorum timeout 120 s). Returns site0's results."""
     server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=5_000, join_timeout_ms=30_000)
     address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    trees = {"site1": _site("site1", 1, 2, address, tmp_path, "--hold-s", "600")}
+    trees = {"site1": _site("site1", 1, 2, address, tmp_path, *idle, script=script)}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not (tmp_path / "site1.built").exists():
             assert time.monotonic() < deadline and trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
             time.sleep(0.05)
         time.sleep(2)  # a heartbeat (every 100 ms) would have reached the lighthouse by now
-        trees["site0"] = _site("site0", 1, 1, address, tmp_path, "--steps", "3")  # a job of its own: 1 site
+        trees["site0"] = _site("site0", 1, 1, address, tmp_path, *run, script=script)
         code, _ = trees["site0"].wait(TIMEOUT_S)
         assert code == 0, _logs(tmp_path, "site0")
     finally:
@@ -347,8 +355,8 @@ def test_a_site_built_long_before_its_first_step_holds_up_no_quorum(tmp_path):
             tree.kill()
         server.shutdown()
     site0 = torch.load(tmp_path / "site0_rank0.pt")
-    assert site0["final_step"] == 3
     assert site0["first_quorum_s"] < 10, f"the first quorum waited {site0['first_quorum_s']:.1f} s for site1"
+    return site0
 
 
 class _Answers:

@@ -33,12 +33,22 @@ class Net(pl.LightningModule):
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
+        self.setup_s, self.first_quorum_s = 0.0, None
+
+    def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
+        assert self.trainer.strategy.elastic_site is not None
+        if self.global_rank == 0:
+            open(os.path.join(self.out, f"{self.name}.built"), "w").close()
+        time.sleep(self.setup_s)
+
+    def on_train_start(self):
+        self._train_start = time.monotonic()
 
     def training_step(self, batch, batch_idx):
         strategy = self.trainer.strategy
         step = self.trainer.global_step  # the job's committed steps, also right after a rejoin
-        if self.joined_at is None:
-            self.joined_at = step
+        if self.joined_at is None:  # the first quorum came before this (optimizer_step, before the closure)
+            self.joined_at, self.first_quorum_s = step, time.monotonic() - self._train_start
             self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         present = torch.zeros(MAX_SITES)
         present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site present
@@ -92,11 +102,14 @@ def main() -> None:
     parser.add_argument("--stall-s", type=float, default=0.0)
     parser.add_argument("--ckpt-dir", help="ModelCheckpoint every 10 steps into this directory")
     parser.add_argument("--resume", help="fit(ckpt_path=...)")
+    parser.add_argument("--setup-s", type=float, default=0.0, help="sleep in on_fit_start (after the strategy's "
+                        "setup); rank 0 writes DIR/<site>.built before")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
     module = Net(index, args.sleep, args.out, args.site, args.interval, (args.stall_at, args.stall_s))
+    module.setup_s = args.setup_s
     trainer = pl.Trainer(
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
                                          wan=WanConfig(timeout_s=args.timeout_s)),
@@ -109,7 +122,7 @@ def main() -> None:
     trainer.fit(module, ckpt_path=args.resume)
     torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
                 "log": module.log_steps, "discarded": module.discarded, "joined_at": module.joined_at,
-                "initial": module.initial,
+                "initial": module.initial, "first_quorum_s": module.first_quorum_s,
                 "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 

@@ -30,6 +30,7 @@ from tests.hierarchical.test_elastic import (  # noqa: E402
     _run_with_a_kill,
     _site,
     finish_all,
+    first_quorum_beside_an_idle_site,
     run_alone,
 )
 
@@ -187,6 +188,14 @@ def test_a_fit_that_elastic_mode_cannot_follow_is_refused_before_training(tmp_pa
     log = _logs(tmp_path, "site0")
     assert code != 0 and message in log, log
     assert not (tmp_path / "site0.progress").exists()  # no step ran
+
+
+def test_a_site_in_its_setup_holds_up_no_quorum(tmp_path):
+    # site1's strategy built its ElasticSite, then the fit's setup goes on (on_fit_start sleeps): another job's
+    # first quorum forms at once (with the manager started at construction it waited until it timed out)
+    site0 = first_quorum_beside_an_idle_site(tmp_path, ["--max-steps", "5", "--setup-s", "600"],
+                                             ["--max-steps", "3"], script=SCRIPT)
+    assert site0["final_step"] == 3
 
 
 def test_elastic_settings_are_checked_at_construction(monkeypatch):
