@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=4)
     parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
     parser.add_argument("--resume-step", type=int)
+    parser.add_argument("--resume-late", action="store_true", help="load_state after the site joined the job")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -59,12 +60,15 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per committed step, or per inner step
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     rank, site = accelerator.process_index, accelerator.elastic_site
-    if args.resume:
+    if args.resume and not args.resume_late:
         accelerator.load_state(args.resume, step=args.resume_step)
+
     def job_step() -> int:  # the job's committed steps (rounds with --diloco)
         return accelerator.diloco.outer_steps if args.diloco else accelerator.job_step
 
     accelerator.job_step  # noqa: B018  (the site joins the job here, after the load_state above)
+    if args.resume_late:  # wrong: after joining (must raise, loading nothing)
+        accelerator.load_state(args.resume, step=args.resume_step)
     joined_at, first_t = job_step(), accelerator.job_step
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     log, syncs, discarded, last, last_step = [], [], 0, [], -1

@@ -110,12 +110,27 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
 
 def test_a_site_run_without_a_launcher_trains_as_a_one_process_site(tmp_path, lighthouse):
     # plain `python script.py`: Accelerate starts no process group; the site's manager gets a one-rank group
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
-    env |= {"MULTIDC_LIGHTHOUSE": lighthouse.address, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    code, log = run_script([sys.executable, SCRIPT, "--site", "site0", "--sites", "1", "--steps", "4", "--out",
-                            str(tmp_path)], env, TIMEOUT_S)
+    code, log = _without_launcher(tmp_path, lighthouse.address, "--steps", "4")
     assert code == 0, log
     rank = torch.load(tmp_path / "site0_rank0.pt")
     assert [e["step"] for e in rank["log"]] == [0, 1, 2, 3] and rank["final_step"] == 4
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "diloco"])
+def test_load_state_after_the_site_joined_is_refused(tmp_path, lighthouse, mode):
+    # the live state it received at joining would be overwritten: refused, saying when to call it
+    code, log = _without_launcher(tmp_path, lighthouse.address, "--steps", "4", "--resume", str(tmp_path / "ckpt"),
+                                  "--resume-late", *(["--diloco"] if mode == "diloco" else []))
+    assert code != 0
+    assert ("RuntimeError: load_state with MultiDCPlugin(elastic=True) comes right after prepare, before the first "
+            "job_step, training forward or zero_grad: this site has joined the job") in log, log[-3000:]
+
+
+def _without_launcher(tmp_path, lighthouse: str, *extra: str) -> tuple[int, str]:
+    """site0, a job of one site, run as plain ``python script.py`` (one process); (exit code, log)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
+    env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return run_script([sys.executable, SCRIPT, "--site", "site0", "--sites", "1", "--out", str(tmp_path), *extra],
+                      env, TIMEOUT_S)
