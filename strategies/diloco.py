@@ -41,9 +41,11 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     job's inner step from a live site. ``ModelCheckpoint`` runs on every site as usual and the first site of the
     round's quorum writes each checkpoint, once, also in a degraded round: its model and inner optimizer (as site 0)
     and the DiLoCo state with the job's round. ``fit(ckpt_path=...)`` on one site or all resumes the job there.
-    Save at round ends (``every_n_train_steps`` a multiple of ``sync_every``) for a resume that continues as an
-    unbroken run; a mid-round checkpoint resumes every site from the saving site's parameters. Streaming DiLoCo
-    (``fragments > 1``) has a quorum per fragment sync; ``overlap_steps`` must be 0.
+    In plain DiLoCo without overlap, save at round ends (``every_n_train_steps`` a multiple of ``sync_every``) for
+    a resume that continues as an unbroken run; any other checkpoint (and every one in streaming or overlapped
+    DiLoCo) resumes every site from the saving site's parameters. Streaming DiLoCo
+    (``fragments > 1``) has a quorum per fragment sync; with ``overlap_steps`` a round ends when its sync's result
+    merges.
 
     Args:
         diloco: ``DiLoCoConfig``; default ``DiLoCoConfig()`` from ``MULTIDC_DILOCO_*``, built here, so a missing
@@ -79,10 +81,6 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
                          checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
                          lighthouse=lighthouse, **ddp_kwargs)
-        if self.elastic:
-            from multidc.hierarchical.elastic.diloco import check_elastic_config
-
-            check_elastic_config(config)
         self.gradient_sync.diloco_config = config
 
     def _sharded_checkpoints(self) -> bool:

@@ -173,7 +173,7 @@ class DiLoCo:
         delta = fragment.global_flat.clone()
         for local, view in zip(fragment.params, _views(delta, fragment.params)):
             view.sub_(local)  # global - local, in float32
-        before = self.topology.wan_stats.snapshot()["bytes_sent"]
+        before = self._wan_bytes()
         future = all_reduce(delta, self.topology, wan=self.wan, op="avg", async_op=True, replicated=True)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
 
@@ -181,7 +181,7 @@ class DiLoCo:
         flight, self._in_flight = self._in_flight, None
         if flight.future is not None:
             flight.future.wait()
-            self.stats.bytes_sent += self.topology.wan_stats.snapshot()["bytes_sent"] - flight.bytes_before
+            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
         fragment = self._fragments[flight.fragment]
         for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
             view.grad = grad
@@ -191,6 +191,10 @@ class DiLoCo:
         for local, view in zip(fragment.params, fragment.global_views):
             local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
         self.stats.outer_syncs += 1
+
+    def _wan_bytes(self) -> int:
+        """Bytes the syncs' topology has sent over the WAN so far."""
+        return self.topology.wan_stats.snapshot()["bytes_sent"]
 
     def metrics(self) -> dict[str, float]:
         """Figures since the previous call, for a training log once per optimizer step: ``wan/bytes_sent``
@@ -226,7 +230,7 @@ class DiLoCo:
         flight = self._in_flight
         if flight is not None and flight.future is not None:
             flight.future.wait()
-            self.stats.bytes_sent += self.topology.wan_stats.snapshot()["bytes_sent"] - flight.bytes_before
+            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
             flight.future = None
 
     def state_dict(self) -> dict:

@@ -11,8 +11,14 @@ round) changes no global parameter and puts the fragment's local parameters back
 half-reduced update is ever applied. Either way every site then starts its next round from the same global
 parameters, and the next quorum heals a site that discarded a round another committed.
 
-Overlapped syncs (``overlap_steps > 0``) are refused: their all-reduce is still in flight when the next round's
-quorum may change the sites present, so the sites that merge a result would not be the sites that computed it.
+With ``overlap_steps`` (tau) a fragment's all-reduce runs in the background for tau inner steps (over a group of
+the site's own, apart from DDP's) and the round ends when its result merges (local ``alpha * local + (1 - alpha) *
+global``, also after a discard, with the unchanged global ones): the vote and the next quorum come there, so a sync
+never spans a change of the sites present, and a joining site arrives with no sync in flight.
+
+A site that heals (a restarted one, or a live one that discarded a round another committed) takes all of its
+source's parameters: in streaming or overlapped DiLoCo also the local values of the fragments not synced last, so
+its own progress on them since their last sync is replaced by the source's.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, config_or_default
-from multidc.hierarchical.diloco.diloco import DiLoCo, _views
+from multidc.hierarchical.diloco.diloco import DiLoCo, _InFlight, _views
 from multidc.hierarchical.elastic.site import ElasticSite, _to_cpu
 from multidc.hierarchical.topology import Topology
 
@@ -35,8 +42,9 @@ class ElasticDiLoCo(DiLoCo):
     """DiLoCo across the sites of an elastic job. Every rank of a site builds one, after ``init_process_group``
     (the site's own job: its own ``torchrun``); construction joins the first quorum (a late or restarted site
     receives the live state here). Then train as usual: ``step()`` runs after each inner optimizer step (its step
-    post-hook) and at every ``sync_every``-th it ends the round (average, vote, outer step) and joins the next
-    quorum. Loop on ``inner_steps``, which a rejoined site takes from the live ones::
+    post-hook) and at each sync (every ``sync_every`` inner steps, or ``sync_every / fragments`` in streaming
+    DiLoCo) it ends the round (average, vote, outer step) and joins the next quorum. Loop on ``inner_steps``, which
+    a rejoined site takes from the live ones::
 
         diloco = ElasticDiLoCo(model, inner_opt, DiLoCoConfig(sync_every=100), site="us-east")
         while diloco.inner_steps < total:
@@ -48,7 +56,7 @@ class ElasticDiLoCo(DiLoCo):
     Args:
         model, inner_optimizer, outer_optimizer, blocks: as for ``DiLoCo``; ``inner_optimizer`` is required (its
             state travels to a rejoining site).
-        config: ``DiLoCoConfig`` with ``overlap_steps=0`` (plain or streaming); ``None``: ``DiLoCoConfig()``.
+        config: ``DiLoCoConfig`` (plain, streaming, overlapped); ``None``: ``DiLoCoConfig()``.
         wan: WAN settings of the syncs (``timeout_s``: how long a round's sync waits for a dead site before the
             round is discarded); ``config.compression`` is its codec.
         state_dict, load_state_dict: more state that travels to a rejoining site (LR schedulers, data loader
@@ -67,12 +75,15 @@ class ElasticDiLoCo(DiLoCo):
     and inner optimizer of one site (the first of the round's quorum: ``site.is_leader``). A site built with
     ``join=False`` that loads it (``load_state_dict``) resumes the job at that round: the first quorum gives its
     state to sites that start without one, and it takes the live sites' state instead if they are further on.
-    Saved right after a plain DiLoCo round (inner steps a multiple of ``sync_every``) every site holds the global
-    parameters and a resumed run continues as an unbroken one; saved at any other step (and always in streaming
-    DiLoCo, where only the fragment just synced is global) every site resumes from the saving site's parameters.
+    Saved right after a round of plain DiLoCo without overlap (inner steps a multiple of ``sync_every``) every site
+    holds the global parameters and a resumed run continues as an unbroken one; saved at any other step (and always
+    in streaming or overlapped DiLoCo, where a site's parameters are not all global) every site resumes from the
+    saving site's parameters.
+    Saved while an overlapped sync is in flight, the checkpoint holds its averaged result, which the resumed job
+    merges (and votes on) at its step.
 
     Raises:
-        ValueError: bad or unsupported settings (overlap), differing settings inside the site; a site
+        ValueError: bad settings, or settings that differ inside the site; a site
             whose model or settings differ from the live sites' fails when it joins, and they go on without it.
         ImportError: torchft is missing.
     """
@@ -92,7 +103,7 @@ class ElasticDiLoCo(DiLoCo):
         join: bool = True,
         **site_options,
     ) -> None:
-        config = check_elastic_config(config_or_default(config))
+        config = config_or_default(config)
         if inner_optimizer is None:
             raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
         wan = wan if wan is not None else WanConfig()
@@ -114,6 +125,9 @@ class ElasticDiLoCo(DiLoCo):
             DiLoCo.close(self)  # the step hook and the site's own topology must not outlive a failed start
             self.topology.close()
             raise
+        self._own_group = None
+        if self.config.overlap_steps and dist.get_world_size() > 1:  # the background sync's intra-site stages
+            self._own_group = self.site.intra_group = dist.new_group()
         self._round = None
         self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
         self.on_close: list[Callable[[], None]] = []
@@ -189,42 +203,65 @@ class ElasticDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Count one inner step; at a round's end average the due fragment's pseudo-gradients over the round's
-        sites, step its outer optimizer if the site's ranks commit the round, and join the next quorum (with
-        ``start_rounds=False`` the caller does that: ``start_round()``). Every rank of the site."""
+        """Count one inner step. When a fragment's turn comes, average its pseudo-gradients over the round's sites
+        (with ``overlap_steps``, in the background while training goes on). When that result is due (at once, or
+        ``overlap_steps`` later) the round ends: the site's ranks vote, a committed round steps the fragment's
+        outer optimizer, the fragment's local parameters take the global ones (merged with weight ``alpha`` under
+        overlap), and the site joins the next quorum (with ``start_rounds=False`` the caller does that:
+        ``start_round()``). Every rank of the site."""
         if self.round_pending:
             raise RuntimeError("ElasticDiLoCo: start_round() must come before the first inner step (join=False) and, "
                                "with start_rounds=False, between a round's end and the next inner step.")
         self.stats.inner_steps += 1
         self.synced = None
-        due = self._due(self.stats.inner_steps)
+        t = self.stats.inner_steps
+        if self._in_flight is not None and self._in_flight.merge_at <= t:
+            return self._end_round()
+        due = self._due(t)
         if due is None:
-            return
+            return None
         started = time.perf_counter()
         fragment = self._fragments[due]
         delta = fragment.global_flat.clone()
         for local, view in zip(fragment.params, _views(delta, fragment.params)):
             view.sub_(local)
-        before = self.site.wan_stats.snapshot()["bytes_sent"]
-        all_reduce(delta, self._round, wan=self._round.wan, op="avg", replicated=True)  # failures: not committed
-        self.stats.bytes_sent += self.site.wan_stats.snapshot()["bytes_sent"] - before
+        before, overlap = self._wan_bytes(), self.config.overlap_steps
+        # a failed transfer does not raise: the round will not commit
+        future = all_reduce(delta, self._round, wan=self._round.wan, op="avg", replicated=True, async_op=overlap > 0)
+        self._in_flight = _InFlight(due, t + overlap, delta, future, before)
+        self.stats.exposed_s += time.perf_counter() - started
+        return self._end_round() if overlap == 0 else None
+
+    def _end_round(self) -> None:
+        """The sync in flight is due: wait for it, vote, merge, and end the round."""
+        started = time.perf_counter()
+        flight, self._in_flight = self._in_flight, None
+        if flight.future is not None:
+            flight.future.wait()
+            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
         self.synced = self.site.commit()
+        fragment = self._fragments[flight.fragment]
         if self.synced:
-            for view, grad in zip(fragment.global_views, _views(delta, fragment.params)):
+            for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
                 view.grad = grad
             fragment.outer.step()
             fragment.outer.zero_grad(set_to_none=True)
             self.stats.outer_syncs += 1
+        # the fragment starts the next round from its global parameters (merged under overlap), also after a discard
+        alpha = self.config.alpha if self.config.overlap_steps else 0.0
         for local, view in zip(fragment.params, fragment.global_views):
-            local.copy_(view)  # the fragment starts the next round from its global parameters, also after a discard
+            local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
         self.stats.exposed_s += time.perf_counter() - started
         self.round_pending = True
         if self._start_rounds:
             self.start_round()
 
+    def _wan_bytes(self) -> int:
+        return self.site.wan_stats.snapshot()["bytes_sent"]
+
     def _due(self, t: int) -> int | None:
-        """The fragment whose sync ends the round at inner step ``t``, or None (at most one: ``fragments <=
-        sync_every`` spreads their offsets apart)."""
+        """The fragment whose sync starts at inner step ``t``, or None (at most one: ``fragments <= sync_every``
+        spreads their offsets apart)."""
         return next((i for i, f in enumerate(self._fragments) if t % self.config.sync_every == f.offset), None)
 
     def start_round(self) -> None:
@@ -248,15 +285,7 @@ class ElasticDiLoCo(DiLoCo):
             for fn in self.on_close:
                 fn()
             self.site.close()
+            if self._own_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._own_group)
+                self._own_group = None
             self.topology.close()
-
-
-def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
-    """``config``, if elastic DiLoCo can run it; else a ValueError saying what to change."""
-    if config.overlap_steps != 0:
-        raise ValueError(
-            f"elastic DiLoCo syncs without overlap: overlap_steps={config.overlap_steps} must be 0 (an overlapped "
-            f"sync is still in flight when the next round's quorum may change the sites present); set "
-            f"MULTIDC_DILOCO_OVERLAP_STEPS=0 (streaming fragments are fine), or train without elastic."
-        )
-    return config

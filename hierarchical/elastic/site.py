@@ -55,7 +55,8 @@ class ElasticTopology(Topology):
     group; its one rail group is torchft's, reconfigured at each new quorum; the site index is the site's rank in
     the quorum. A failed WAN transfer is reported to the manager instead of raised, so the step is discarded."""
 
-    def __init__(self, manager, rail, wan: WanConfig, site_name: str, stats: WanStats) -> None:  # noqa: D107
+    def __init__(self, manager, rail, wan: WanConfig, site_name: str, stats: WanStats,  # noqa: D107
+                 intra_group=None) -> None:
         num_sites, per_site = manager.num_participants(), dist.get_world_size()
         self.layout = SiteLayout(
             site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
@@ -77,7 +78,7 @@ class ElasticTopology(Topology):
         self.site_size = per_site
         self.local_rank_in_site = dist.get_rank()
         self.rank = self.site * per_site + self.local_rank_in_site
-        self.intra_group = dist.group.WORLD
+        self.intra_group = intra_group if intra_group is not None else dist.group.WORLD
         self.rail_groups = [rail] if num_sites > 1 else []
         self.error: WanError | None = None
 
@@ -197,6 +198,9 @@ class ElasticSite:
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
         self._manager, self._resumed_at = None, 0
+        self.intra_group = None
+        """The site's group for the intra-site stages of the WAN all-reduces; None: the default group. An
+        all-reduce that runs while the site trains on (overlapped DiLoCo) needs one of its own, apart from DDP's."""
         self.topology: ElasticTopology | None = None
 
     @property
@@ -292,7 +296,8 @@ class ElasticSite:
         if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
         self._joined = True
-        self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats)
+        self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
+                                        self.intra_group)
         return self.topology
 
     def sync_gradients(self, module: torch.nn.Module) -> None:
@@ -415,7 +420,9 @@ class ElasticSite:
         if self.topology is not None:
             self.topology.close()
         if self._manager is not None:
-            self._manager.shutdown(wait=False)
+            self._manager.shutdown(wait=False)  # and its state server
+        else:  # never started: the state server (built here, a socket and its thread) is the manager's to stop
+            self._transport.shutdown(wait=False)
         # torchft's gloo group is not in torch's group map, so destroy_process_group() leaves it to interpreter exit,
         # where gloo's worker threads still hold finished work whose tensors need the GIL: the process then aborts
         # ("terminate called without an active exception", SIGABRT; seen in the test suite). Drop it now.

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=SYNC_EVERY)
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR)
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: the model's two Linear layers")
+    parser.add_argument("--overlap", type=int, default=0, help="overlap_steps: the sync runs while training goes on")
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -50,7 +51,7 @@ def main() -> None:
     trained = torch.nn.parallel.DistributedDataParallel(net) if dist.get_world_size() > 1 else net
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=OUTER_MOMENTUM,
-                          fragments=args.fragments)
+                          fragments=args.fragments, overlap_steps=args.overlap)
     heals, live = [], {}
 
     def healed(state: dict) -> None:  # the live state's sender, and the job's inner step it resumes at

@@ -51,20 +51,23 @@ def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
 
 def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor], *, sync_every: int,
                      outer_lr: float, outer_momentum: float, scheduled: bool = False, fragments: int = 1,
-                     heals: list[dict] = (), with_local: bool = False):
+                     overlap: int = 0, alpha: float = 0.5, heals: list[dict] = (), until: int | None = None,
+                     with_local: bool = False):
     """One process replays elastic DiLoCo rounds from the parameters ``initial`` (every site's at the first round).
 
     ``log``: the rounds in order, ``{"t0", "sites"}`` (first inner step, the sites that took part) and optionally
     ``"t1"`` (the inner step whose sync ends the round; default ``t0 + sync_every``) and ``"committed"`` (default
     True). In every round every site trains its own copy for inner steps ``t0 .. t1 - 1`` (inner step ``t`` of
     site ``s``: the mean gradient over its ranks on ``rows(s, rank, t)``; with ``scheduled`` at ``LR *
-    lr_factor(t)``); the round's sync takes the fragment due at ``t1`` (the model's two Linear layers are blocks
-    0 and 1, block ``i`` in fragment ``i mod fragments``; fragment ``f`` syncs when ``t1 % sync_every ==
-    (f + 1) * sync_every // fragments % sync_every``). A committed sync steps the fragment's global parameters
-    by outer SGD (Nesterov momentum) with the mean of ``global - local`` over the round's sites; committed or not,
-    every site's fragment then takes the global values. ``heals``: ``{"site", "source", "t0"}``: before the round
-    starting at ``t0`` the site takes the source's parameters. Returns the global parameters, and with
-    ``with_local`` also ``{site: its parameters}``."""
+    lr_factor(t)``); the round's sync starts after inner step ``t1 - overlap - 1`` and takes the fragment due
+    there (the model's two Linear layers are blocks 0 and 1, block ``i`` in fragment ``i mod fragments``; fragment
+    ``f`` syncs when the steps done are ``(f + 1) * sync_every // fragments`` mod ``sync_every``), with each site's
+    ``global - local`` of that moment. A committed sync steps the fragment's global parameters by outer SGD
+    (Nesterov momentum) with the mean over the round's sites; committed or not, every site's fragment then takes
+    the global values (``overlap``: ``alpha * local + (1 - alpha) * global``). ``heals``: ``{"site", "source",
+    "t0"}``: before the round starting at ``t0`` the site takes the source's parameters. ``until``: the inner
+    steps the job ran (more than the last round's ``t1`` when it ended mid-round: every site trains on to it).
+    Returns the global parameters, and with ``with_local`` also ``{site: its parameters}``."""
     glob = model()
     glob.load_state_dict(initial)
     names = [name for name, _ in glob.named_parameters()]
@@ -81,19 +84,27 @@ def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Te
         for heal in heals:
             if heal["t0"] == t0:
                 nets[heal["site"]].load_state_dict(nets[heal["source"]].state_dict())
+        start = t1 - overlap  # steps done when the sync starts
+        due = [i for i, f in enumerate(fragment_of) if offsets[f] == start % sync_every]
         for site, net in nets.items():
-            _train(net, site, range(t0, t1), per_site, scheduled)
-        due = [i for i, f in enumerate(fragment_of) if offsets[f] == t1 % sync_every]
+            _train(net, site, range(t0, start), per_site, scheduled)
+        deltas = {site: {i: params[i] - list(net.parameters())[i].detach() for i in due} for site, net in nets.items()}
+        for site, net in nets.items():
+            _train(net, site, range(start, t1), per_site, scheduled)
         local = {site: [p.detach() for p in net.parameters()] for site, net in nets.items()}
         if entry.get("committed", True):
             for i in due:
-                params[i].grad = sum(params[i] - local[site][i] for site in entry["sites"]) / len(entry["sites"])
+                params[i].grad = sum(deltas[site][i] for site in entry["sites"]) / len(entry["sites"])
             outer.step()
             outer.zero_grad(set_to_none=True)
+        weight = alpha if overlap else 0.0
         with torch.no_grad():
             for values in local.values():
                 for i in due:
-                    values[i].copy_(params[i])
+                    values[i].copy_(params[i] if weight == 0.0 else weight * values[i] + (1.0 - weight) * params[i])
+    end = log[-1].get("t1", log[-1]["t0"] + sync_every) if log else 0
+    for site, net in nets.items():
+        _train(net, site, range(end, until if until is not None else end), per_site, scheduled)
     result = {name: p for name, p in zip(names, params)}
     if not with_local:
         return result

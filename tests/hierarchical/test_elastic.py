@@ -93,8 +93,9 @@ def _progress(out: Path, name: str) -> int:
 
 def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str,
                      script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None) -> dict:
-    """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it 3 s later with the same
-    command; every site must end cleanly. Returns each rank's results and whether the others went on meanwhile."""
+    """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it with the same command
+    once the others committed a step without it (3 s at least, 23 s at most); every site must end cleanly. Returns
+    each rank's results and whether the others went on meanwhile."""
     names = [f"site{i}" for i in range(sites)]
     launch = {"script": script, "accelerate": accelerate}
     trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
@@ -107,8 +108,12 @@ def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int,
         trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
         killed_at = _progress(tmp_path, names[victim])
         before = {n: _progress(tmp_path, n) for n in names if n != names[victim]}
-        time.sleep(3)
-        survivors_went_on = all(_progress(tmp_path, n) > before[n] for n in before)
+        time.sleep(3)  # down for 3 s at least, and until the others committed a step (a round) without it: the
+        went_on = time.monotonic() + 20  # lighthouse drops it after its heartbeat timeout (2 s), then a quorum forms
+        while not (survivors_went_on := all(_progress(tmp_path, n) > before[n] for n in before)):
+            if time.monotonic() > went_on:
+                break
+            time.sleep(0.1)
         (tmp_path / f"{names[victim]}.progress").unlink()
         trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
                                      **launch)  # the same command

@@ -5,8 +5,9 @@ One site is SIGKILLed (all its processes) mid-training: the others keep committi
 in flight is discarded, never half-applied), no round is lost or applied twice, the killed site restarts with the
 same command, receives the live global parameters, outer and inner optimizer states from a peer site, and rejoins;
 the job ends with every site, every rank bitwise identical, equal to a single-process replay of the committed
-rounds (each averaged over the sites that took part). Also in streaming DiLoCo (one fragment per round), where the
-replay follows every site's own parameters, discarded rounds and the state a restarted site received."""
+rounds (each averaged over the sites that took part). Also in streaming DiLoCo (one fragment per round) and with
+overlapped syncs (the round ends where the result merges), where the replay follows every site's own parameters,
+discarded rounds and the state a restarted site received."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from tests._resources import require_module
 
 require_module("torchft", "elastic")
 
-from multidc.hierarchical import DiLoCoConfig  # noqa: E402
-from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
 from tests.hierarchical.test_elastic import (  # noqa: E402
@@ -36,13 +35,15 @@ ROUNDS, KILL_AT = 8, 3
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-@pytest.mark.parametrize("sites,per_site,fragments", [(3, 1, 1), (2, 2, 1), (3, 1, 2)],
-                         ids=["3x1", "2x2-ddp", "3x1-streaming"])
+@pytest.mark.parametrize("sites,per_site,fragments,overlap", [
+    (3, 1, 1, 0), (2, 2, 1, 0), (3, 1, 2, 0), (3, 1, 2, 1), (2, 2, 1, 2),
+], ids=["3x1", "2x2-ddp", "3x1-streaming", "3x1-streaming-overlap", "2x2-ddp-overlap"])
 def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site,
-                                                                     fragments):
+                                                                     fragments, overlap):
     victim = sites - 1
     run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
-                           "--sleep", "0.3", "--fragments", str(fragments), script=SCRIPT, kill_at=KILL_AT)
+                           "--sleep", "0.3", "--fragments", str(fragments), "--overlap", str(overlap),
+                           script=SCRIPT, kill_at=KILL_AT)
     first, survivor = check_rejoined(run, sites, ROUNDS)  # every rank's global parameters bitwise identical
     assert survivor["joined_at"] == 0
     heals = [{"site": rank["site"], **heal} for (_, r), rank in run["ranks"].items() if r == 0
@@ -50,7 +51,7 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
     assert any(h["site"] == victim and h["t0"] > 0 for h in heals), "the restarted site did not receive the live state"
     expected, local = diloco_reference(survivor["syncs"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
                                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, fragments=fragments,
-                                       heals=heals, with_local=True)
+                                       overlap=overlap, heals=heals, with_local=True)
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     for (_, _), rank in run["ranks"].items():  # streaming: each site's own parameters besides the fragment synced
@@ -64,11 +65,3 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
 def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd, message):
     check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--rounds", "60", "--sleep", "0.2"], 1,
                                ["--rounds", "60", *odd], ["the DiLoCo settings differ", *message], script=SCRIPT)
-
-
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_overlapped_diloco_is_refused_before_connecting(fragments):
-    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    config = DiLoCoConfig(sync_every=4, fragments=fragments, overlap_steps=1)
-    with pytest.raises(ValueError, match="overlap_steps=1 must be 0"):
-        ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), config, site="a")

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=20.0)
     parser.add_argument("--diloco", action="store_true")
     parser.add_argument("--fragments", type=int, default=1, help="--diloco streaming: a round is SYNC_EVERY/fragments")
+    parser.add_argument("--overlap", type=int, default=0, help="--diloco overlap_steps")
     parser.add_argument("--ckpt-dir", help="save_state here after every --ckpt-every-th committed job step")
     parser.add_argument("--ckpt-every", type=int, default=4)
     parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
@@ -47,8 +48,7 @@ def main() -> None:
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
     diloco = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                          fragments=args.fragments)
-    round_steps = SYNC_EVERY // args.fragments if args.diloco else 1
+                          fragments=args.fragments, overlap_steps=args.overlap)
     plugin = MultiDCPlugin(elastic=True, site=args.site, num_sites=args.sites, wan=WanConfig(timeout_s=args.timeout_s),
                            cross_site="diloco" if args.diloco else None, diloco=diloco if args.diloco else None)
     # split_batches: the scheduler steps once per optimizer step (and skips the steps the optimizer skipped)
@@ -79,9 +79,9 @@ def main() -> None:
     entry = None
     while True:
         step, outer = accelerator.job_step, job_step()
-        if step % round_steps == 0 and done(outer):
+        if entry is None and done(outer):
             break
-        if step % round_steps == 0:  # a step (a round) starts: which sites are in it
+        if entry is None:  # a step (a round) starts: which sites are in it
             present = torch.zeros(MAX_SITES)
             present[index] = 1.0 / accelerator.num_processes  # summed over the site's ranks: 1 per site present
             site.all_reduce(present, op="sum")
@@ -101,6 +101,8 @@ def main() -> None:
                 accelerator.save_state(args.ckpt_dir)  # written by the first site of the quorum only
         elif committed is False:
             discarded += 1
+        if committed is not None:
+            entry = None
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(job_step()))

@@ -42,16 +42,17 @@ def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
-def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse, fragments):
+@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 0), (2, 1)], ids=["plain", "streaming", "overlap"])
+def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse, fragments, overlap):
     run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--fragments", str(fragments),
-                           "--steps", "8", "--sleep", "0.1", script=SCRIPT, kill_at=3, accelerate=ACCELERATE)
+                           "--overlap", str(overlap), "--steps", "8", "--sleep", "0.1", script=SCRIPT, kill_at=3,
+                           accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 8)  # the global parameters bitwise identical on every rank
     restarted = run["ranks"][("site1", 0)]
     heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
     expected, local = diloco_reference(survivor["syncs"], 1, survivor["initial"], sync_every=SYNC_EVERY,
                                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
-                                       fragments=fragments, heals=heals, with_local=True)
+                                       fragments=fragments, overlap=overlap, heals=heals, with_local=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     for rank in (survivor, restarted):  # each site's own parameters (streaming: apart between syncs)
@@ -102,10 +103,8 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     assert MultiDCPlugin().elastic and not MultiDCPlugin(elastic=False).elastic
     with pytest.raises(ValueError, match="elastic=True. runs data parallelism only"):
         MultiDCPlugin(dp_shard=2)
-    streaming = DiLoCoConfig(sync_every=4, fragments=2)
-    assert MultiDCPlugin(cross_site="diloco", diloco=streaming).elastic  # a quorum per fragment sync
-    with pytest.raises(ValueError, match="elastic DiLoCo syncs without overlap: overlap_steps=1 must be 0"):
-        MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1))
+    overlapped = DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1)
+    assert MultiDCPlugin(cross_site="diloco", diloco=overlapped).elastic  # every DiLoCo variant
 
 
 def test_a_site_run_without_a_launcher_trains_as_a_one_process_site(tmp_path, lighthouse):

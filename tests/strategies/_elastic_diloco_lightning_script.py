@@ -7,9 +7,10 @@ per site, ``Trainer(strategy=DiLoCoStrategy(elastic=True))`` over that site's ra
 Each rank trains ``tests.hierarchical.elastic_reference.model()`` with inner SGD on ``rows(site, local rank, t)``,
 ``t`` the job's inner step (``trainer.global_step``), at ``LR * lr_factor(t)``; every ``SYNC_EVERY`` steps DiLoCo
 averages over the sites of the round (``--fragments 2``: streaming, one of two fragments every ``SYNC_EVERY / 2``
-steps). Every committed round is logged with its sites and first inner step, every sync with its outcome; each
-rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (inner steps) as it goes. ``--ckpt-dir``: a
-``ModelCheckpoint`` every 2 rounds on every site.
+steps; ``--overlap N``: each sync merges N steps after it starts, where the round ends). Every committed round is
+logged with its sites and first inner step, every sync with its outcome; each rank writes DIR/<site>_rank<r>.pt at
+the end and DIR/<site>.progress (inner steps) as it goes. ``--ckpt-dir``: a ``ModelCheckpoint`` every 2 rounds on
+every site.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model
 
 
 class Net(pl.LightningModule):
-    def __init__(self, index: int, sleep: float, out: str, name: str, round_steps: int) -> None:
+    def __init__(self, index: int, sleep: float, out: str, name: str) -> None:
         super().__init__()
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.rounds, self.discarded, self.initial, self.joined_at, self._round = [], 0, None, None, None
-        self.syncs, self.first_t, self.round_steps = [], None, round_steps
+        self.syncs, self.first_t = [], None
 
     def pipeline_blocks(self):  # DiLoCo's blocks: streaming deals the two Linear layers into two fragments
         return [self.net[0], self.net[2]]
@@ -45,7 +46,7 @@ class Net(pl.LightningModule):
         if self.joined_at is None:
             self.joined_at, self.first_t = diloco.outer_steps, t
             self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
-        if t % self.round_steps == 0:  # a round starts: which sites are in it
+        if self._round is None:  # a round starts (the first step, or the one after a sync): which sites are in it
             present = torch.zeros(MAX_SITES)
             present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site
             diloco.site.all_reduce(present, op="sum")
@@ -62,6 +63,8 @@ class Net(pl.LightningModule):
             self.rounds.append(self._round)
         elif synced is False:
             self.discarded += 1
+        if synced is not None:
+            self._round = None
         if self.global_rank == 0:
             with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
                 f.write(str(self.trainer.global_step))
@@ -90,13 +93,14 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", help="ModelCheckpoint every 2 rounds into this directory")
     parser.add_argument("--resume", help="fit(ckpt_path=...)")
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: a round is SYNC_EVERY/fragments")
+    parser.add_argument("--overlap", type=int, default=0, help="overlap_steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
-    module = Net(index, args.sleep, args.out, args.site, SYNC_EVERY // args.fragments)
+    module = Net(index, args.sleep, args.out, args.site)
     config = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                          fragments=args.fragments)
+                          fragments=args.fragments, overlap_steps=args.overlap)
     trainer = pl.Trainer(
         strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
                                 wan=WanConfig(timeout_s=args.timeout_s)),

@@ -117,14 +117,15 @@ def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path,
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("fragments", [1, 2], ids=["plain", "streaming"])
-def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse, fragments):
+@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 0), (2, 1)], ids=["plain", "streaming", "overlap"])
+def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse, fragments, overlap):
     # DiLoCoStrategy(elastic=True): a quorum per round (streaming: per fragment sync); the restarted site receives
     # the global parameters, its peer's own, the outer and inner optimizer states and the job's inner step, and both
     # sites end at max_steps with identical global parameters, each site's own equal to the replay's
     max_steps = 200
     run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--max-steps", str(max_steps), "--sleep", "0.08",
-                           "--fragments", str(fragments), script=DILOCO_SCRIPT, kill_at=40)
+                           "--fragments", str(fragments), "--overlap", str(overlap), script=DILOCO_SCRIPT,
+                           kill_at=40)
     survivor, restarted = run["ranks"][("site0", 0)], run["ranks"][("site1", 0)]
     assert run["survivors_went_on"], "the surviving site stopped while the other was down"
     assert survivor["final_step"] == restarted["final_step"] == max_steps
@@ -138,7 +139,8 @@ def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse, 
     heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
     expected, local = diloco_reference(survivor["syncs"], 1, survivor["initial"], sync_every=SYNC_EVERY,
                                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
-                                       fragments=fragments, heals=heals, with_local=True)
+                                       fragments=fragments, overlap=overlap, heals=heals,
+                                       until=max_steps, with_local=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     for rank in (survivor, restarted):
@@ -210,9 +212,7 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     assert HierarchicalDDPStrategy().elastic and not HierarchicalDDPStrategy(elastic=False).elastic
     config = DiLoCoConfig(sync_every=4)
     assert DiLoCoStrategy(diloco=config).elastic
-    assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2)).elastic  # streaming: a quorum per sync
-    with pytest.raises(ValueError, match="elastic DiLoCo syncs without overlap: overlap_steps=1 must be 0"):
-        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1))
+    assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1)).elastic  # every variant
 
 
 def test_front_ends_without_an_elastic_mode_refuse_the_variable(monkeypatch):
