@@ -81,6 +81,10 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
                          checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
                          lighthouse=lighthouse, **ddp_kwargs)
+        if self.elastic:
+            from multidc.hierarchical.elastic.diloco import check_elastic_config
+
+            check_elastic_config(config)
         self.gradient_sync.diloco_config = config
 
     def _sharded_checkpoints(self) -> bool:

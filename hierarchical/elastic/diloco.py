@@ -14,7 +14,9 @@ parameters, and the next quorum heals a site that discarded a round another comm
 With ``overlap_steps`` (tau) a fragment's all-reduce runs in the background for tau inner steps (over a group of
 the site's own, apart from DDP's) and the round ends when its result merges (local ``alpha * local + (1 - alpha) *
 global``, also after a discard, with the unchanged global ones): the vote and the next quorum come there, so a sync
-never spans a change of the sites present, and a joining site arrives with no sync in flight.
+never spans a change of the sites present, and a joining site arrives with no transfer in flight (after a resume
+from a checkpoint saved mid-flight, the loaded result travels with the state). ``overlap_steps`` must stay below the
+smallest gap between two fragments' syncs, so a round's merge never falls on the next sync's first step.
 
 A site that heals (a restarted one, or a live one that discarded a round another committed) takes all of its
 source's parameters: in streaming or overlapped DiLoCo also the local values of the fragments not synced last, so
@@ -80,7 +82,7 @@ class ElasticDiLoCo(DiLoCo):
     in streaming or overlapped DiLoCo, where a site's parameters are not all global) every site resumes from the
     saving site's parameters.
     Saved while an overlapped sync is in flight, the checkpoint holds its averaged result, which the resumed job
-    merges (and votes on) at its step.
+    merges (and votes on) at its step; a sync whose transfer failed on the saving site is left out.
 
     Raises:
         ValueError: bad settings, or settings that differ inside the site; a site
@@ -103,7 +105,7 @@ class ElasticDiLoCo(DiLoCo):
         join: bool = True,
         **site_options,
     ) -> None:
-        config = config_or_default(config)
+        config = check_elastic_config(config_or_default(config))
         if inner_optimizer is None:
             raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
         wan = wan if wan is not None else WanConfig()
@@ -161,8 +163,16 @@ class ElasticDiLoCo(DiLoCo):
         return {"config": repr(self.config), "outer": repr(groups)}
 
     def state_dict(self) -> dict:
-        """For a checkpoint: ``DiLoCo.state_dict()`` and the rounds the job committed (``outer_steps``)."""
-        return {**super().state_dict(), "outer_steps": torch.tensor(self.outer_steps)}
+        """For a checkpoint: ``DiLoCo.state_dict()`` and the rounds the job committed (``outer_steps``). An
+        overlapped sync in flight is waited for; if its transfer failed on this site (the site will discard the
+        round) it is left out, so a resumed job never merges a half-reduced result."""
+        state = {**super().state_dict(), "outer_steps": torch.tensor(self.outer_steps)}
+        round_ = self._round
+        if self._in_flight is not None and round_ is not None and (round_.error is not None or
+                                                                   not round_.wan_usable()):
+            state["in_flight_fragment"], state["in_flight_merge_at"] = torch.tensor(-1), torch.tensor(-1)
+            state["in_flight_delta"].zero_()  # a new tensor of state_dict(), not the live one
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint's ``state_dict()`` before the first round (``join=False``): its quorum, at the first
@@ -228,6 +238,8 @@ class ElasticDiLoCo(DiLoCo):
         before, overlap = self._wan_bytes(), self.config.overlap_steps
         # a failed transfer does not raise: the round will not commit
         future = all_reduce(delta, self._round, wan=self._round.wan, op="avg", replicated=True, async_op=overlap > 0)
+        if future is None:  # blocking: done
+            self.stats.bytes_sent += self._wan_bytes() - before
         self._in_flight = _InFlight(due, t + overlap, delta, future, before)
         self.stats.exposed_s += time.perf_counter() - started
         return self._end_round() if overlap == 0 else None
@@ -289,3 +301,19 @@ class ElasticDiLoCo(DiLoCo):
                 dist.destroy_process_group(self._own_group)
                 self._own_group = None
             self.topology.close()
+
+
+def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
+    """``config``, if elastic DiLoCo can run it; else a ValueError saying what to change. A round ends where its
+    sync merges, so an overlapped sync must merge before the next fragment's sync starts."""
+    if config.overlap_steps:
+        offsets = sorted(config.offset(i) for i in range(config.fragments))
+        gap = min((b - a) % config.sync_every or config.sync_every for a, b in zip(offsets, offsets[1:] + offsets[:1]))
+        if config.overlap_steps >= gap:
+            raise ValueError(
+                f"elastic DiLoCo ends a round where its sync merges, so overlap_steps={config.overlap_steps} must be "
+                f"below the smallest gap between two fragments' syncs ({gap} steps with sync_every="
+                f"{config.sync_every}, fragments={config.fragments}); lower MULTIDC_DILOCO_OVERLAP_STEPS, or make "
+                f"sync_every a multiple of fragments."
+            )
+    return config

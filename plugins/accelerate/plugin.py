@@ -133,6 +133,10 @@ class MultiDCPlugin:
             raise ValueError(f"MultiDCPlugin.tensor_parallel={tp!r}: use None, 'transformer' or fn(model, tp_mesh).")
         self.diloco = resolve_cross_site(self.cross_site, self.diloco, owner="MultiDCPlugin")
         self.cross_site = "allreduce" if self.diloco is None else "diloco"
+        if self.elastic and self.diloco is not None:  # an unsupported DiLoCo setting fails here, not at prepare
+            from multidc.hierarchical.elastic.diloco import check_elastic_config
+
+            check_elastic_config(self.diloco)
         sizes = {name: getattr(self, name) for name in _SIZE_ENV}
         pipeline_args = (self.pipeline_schedule, self.microbatches, self.split_points)
         if all(v is None and _env.read(_SIZE_ENV[name]) is None for name, v in sizes.items()):

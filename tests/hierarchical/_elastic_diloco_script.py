@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: the model's two Linear layers")
     parser.add_argument("--overlap", type=int, default=0, help="overlap_steps: the sync runs while training goes on")
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
+    parser.add_argument("--fail-first-flight", action="store_true", help="--overlap: report an error while the "
+                        "first sync is in flight, taking the DiLoCo state before and after")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -72,11 +74,16 @@ def main() -> None:
     joined_at, initial = diloco.outer_steps, {n: p.detach().clone() for n, p in net.named_parameters()}
     log, syncs, discarded, last, last_step = [], [], 0, [], -1
     sites, t0, step = round_start()
+    flight_check = None
     while True:
         x, y = rows(index, rank, diloco.inner_steps)
         torch.nn.functional.mse_loss(trained(x), y).backward()  # DDP: averaged inside the site
         opt.step()  # the post-hook: at a round's end, the sync and the next quorum
         opt.zero_grad()
+        if args.fail_first_flight and flight_check is None and diloco._in_flight is not None:
+            before = int(diloco.state_dict()["in_flight_fragment"])
+            diloco.site.manager.report_error(RuntimeError("test: the first sync's transfer failed"))
+            flight_check = (before, int(diloco.state_dict()["in_flight_fragment"]))
         if diloco.synced is None:
             continue
         syncs.append({"t0": t0, "t1": diloco.inner_steps, "committed": diloco.synced, "sites": sites})
@@ -97,7 +104,8 @@ def main() -> None:
     with diloco.global_parameters():  # every site's: equal after each sync (streaming: the site's own elsewhere)
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "local": local, "log": log, "syncs": syncs, "heals": heals,
-                "discarded": discarded, "joined_at": joined_at, "initial": initial,
+                "flight_check": flight_check, "bytes_sent": diloco.stats.bytes_sent, "discarded": discarded,
+                "joined_at": joined_at, "initial": initial,
                 "final_step": diloco.outer_steps, "num_sites": diloco.num_sites},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     diloco.close()

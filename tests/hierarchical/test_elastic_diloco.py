@@ -20,6 +20,8 @@ from tests._resources import require_module
 
 require_module("torchft", "elastic")
 
+from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
 from tests.hierarchical.test_elastic import (  # noqa: E402
@@ -27,6 +29,7 @@ from tests.hierarchical.test_elastic import (  # noqa: E402
     _run_with_a_kill,
     check_odd_site_fails_alone,
     check_rejoined,
+    run_alone,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +48,11 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
                            "--sleep", "0.3", "--fragments", str(fragments), "--overlap", str(overlap),
                            script=SCRIPT, kill_at=KILL_AT)
     first, survivor = check_rejoined(run, sites, ROUNDS)  # every rank's global parameters bitwise identical
-    assert survivor["joined_at"] == 0
+    assert survivor["joined_at"] == 0 and survivor["bytes_sent"] > 0
+    # a round runs from a sync's merge to the next one's: every fragment in turn (the first round is longer by
+    # the first sync's offset and overlap)
+    assert {e["t1"] - e["t0"] for e in survivor["syncs"][1:]} == {SYNC_EVERY // fragments}
+    assert survivor["syncs"][0]["t1"] == SYNC_EVERY // fragments + overlap
     heals = [{"site": rank["site"], **heal} for (_, r), rank in run["ranks"].items() if r == 0
              for heal in rank["heals"]]
     assert any(h["site"] == victim and h["t0"] > 0 for h in heals), "the restarted site did not receive the live state"
@@ -65,3 +72,20 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
 def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd, message):
     check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--rounds", "60", "--sleep", "0.2"], 1,
                                ["--rounds", "60", *odd], ["the DiLoCo settings differ", *message], script=SCRIPT)
+
+
+def test_an_overlapped_sync_that_failed_is_left_out_of_checkpoints(tmp_path, lighthouse):
+    # the round will be discarded: a resumed job must not merge its half-reduced result
+    site = run_alone(tmp_path / "run", lighthouse.address, "--rounds", "3", "--overlap", "1", "--fail-first-flight",
+                     script=SCRIPT)
+    assert site["flight_check"] == (0, -1)  # in the state while in flight, left out once the transfer failed
+    assert site["discarded"] == 1 and site["final_step"] == 3
+
+
+@pytest.mark.parametrize("sync_every,fragments,overlap", [(4, 3, 1), (5, 2, 2), (6, 4, 1)])
+def test_overlap_that_reaches_the_next_sync_is_refused_before_connecting(sync_every, fragments, overlap):
+    # the round ends where its sync merges: a merge on another fragment's first sync step would skip that sync
+    net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(4)))
+    config = DiLoCoConfig(sync_every=sync_every, fragments=fragments, overlap_steps=overlap)
+    with pytest.raises(ValueError, match=f"overlap_steps={overlap} must be below the smallest gap"):
+        ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), config, site="a")

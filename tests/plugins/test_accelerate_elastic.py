@@ -105,6 +105,8 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
         MultiDCPlugin(dp_shard=2)
     overlapped = DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1)
     assert MultiDCPlugin(cross_site="diloco", diloco=overlapped).elastic  # every DiLoCo variant
+    with pytest.raises(ValueError, match="overlap_steps=1 must be below the smallest gap between two fragments"):
+        MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(sync_every=4, fragments=3, overlap_steps=1))
 
 
 def test_a_site_run_without_a_launcher_trains_as_a_one_process_site(tmp_path, lighthouse):

@@ -213,6 +213,8 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     config = DiLoCoConfig(sync_every=4)
     assert DiLoCoStrategy(diloco=config).elastic
     assert DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1)).elastic  # every variant
+    with pytest.raises(ValueError, match="overlap_steps=1 must be below the smallest gap between two fragments"):
+        DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=4, fragments=3, overlap_steps=1))
 
 
 def test_front_ends_without_an_elastic_mode_refuse_the_variable(monkeypatch):
