@@ -43,9 +43,8 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     and the DiLoCo state with the job's round. ``fit(ckpt_path=...)`` on one site or all resumes the job there.
     In plain DiLoCo without overlap, save at round ends (``every_n_train_steps`` a multiple of ``sync_every``) for
     a resume that continues as an unbroken run; any other checkpoint (and every one in streaming or overlapped
-    DiLoCo) resumes every site from the saving site's parameters. Streaming DiLoCo
-    (``fragments > 1``) has a quorum per fragment sync; with ``overlap_steps`` a round ends when its sync's result
-    merges.
+    DiLoCo) resumes every site from the saving site's parameters. Streaming DiLoCo (``fragments > 1``) has a
+    quorum per fragment sync; with ``overlap_steps`` a round ends when its sync's result merges.
 
     Args:
         diloco: ``DiLoCoConfig``; default ``DiLoCoConfig()`` from ``MULTIDC_DILOCO_*``, built here, so a missing

@@ -158,39 +158,62 @@ class DiLoCo:
         if self._in_flight is not None and self._in_flight.merge_at <= t:
             self._finish()
             synced = True
-        for index, fragment in enumerate(self._fragments):
-            if t % self.config.sync_every == fragment.offset:
-                self._start(index, t)
-                if self.config.overlap_steps == 0:
-                    self._finish()
-                synced = True
+        due = self._due(t)
+        if due is not None:
+            self._start(due, t)
+            if self.config.overlap_steps == 0:
+                self._finish()
+            synced = True
         if synced:
             self.stats.exposed_s += time.perf_counter() - started
 
+    def _due(self, t: int) -> int | None:
+        """The fragment whose sync starts at inner step ``t``, or None (at most one: ``fragments <= sync_every``
+        spreads their offsets apart)."""
+        return next((i for i, f in enumerate(self._fragments) if t % self.config.sync_every == f.offset), None)
+
     def _start(self, index: int, t: int) -> None:
+        """Start averaging fragment ``index``'s pseudo-gradients (in the background); it merges at ``t`` plus
+        ``overlap_steps``."""
         assert self._in_flight is None, "a fragment's sync starts before the previous one merged"
         fragment = self._fragments[index]
         delta = fragment.global_flat.clone()
         for local, view in zip(fragment.params, _views(delta, fragment.params)):
             view.sub_(local)  # global - local, in float32
         before = self._wan_bytes()
-        future = all_reduce(delta, self.topology, wan=self.wan, op="avg", async_op=True, replicated=True)
+        topology, wan = self._sync_target()
+        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+
+    def _sync_target(self) -> tuple[Topology, WanConfig]:
+        """The topology and WAN settings the syncs run over."""
+        return self.topology, self.wan
 
     def _finish(self) -> None:
         flight, self._in_flight = self._in_flight, None
-        if flight.future is not None:
-            flight.future.wait()
-            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
+        self._wait(flight)
+        self._merge(flight, outer_step=True)
+
+    def _merge(self, flight: _InFlight, *, outer_step: bool) -> None:
+        """Merge an arrived sync: with ``outer_step`` its average steps the fragment's outer optimizer; then the
+        fragment's local parameters take the global ones (``alpha * local + (1 - alpha) * global`` under overlap)."""
         fragment = self._fragments[flight.fragment]
-        for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
-            view.grad = grad
-        fragment.outer.step()
-        fragment.outer.zero_grad(set_to_none=True)
+        if outer_step:
+            for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
+                view.grad = grad
+            fragment.outer.step()
+            fragment.outer.zero_grad(set_to_none=True)
+            self.stats.outer_syncs += 1
         alpha = self.config.alpha if self.config.overlap_steps else 0.0
         for local, view in zip(fragment.params, fragment.global_views):
             local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
-        self.stats.outer_syncs += 1
+
+    def _wait(self, flight: _InFlight | None) -> None:
+        """Wait for ``flight``'s all-reduce to arrive (once) and count its WAN bytes."""
+        if flight is not None and flight.future is not None:
+            flight.future.wait()
+            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
+            flight.future = None
 
     def _wan_bytes(self) -> int:
         """Bytes the syncs' topology has sent over the WAN so far."""
@@ -227,11 +250,7 @@ class DiLoCo:
 
     def _settle(self) -> None:
         """Wait for a sync in flight to arrive (not merge it): its result is then part of the state."""
-        flight = self._in_flight
-        if flight is not None and flight.future is not None:
-            flight.future.wait()
-            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
-            flight.future = None
+        self._wait(self._in_flight)
 
     def state_dict(self) -> dict:
         """The outer state, identical on every rank of the topology (store it once): the inner step count, the

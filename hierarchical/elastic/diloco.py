@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, config_or_default
-from multidc.hierarchical.diloco.diloco import DiLoCo, _InFlight, _views
+from multidc.hierarchical.diloco.diloco import DiLoCo
 from multidc.hierarchical.elastic.site import ElasticSite, _to_cpu
 from multidc.hierarchical.topology import Topology
 
@@ -231,38 +230,22 @@ class ElasticDiLoCo(DiLoCo):
         if due is None:
             return None
         started = time.perf_counter()
-        fragment = self._fragments[due]
-        delta = fragment.global_flat.clone()
-        for local, view in zip(fragment.params, _views(delta, fragment.params)):
-            view.sub_(local)
-        before, overlap = self._wan_bytes(), self.config.overlap_steps
-        # a failed transfer does not raise: the round will not commit
-        future = all_reduce(delta, self._round, wan=self._round.wan, op="avg", replicated=True, async_op=overlap > 0)
-        if future is None:  # blocking: done
-            self.stats.bytes_sent += self._wan_bytes() - before
-        self._in_flight = _InFlight(due, t + overlap, delta, future, before)
+        self._start(due, t)  # a failed transfer does not raise: the round will not commit
         self.stats.exposed_s += time.perf_counter() - started
-        return self._end_round() if overlap == 0 else None
+        return self._end_round() if self.config.overlap_steps == 0 else None
+
+    def _sync_target(self) -> tuple[Topology, WanConfig]:
+        return self._round, self._round.wan  # this round's sites (one WAN stream per rail)
 
     def _end_round(self) -> None:
-        """The sync in flight is due: wait for it, vote, merge, and end the round."""
+        """The sync in flight is due: wait for it, vote, merge (the outer step only if committed; the fragment
+        starts the next round from its global parameters, merged under overlap, also after a discard), and end the
+        round."""
         started = time.perf_counter()
         flight, self._in_flight = self._in_flight, None
-        if flight.future is not None:
-            flight.future.wait()
-            self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
+        self._wait(flight)
         self.synced = self.site.commit()
-        fragment = self._fragments[flight.fragment]
-        if self.synced:
-            for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
-                view.grad = grad
-            fragment.outer.step()
-            fragment.outer.zero_grad(set_to_none=True)
-            self.stats.outer_syncs += 1
-        # the fragment starts the next round from its global parameters (merged under overlap), also after a discard
-        alpha = self.config.alpha if self.config.overlap_steps else 0.0
-        for local, view in zip(fragment.params, fragment.global_views):
-            local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
+        self._merge(flight, outer_step=self.synced)
         self.stats.exposed_s += time.perf_counter() - started
         self.round_pending = True
         if self._start_rounds:
@@ -270,11 +253,6 @@ class ElasticDiLoCo(DiLoCo):
 
     def _wan_bytes(self) -> int:
         return self.site.wan_stats.snapshot()["bytes_sent"]
-
-    def _due(self, t: int) -> int | None:
-        """The fragment whose sync starts at inner step ``t``, or None (at most one: ``fragments <= sync_every``
-        spreads their offsets apart)."""
-        return next((i for i, f in enumerate(self._fragments) if t % self.config.sync_every == f.offset), None)
 
     def start_round(self) -> None:
         """Join the next round's quorum; a site that is behind receives the live state here. Called by ``step()``
