@@ -47,7 +47,7 @@ bench-diloco: $(STAMP)
 	$(BIN)/multidc bench diloco --rates 10mbit,50mbit,200mbit --json bench-results/diloco.json
 
 bench-checkpoint: $(STAMP)
-	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 3 --plot docs/bench_checkpoint.png
+	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png
 
 bench-pipeline: $(STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py

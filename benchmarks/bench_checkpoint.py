@@ -12,17 +12,24 @@ Compares, in the same run and against the same server:
                       it on this server, so ``Lightning save / raw parallel PUT`` is the highest speedup this
                       machine allows; the script prints it next to the target.
 
-Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file).
-Prints median and spread (min-max) of ``--repeats`` runs per figure, the bound above, and one JSON line.
+Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file), against
+the ``raw GET`` bound (every rank GETs its share of the saved shards, nothing else) and ``raw GET, then exchange``
+(the same, then every share sent to the other ranks: the transfers a replicated load cannot avoid).
 
-Then PASS / FAIL against two targets, on the medians: multidc's sync save at least 3x
-faster than Lightning's single-file save to the same s3:// URL, and async saves blocking training for at most
-10% of the sync save time. The exit status is 1 when a target fails. The targets are about a model of at least
-200 MB (10^6 bytes) of state: a smaller ``--size-mb`` is refused unless ``--allow-small`` (a smoke run; its
-verdicts are printed but do not measure the targets). Lightning must be installed (``pip install
+Fair timing: every timed operation starts on a settled server (written data flushed, 0.5 s of quiet), and a bound
+and the multidc operation it bounds take turns going first (the second of two large writes was seen to run up to
+1.2x slower), so use an even ``--repeats``. Peak extra host memory is the kernel's high-water mark (``VmHWM``),
+reset before the operation: exact, with nothing sampling meanwhile. Prints median and spread (min-max) of
+``--repeats`` runs per figure, the bounds, and one JSON line.
+
+Then PASS / FAIL against the targets (``checkpoint_report.verdicts``), on the medians: save and load against their
+bounds, load against Lightning's, peak memory against the rank's share, the async save's blocking time, and the sync
+save against Lightning's single-file save. The exit status is 1 when a target fails. The targets are about a model
+of at least 200 MB (10^6 bytes) of state: a smaller ``--size-mb`` is refused unless ``--allow-small`` (a smoke run;
+its verdicts are printed but do not measure the targets). Lightning must be installed (``pip install
 'multidc[lightning]'``): without it the main comparison cannot run, and the script stops with an error. Usage::
 
-    python benchmarks/bench_checkpoint.py [--size-mb 256] [--repeats 3] [--json out.json]
+    python benchmarks/bench_checkpoint.py [--size-mb 256] [--repeats 4] [--json out.json]
     python benchmarks/bench_checkpoint.py --size-mb 8 --repeats 1 --allow-small     # smoke run
 """
 
@@ -45,6 +52,13 @@ MIN_STATE_BYTES = 200 * 10**6  # the targets are about a model of at least 200 M
 
 
 WIDTH = 2048
+SETTLE_S = 0.5  # quiet before each timed operation
+
+
+def _in_turn(runs: list, rep: int) -> list:
+    """``runs`` in order on even repeats, reversed on odd ones: a measurement taken right after another large transfer
+    was seen to run slower (up to 1.2x for the second of two saves), so each method goes first equally often."""
+    return runs if rep % 2 == 0 else runs[::-1]
 
 
 def _shape(size_mb: float) -> tuple[int, int]:
@@ -71,8 +85,14 @@ def _model(size_mb: float):
 
 
 def _timed(fn, group):
+    """Seconds ``fn`` takes (barriers around it), started on a settled server: what earlier steps wrote is flushed
+    to disk and the server has had ``SETTLE_S`` of quiet, so no measurement pays for the writeback of another."""
     import torch.distributed as dist
 
+    if dist.get_rank(group) == 0:
+        os.sync()
+    dist.barrier(group=group)
+    time.sleep(SETTLE_S)
     dist.barrier(group=group)
     start = time.perf_counter()
     out = fn()
@@ -141,6 +161,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
                         max_concurrency=concurrency)
     times: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}  # peak extra RSS, max over ranks, bytes
+    sampled = set()  # whether PeakRSS had to sample (no high-water mark reset here)
 
     def record(name, seconds):
         times.setdefault(name, []).append(seconds)
@@ -149,6 +170,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         """Time ``fn`` (max over ranks, barriers around) and record its peak extra RSS (max over ranks)."""
         with PeakRSS() as rss:
             seconds, out = _timed(fn, group)
+        sampled.add(rss.sampled)
         record(name, seconds)
         memory.setdefault(name, []).append(_max(float(rss.extra), group))
         return out
@@ -175,24 +197,33 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         clean()
         if rep == 0:
             times.clear()
+            memory.clear()
         rep += 1
-        seconds, _ = _timed(lambda: store.put(f"raw/{rep}/rank{rank}", raw), group)
-        record("raw parallel PUT (bound)", seconds)
-        measured("multidc save", lambda: ckpt.save({"model": model.state_dict()}, step=rep))
+
+        def put_bound():
+            seconds, _ = _timed(lambda: store.put(f"raw/{rep}/rank{rank}", raw), group)
+            record("raw parallel PUT (bound)", seconds)
+
+        for run in _in_turn([put_bound, lambda: measured("multidc save", lambda: ckpt.save(
+                {"model": model.state_dict()}, step=rep))], rep):
+            run()
         shard = f"multidc/{checkpoint_name(rep)}/{shard_file(rank)}"
         sizes = [None] * world
         dist.all_gather_object(sizes, store.size(shard), group=group)
         parts = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(world)]
         pieces = ReadConfig().piece_bytes
-        measured("raw parallel GET (bound)", functools.partial(_raw_get, store, [shard], parts[rank], pieces,
-                                                               concurrency))
-        measured("raw GET, then exchange", functools.partial(_raw_get_and_exchange, store, shard, parts, rank,
-                                                                 pieces, concurrency, group))
-        del parts
         target = {"model": fresh()}
-        measured("multidc load", lambda: ckpt.load(target))
+
+        def get_bounds():
+            measured("raw parallel GET (bound)", functools.partial(_raw_get, store, [shard], parts[rank], pieces,
+                                                                   concurrency))
+            measured("raw GET, then exchange", functools.partial(_raw_get_and_exchange, store, shard, parts, rank,
+                                                                     pieces, concurrency, group))
+
+        for run in _in_turn([get_bounds, lambda: measured("multidc load", lambda: ckpt.load(target))], rep):
+            run()
         assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
-        del target
+        parts = target = None  # free them before the next measurements
 
         dist.barrier(group=group)
         start = time.perf_counter()
@@ -222,7 +253,7 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
         record("dcp-fsspec load", seconds)
     clean()
     ckpt.close()
-    return {"times": times, "memory": memory, "state_bytes": state_bytes}
+    return {"times": times, "memory": memory, "state_bytes": state_bytes, "rss_sampled": any(sampled)}
 
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
@@ -243,7 +274,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=256, help="model state per replica, MiB (>= 200)")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="even: each method goes first as often")
     parser.add_argument("--part-size-mb", type=float, default=16, help="multidc multipart part size, MiB")
     parser.add_argument("--concurrency", type=int, default=8, help="multidc parallel requests per rank")
     parser.add_argument("--allow-small", action="store_true",

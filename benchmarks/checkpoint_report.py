@@ -59,7 +59,9 @@ def report(out: dict, *, ranks: int, repeats: int, part_size_mb: float, concurre
     share = out["state_bytes"] / ranks  # what each rank writes on save and GETs on load
     print(f"\ncheckpoint of {size_mib:.0f} MiB model state, {ranks} ranks (replicas), SeaweedFS S3 on loopback, "
           f"{os.cpu_count()} CPU cores, {repeats} repeats, multidc parts of {part_size_mb:g} MiB x {concurrency} in "
-          f"flight per rank; a rank's share = {share / _MIB:.0f} MiB")
+          f"flight per rank; a rank's share = {share / _MIB:.0f} MiB; bounds and multidc measured in turn (each "
+          "first in every other repeat), each on a settled server; peak RSS: "
+          f"{'sampled every 2 ms' if out.get('rss_sampled') else 'the kernel high-water mark'}")
     print(f"{'method':32s} {'median s':>9s} {'min s':>8s} {'max s':>8s} {'MiB/s':>8s} {'peak extra RSS MiB':>19s}")
     for name, row in rows.items():
         rss = f"{memory[name]['median'] / _MIB:19.0f}" if name in memory else f"{'':19s}"

@@ -47,7 +47,9 @@ Guarantees:
   left behind (the next save tries again).
 * **Async.** ``async_save=True`` blocks only to copy this rank's share into host memory; a background thread
   checksums, uploads and commits. The next ``save``, ``load``, ``wait`` or ``close`` waits for it and raises
-  its error.
+  its error. A sync save makes no copy: it uploads straight from the state's tensors (CPU tensors as they are;
+  GPU and non-contiguous ones are copied to host first), so nothing may change them (another thread) until it
+  returns.
 * **Waits only for unresponsive peers.** ``timeout_s`` bounds how long a rank waits for a peer that stopped
   answering (a cut link, a hung or dead process); uploads, downloads and the commit run under a heartbeat
   between the ranks, so they may take as long as they need.
@@ -56,7 +58,8 @@ Guarantees:
   every rank.
 * **Striped loads in bounded memory.** Loads use ranged GETs, each piece copied into the restored tensors as it
   arrives; what several ranks of a site need is read once per site, an equal share per rank, and exchanged inside
-  the site (:class:`ReadConfig` sets piece size and buffers). A save holds this rank's share once (the snapshot).
+  the site (:class:`ReadConfig` sets piece size and buffers). An async save holds this rank's share once (the
+  snapshot); a sync save of CPU tensors holds no copy of it.
 * **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
   number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
   :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
@@ -99,7 +102,8 @@ class Checkpointer:
         process_group: the ranks that save together (default: the default group; none: single process).
         storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); never logged.
         keep_last_k: after each commit keep only the ``k`` newest committed checkpoints (``None``: keep all).
-        async_save: default for ``save(async_save=...)``.
+        async_save: default for ``save(async_save=...)``. An async save copies this rank's share into a host
+            buffer (the snapshot) that the Checkpointer keeps for the next async save until ``close()``.
         stripe_min_mb: replicated tensors of at least this many MiB are striped across replicas.
         part_size_mb: multipart part size for S3, MiB (>= 5). ``max_concurrency``: parallel requests per rank.
         retry: retry policy for transient storage errors.
@@ -152,6 +156,8 @@ class Checkpointer:
         self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
                                                                    stripe_min_bytes=self.stripe_min_bytes)
         self._pending: SaveHandle | None = None
+        # the last async save's host buffer, kept for the next one once its upload is done (see stage)
+        self._snapshot = None
         self._access_checked = False
 
     @property
@@ -228,14 +234,16 @@ class Checkpointer:
         planner, local = self.comm.raise_if_any(self._local_plan, state, writer)
         plan = self.comm.plan(local, lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
         plan = planner.finish_plan(plan)
+        in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
-        try:
-            staged = stage(plan, planner, plan.storage_data)
+        try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
+            staged = stage(plan, planner, plan.storage_data, copy=in_background, reuse=self._snapshot)
+            self._snapshot = staged.snapshot if in_background else self._snapshot
         except Exception as exc:  # reported to every rank at the commit barrier, never dropped
             stage_error = exc
         handle = SaveHandle()
         args = (handle, writer, planner, staged, stage_error, name, step, clean)
-        if async_save if async_save is not None else self.async_save:
+        if in_background:
             self._pending = handle
             UNWAITED[handle] = self.store.where(name)
             threading.Thread(target=self._upload_and_commit, args=args, name=f"multidc-ckpt-{name}",
@@ -300,10 +308,12 @@ class Checkpointer:
         return None if pending._raised else pending.wait()
 
     def close(self) -> None:
-        """Wait for the pending save (raising its error) and release the checkpoint process group."""
+        """Wait for the pending save (raising its error), release the checkpoint process group and the snapshot
+        buffer."""
         try:
             self.wait()
         finally:
+            self._snapshot = None
             self.comm.close()
 
     def __enter__(self) -> Checkpointer:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from multidc.plugins.checkpoint.s3_multipart import S3_MIN_PART, multipart_put
+from multidc.plugins.checkpoint.segments import Segments
 
 _T = TypeVar("_T")
 _log = logging.getLogger("multidc.plugins.object_store")  # the name users configure (module moved)
@@ -169,26 +170,32 @@ class ObjectStore:
         else:
             self._call(lambda: self.fs.makedirs(self.root, exist_ok=True), "")
 
-    def put(self, key: str, data: bytes | memoryview, *, atomic: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview | Segments, *, atomic: bool = False) -> None:
         """Write one object (replacing it). Large S3 objects go up as parallel multipart uploads.
 
+        ``data`` may be :class:`Segments` (several buffers stored back to back): they are sent as they are, never
+        joined into one copy, except an S3 object below two parts (one PUT of at most ``2 * part_size`` bytes).
         ``atomic=True`` guarantees readers never see a partial object: S3 PUTs are atomic already; on other
         filesystems the data is written under a temporary name and renamed.
         """
-        view = memoryview(data).cast("B")
-        if self.is_s3 and len(view) >= 2 * self.part_size:
-            return multipart_put(self, key, view)
+        data = data if isinstance(data, Segments) else Segments([data])
+        if self.is_s3 and len(data) >= 2 * self.part_size:
+            return multipart_put(self, key, data)
         if atomic and not self.is_s3:
             tmp = f"{key}.tmp-{uuid.uuid4().hex[:8]}"
-            self._call(lambda: self._pipe(tmp, view), tmp)
+            self._call(lambda: self._pipe(tmp, data), tmp)
             self._call(lambda: self.fs.mv(self.path(tmp), self.path(key)), key)
             return None
-        self._call(lambda: self._pipe(key, view), key)
+        self._call(lambda: self._pipe(key, data), key)
 
-    def _pipe(self, key: str, view: memoryview) -> None:
-        if not self.is_s3:
-            self.fs.makedirs(self.fs._parent(self.path(key)), exist_ok=True)
-        self.fs.pipe_file(self.path(key), bytes(view))  # botocore takes bytes, not memoryview
+    def _pipe(self, key: str, data: Segments) -> None:
+        if self.is_s3:
+            self.fs.pipe_file(self.path(key), data.tobytes())  # botocore takes bytes, not memoryview
+            return
+        self.fs.makedirs(self.fs._parent(self.path(key)), exist_ok=True)
+        with self.fs.open(self.path(key), "wb") as f:  # buffer by buffer: no joined copy of a large shard
+            for view in data.views:
+                f.write(view)
 
     def get(self, key: str) -> bytes:
         return self._call(lambda: self.fs.cat_file(self.path(key)), key)

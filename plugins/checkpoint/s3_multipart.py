@@ -3,56 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
+
+from multidc.plugins.checkpoint.segments import Segments
 
 _log = logging.getLogger("multidc.plugins.object_store")
 S3_MIN_PART = 5 << 20  # S3's smallest part (all but the last), bytes
 
 
-class ViewReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview: botocore takes bytes or files, not views, and ``bytes(view)``
-    would copy every part in flight (as much host memory again as the shard being uploaded). botocore and aiohttp
-    read it in chunks (checksum, then send) and seek back to 0 for a retry."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), len(self._view) - self._pos))
-        buffer[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-def multipart_put(store, key: str, view: memoryview) -> None:
-    """Upload ``view`` as object ``key`` of ``store`` (an ``ObjectStore`` on S3) in parts of ``store.part_size``
+def multipart_put(store, key: str, data: Segments) -> None:
+    """Upload ``data`` as object ``key`` of ``store`` (an ``ObjectStore`` on S3) in parts of ``store.part_size``
     bytes, ``store.max_concurrency`` at a time, each retried by ``store.retry``. On failure the multipart upload
     is aborted and the error raised; nothing becomes visible under ``key``."""
     bucket, s3key = store.bucket, store.path(key).split("/", 1)[1]
     upload = store._call(lambda: store._sync(store.fs._call_s3(
         "create_multipart_upload", Bucket=bucket, Key=s3key)), key)["UploadId"]
-    starts = list(range(0, len(view), store.part_size))
-    if len(view) - starts[-1] < S3_MIN_PART and len(starts) > 1:
+    starts = list(range(0, len(data), store.part_size))
+    if len(data) - starts[-1] < S3_MIN_PART and len(starts) > 1:
         starts.pop()  # fold a short tail into the previous part: only the last part may be < 5 MiB
-    bounds = list(zip(starts, starts[1:] + [len(view)]))
+    bounds = list(zip(starts, starts[1:] + [len(data)]))
     try:
-        etags = store._sync(_upload_parts(store, bucket, s3key, upload, view, bounds, key))
+        etags = store._sync(_upload_parts(store, bucket, s3key, upload, data, bounds, key))
         parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
         store._call(lambda: store._sync(store.fs._call_s3(
             "complete_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload,
@@ -68,14 +39,14 @@ def multipart_put(store, key: str, view: memoryview) -> None:
     store.fs.invalidate_cache(store.path(key))
 
 
-async def _upload_parts(store, bucket, s3key, upload, view, bounds, key) -> list[str]:
+async def _upload_parts(store, bucket, s3key, upload, data, bounds, key) -> list[str]:
     gate = asyncio.Semaphore(store.max_concurrency)
 
     async def one(number: int, start: int, end: int) -> str:
         async with gate:
             out = await store._acall(lambda: store.fs._call_s3(
                 "upload_part", Bucket=bucket, Key=s3key, UploadId=upload, PartNumber=number,
-                Body=ViewReader(view[start:end])), key)
+                Body=data.slice(start, end).reader()), key)
             return out["ETag"]
 
     tasks = [asyncio.ensure_future(one(i + 1, s, e)) for i, (s, e) in enumerate(bounds)]

@@ -2,9 +2,9 @@
 
 Writing is split in two so async saves block training only for the first part:
 
-* :func:`stage` copies this rank's share of the plan into one host buffer (the snapshot), laid out exactly as
-  the shard object will be stored;
-* :func:`upload` checksums the buffer's items and uploads it (multipart, in parallel), with no collectives.
+* :func:`stage` lays this rank's share of the plan out as the shard object will be stored: for an async save
+  copied into one host buffer (the snapshot), for a sync save referring to the tensors themselves (no copy);
+* :func:`upload` checksums the items and uploads the shard (multipart, in parallel), with no collectives.
 
 ``ObjectStoreWriter.finish`` (coordinator, after every rank's results are in) writes ``COMMIT.json`` last. Reading
 is ``reader``'s.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -37,21 +36,33 @@ from multidc.plugins.checkpoint.format import (
 )
 from multidc.plugins.checkpoint.object_store import ObjectStore
 from multidc.plugins.checkpoint.ranged_read import check_stop
+from multidc.plugins.checkpoint.segments import Segments
 
 _ALIGN = 64
 
 
 @dataclass
 class Staged:
-    """One rank's snapshot: ``buffer`` holds every item of ``plan`` back to back (the future shard object)."""
+    """One rank's shard, ready to upload: ``data`` holds every item of ``plan`` back to back (the future shard
+    object), ``entries`` where each item lies in it."""
 
     file: str
-    buffer: torch.Tensor
+    data: Segments
     entries: list  # (WriteItem, offset, length, dtype name or None, sizes or None)
+    snapshot: torch.Tensor | None = None  # the host buffer ``data`` lies in, if copied (to reuse)
 
 
-def stage(plan: SavePlan, planner: SavePlanner, file: str) -> Staged:
-    """Copy this rank's items into one new host buffer. After it returns, training may change the state."""
+def stage(plan: SavePlan, planner: SavePlanner, file: str, *, copy: bool = True,
+          reuse: torch.Tensor | None = None) -> Staged:
+    """This rank's items of ``plan``, laid out as the shard object will be stored.
+
+    ``copy=True`` (an async save's snapshot): one host buffer holds them all; once this returns, training may
+    change the state. The buffer is ``reuse`` (an earlier snapshot no upload reads any more) if it fits and is at
+    most a quarter larger than needed, else a new one: reusing it spares the page faults of fresh memory, most of
+    a snapshot's time. ``copy=False`` (a sync save): the shard refers to the tensors themselves where they are CPU,
+    contiguous and plain; only the others (GPU, strided views) are copied, item by item. The state must then stay
+    unchanged until the upload is done.
+    """
     blobs, layout, total = {}, [], 0
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -64,18 +75,44 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str) -> Staged:
         total = -(-total // _ALIGN) * _ALIGN
         layout.append((item, total, length, dtype, sizes))
         total += length
-    buffer = torch.empty(total, dtype=torch.uint8)
-    for item, offset, length, dtype, sizes in layout:
-        target = buffer[offset:offset + length]
-        if dtype is None:
-            target.copy_(torch.frombuffer(bytearray(blobs[item.index]), dtype=torch.uint8))
-            continue
-        tensor = planner.resolve_data(item).detach()
-        if tuple(tensor.shape) != sizes:
-            raise AssertionError(f"{item.index.fqn}: resolved shape {tuple(tensor.shape)} != planned {sizes}")
-        if length:
-            target.view(tensor.dtype).view(sizes).copy_(tensor)
-    return Staged(file=file, buffer=buffer, entries=layout)
+    if copy:
+        fits = reuse is not None and total <= reuse.numel() <= total + total // 4
+        snapshot = reuse if fits else torch.empty(total, dtype=torch.uint8)
+        buffer = snapshot[:total]
+        for item, offset, length, _, sizes in layout:
+            if length:
+                target = buffer[offset:offset + length]
+                if item.index in blobs:
+                    target.copy_(torch.frombuffer(bytearray(blobs[item.index]), dtype=torch.uint8))
+                else:
+                    tensor = _resolved(planner, item, sizes)
+                    target.view(tensor.dtype).view(sizes).copy_(tensor)
+        return Staged(file=file, data=Segments([byte_view(buffer)]), entries=layout, snapshot=snapshot)
+    views, end = [], 0
+    for item, offset, length, _, sizes in layout:
+        views.append(bytes(offset - end))  # the alignment padding
+        end = offset + length
+        if item.index in blobs:
+            views.append(blobs[item.index])
+        elif length:
+            tensor = _resolved(planner, item, sizes)
+            if not _plain(tensor):
+                tensor = torch.empty(sizes, dtype=tensor.dtype).copy_(tensor)
+            views.append(byte_view(tensor.reshape(-1).view(torch.uint8)))
+    return Staged(file=file, data=Segments(views), entries=layout)
+
+
+def _resolved(planner: SavePlanner, item, sizes: tuple) -> torch.Tensor:
+    tensor = planner.resolve_data(item).detach()
+    if tuple(tensor.shape) != sizes:
+        raise AssertionError(f"{item.index.fqn}: resolved shape {tuple(tensor.shape)} != planned {sizes}")
+    return tensor
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds exactly its bytes as stored: CPU, strided, contiguous, no lazy conj/neg."""
+    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg())
 
 
 def byte_view(tensor: torch.Tensor, *, writable: bool = False) -> memoryview:
@@ -106,16 +143,15 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> li
     """
     if not staged.entries:
         return []
-    view = byte_view(staged.buffer)
-    crcs: list[int] = []
+    data, crcs = staged.data, []
     # zlib releases the GIL: the checksums are computed while the parts upload, not before
-    checksums = threading.Thread(target=lambda: crcs.extend(zlib.crc32(view[offset:offset + length])
+    checksums = threading.Thread(target=lambda: crcs.extend(data.slice(offset, offset + length).crc32()
                                                             for _, offset, length, _, _ in staged.entries),
                                  name="multidc-ckpt-crc", daemon=True)
     check_stop(stop, f"uploading {staged.file}")
     checksums.start()
     try:
-        store.put(f"{checkpoint}/{staged.file}", view)
+        store.put(f"{checkpoint}/{staged.file}", data)
     finally:
         checksums.join()
     results = []
@@ -167,7 +203,9 @@ class ObjectStoreWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
-        future.set_result(upload(stage(plan, planner, plan.storage_data), self.store, self.checkpoint))
+        # DCP's own write: synchronous (dcp.async_save has copied the state already), so no snapshot is needed
+        staged = stage(plan, planner, plan.storage_data, copy=False)
+        future.set_result(upload(staged, self.store, self.checkpoint))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

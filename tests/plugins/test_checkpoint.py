@@ -35,6 +35,7 @@ from multidc.plugins import (
 from multidc.plugins.checkpoint.format import CheckpointCorruptError as FormatError
 from multidc.plugins.checkpoint.format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins.checkpoint.planner import stripe_plans
+from multidc.plugins.checkpoint.segments import Segments
 from tests._resources import require_module
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
 
@@ -198,6 +199,29 @@ def test_async_save_snapshots_then_uploads_and_surfaces_upload_errors(s3_auth_se
     assert [c.step for c in list_checkpoints(url, storage_options=s3_auth_server.storage_options())] == [2]
 
 
+def test_async_saves_reuse_one_snapshot_buffer_and_each_checkpoint_keeps_its_values(tmp_path):
+    n = 1 << 18
+    state = {"w": torch.zeros(n), "meta": {"n": 0}}
+    with Checkpointer(str(tmp_path), async_save=True) as ckpt:
+        ckpt.save(state, step=1).wait()
+        first = ckpt._snapshot
+        state["w"].add_(1.0)
+        ckpt.save(state, step=2)  # into the same buffer: the first upload is done
+        state["w"].add_(1.0)  # after the snapshot, while uploading: not in step 2
+        ckpt.wait()
+        assert ckpt._snapshot is first
+        ckpt.save(state, step=3, async_save=False)  # from the tensors: the buffer stays as it is
+        assert ckpt._snapshot is first
+        state["more"] = torch.full((n,), 7.0)  # twice the state: a new buffer, not one that cannot hold it
+        ckpt.save(state, step=4).wait()
+        assert ckpt._snapshot is not first and ckpt._snapshot.numel() >= 8 * n
+        for step, value in ((1, 0.0), (2, 1.0), (3, 2.0), (4, 2.0)):
+            target = {"w": torch.full((n,), -1.0), "meta": {"n": None}}
+            ckpt.load(target, step, allow_partial=True)
+            assert torch.equal(target["w"], torch.full((n,), value)) and target["meta"] == {"n": 0}, step
+    assert ckpt._snapshot is None  # released by close()
+
+
 def _save_and_kill(rank, world, url, options):
     model = _model()
     with Checkpointer(url, storage_options=options, stripe_min_mb=0, timeout_s=30) as ckpt:
@@ -206,7 +230,8 @@ def _save_and_kill(rank, world, url, options):
             real_put = ObjectStore.put
 
             def put_then_die(self, key, data, **kwargs):
-                real_put(self, key, bytes(memoryview(data)[: len(memoryview(data)) // 2]), **kwargs)
+                data = data if isinstance(data, Segments) else Segments([data])
+                real_put(self, key, data.slice(0, len(data) // 2), **kwargs)
                 os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save, after a partial shard reached storage
 
             ObjectStore.put = put_then_die
