@@ -56,9 +56,10 @@ SETTLE_S = 0.5  # quiet before each timed operation
 
 
 def _in_turn(runs: list, rep: int) -> list:
-    """``runs`` in order on even repeats, reversed on odd ones: a measurement taken right after another large transfer
-    was seen to run slower (up to 1.2x for the second of two saves), so each method goes first equally often."""
-    return runs if rep % 2 == 0 else runs[::-1]
+    """``runs`` (the bound first) in measured repeats 1, 3, 5..., reversed in 2, 4, ...: a measurement taken right
+    after another large transfer was seen to run slower (up to 1.2x for the second of two saves), so with an even
+    number of repeats each goes first equally often (with an odd one the bound goes first once more)."""
+    return runs if rep % 2 == 1 else runs[::-1]
 
 
 def _shape(size_mb: float) -> tuple[int, int]:

@@ -85,7 +85,7 @@ from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadP
 from multidc.plugins.checkpoint.ranged_read import check_stop
 from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
-from multidc.plugins.checkpoint.storage import ObjectStoreWriter, stage, upload
+from multidc.plugins.checkpoint.storage import ObjectStoreWriter, SnapshotBuffer, stage, upload
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -156,8 +156,8 @@ class Checkpointer:
         self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
                                                                    stripe_min_bytes=self.stripe_min_bytes)
         self._pending: SaveHandle | None = None
-        # the last async save's host buffer, kept for the next one once its upload is done (see stage)
-        self._snapshot = None
+        # the async saves' host buffer, reused once the upload that read it ended (``_ready`` waits for it)
+        self._snapshot = SnapshotBuffer()
         self._access_checked = False
 
     @property
@@ -237,8 +237,7 @@ class Checkpointer:
         in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
         try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
-            staged = stage(plan, planner, plan.storage_data, copy=in_background, reuse=self._snapshot)
-            self._snapshot = staged.snapshot if in_background else self._snapshot
+            staged = stage(plan, planner, plan.storage_data, snapshot=self._snapshot if in_background else None)
         except Exception as exc:  # reported to every rank at the commit barrier, never dropped
             stage_error = exc
         handle = SaveHandle()
@@ -301,10 +300,11 @@ class Checkpointer:
         An error already raised by the save's own ``SaveHandle.wait()`` is not raised a second time, so a caller
         who handled a failed upload (an object-store outage) can go on loading or saving.
         """
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return None
         pending._done.wait()
+        self._pending = None  # only now: an interrupted wait leaves it pending (its upload may still read the snapshot)
         return None if pending._raised else pending.wait()
 
     def close(self) -> None:
@@ -313,7 +313,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._snapshot = None
+            self._snapshot.release()
             self.comm.close()
 
     def __enter__(self) -> Checkpointer:

@@ -1,12 +1,12 @@
 """Who reads which byte ranges of a checkpoint, and in which rounds the ranges are exchanged. Pure: no I/O.
 
-A stored item (one :class:`ItemLocation`) that several ranks of one site need (a replicated tensor: DDP, the
-replicas of HSDP) is read from the store once per site: its rows are cut into equal ranges, one per reader (as
-many of those ranks as get at least half a piece each, the least loaded: a small item has one reader, so ranged
-GETs stay large), each range into pieces of at most ``piece_bytes``; every piece is read by one rank and sent to
-the site's other ranks that need it. Ranks of other sites read their own copy, so nothing needed by a whole site
-crosses the WAN more than once per site and no exchange leaves a site. Small items, values and items needed by
-one rank are read whole by each rank that needs them.
+A stored item (one :class:`ItemLocation`) that several ranks of one site need (a replicated tensor or value:
+DDP, the replicas of HSDP) is read from the store once per site: its rows are cut into equal ranges, one per
+reader (as many of those ranks as get at least half a piece each, the least loaded: a small item, or a value, has
+one reader, so ranged GETs stay large and few), each range into pieces of at most ``piece_bytes``; every piece is
+read by one rank and sent to the site's other ranks that need it (a request to the store costs far more than a
+message inside the site). Ranks of other sites read their own copy, so nothing needed by a whole site crosses the
+WAN more than once per site and no exchange leaves a site. Items needed by one rank are read whole by it.
 
 Rounds bound memory: in one round no rank reads (counted in the buffer bytes its GETs hold, ``held_bytes``), nor
 receives, more than ``round_bytes`` (one piece more if a single piece is larger), and readers take turns so that
@@ -90,9 +90,10 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
 
 def _readers(locations: list[ItemLocation], needers: dict, sites: list[int], piece_bytes: int,
              stripe_min_bytes: int) -> list[list[tuple[list[int], list[int]]]]:
-    """Per location, its copies as ``(readers, holders)``. A striped item is read by as many of its site's ranks
-    as give each a share of at least half a piece (small ranged GETs cost a request each for little data), the
-    least loaded first, largest items first, so that the site's ranks read about equal bytes."""
+    """Per location, its copies as ``(readers, holders)``: one per site that needs it. An item several ranks of a
+    site need is read by as many of them as give each a share of at least half a piece (small ranged GETs cost a
+    request each for little data; an item under ``stripe_min_bytes`` has one reader), the least loaded first,
+    largest items first, so that the site's ranks read about equal bytes; the others receive it."""
     groups: list[list] = [[] for _ in locations]
     load: dict[int, int] = defaultdict(int)  # bytes each rank reads
     striped = []
@@ -102,16 +103,16 @@ def _readers(locations: list[ItemLocation], needers: dict, sites: list[int], pie
             by_site[sites[rank]].append(rank)
         for site in sorted(by_site):
             ranks = sorted(by_site[site])
-            if len(ranks) > 1 and loc.dtype is not None and loc.length >= stripe_min_bytes:
+            if len(ranks) > 1:
                 striped.append((index, ranks))  # some of them read, all of them receive
                 continue
-            for rank in ranks:  # each reads the whole item for itself
-                groups[index].append(([rank], [rank]))
-                load[rank] += loc.length
+            groups[index].append((ranks, ranks))  # one rank needs it: it reads the whole item
+            load[ranks[0]] += loc.length
     for index, ranks in sorted(striped, key=lambda s: (-locations[s[0]].length, s[0])):
         loc = locations[index]
         rows = loc.length // row_bytes(loc)
         count = max(1, min(len(ranks), rows, loc.length // max(1, piece_bytes // 2)))
+        count = count if loc.length >= stripe_min_bytes else 1
         readers = sorted(sorted(ranks, key=lambda r: (load[r], r))[:count])
         for reader in readers:
             load[reader] += loc.length // count

@@ -43,8 +43,9 @@ class ReadConfig:
     concurrency: int | None = None
     """Ranged GETs in flight per rank (``None``: the Checkpointer's ``max_concurrency``, else 8)."""
     stripe_min_bytes: int | None = None
-    """Items several ranks of a site need are read once per site, striped, from this size on (``None``: the
-    Checkpointer's ``stripe_min_mb``, else 1 MiB)."""
+    """Items several ranks of a site need are read once per site: cut across several of them from this size on,
+    read whole by one of them (and sent to the others) below it (``None``: the Checkpointer's ``stripe_min_mb``,
+    else 1 MiB)."""
 
     def __post_init__(self) -> None:
         for name in ("piece_bytes", "round_bytes", "read_ahead_bytes", "concurrency", "stripe_min_bytes"):

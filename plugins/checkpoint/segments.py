@@ -82,8 +82,10 @@ class _Reader(io.RawIOBase):
         return done
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._segments)}[whence]
-        self._pos = base + offset
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._segments)}
+        if whence not in bases or bases[whence] + offset < 0:
+            raise ValueError(f"cannot seek to {offset} from whence={whence}")
+        self._pos = bases[whence] + offset
         return self._pos
 
     def tell(self) -> int:

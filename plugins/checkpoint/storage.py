@@ -49,19 +49,34 @@ class Staged:
     file: str
     data: Segments
     entries: list  # (WriteItem, offset, length, dtype name or None, sizes or None)
-    snapshot: torch.Tensor | None = None  # the host buffer ``data`` lies in, if copied (to reuse)
 
 
-def stage(plan: SavePlan, planner: SavePlanner, file: str, *, copy: bool = True,
-          reuse: torch.Tensor | None = None) -> Staged:
+class SnapshotBuffer:
+    """The host buffer an async save copies its share into, kept for the next one: reusing it spares the page
+    faults of fresh memory, most of a snapshot's time. Take it again only once the upload that read it ended."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes``: the kept buffer if it holds them and is at most a quarter larger, else a new
+        one (the old one is freed first, so the two are never held together)."""
+        if self.tensor is None or not nbytes <= self.tensor.numel() <= nbytes + nbytes // 4:
+            self.tensor = None
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        return self.tensor[:nbytes]
+
+    def release(self) -> None:
+        self.tensor = None
+
+
+def stage(plan: SavePlan, planner: SavePlanner, file: str, *, snapshot: SnapshotBuffer | None = None) -> Staged:
     """This rank's items of ``plan``, laid out as the shard object will be stored.
 
-    ``copy=True`` (an async save's snapshot): one host buffer holds them all; once this returns, training may
-    change the state. The buffer is ``reuse`` (an earlier snapshot no upload reads any more) if it fits and is at
-    most a quarter larger than needed, else a new one: reusing it spares the page faults of fresh memory, most of
-    a snapshot's time. ``copy=False`` (a sync save): the shard refers to the tensors themselves where they are CPU,
-    contiguous and plain; only the others (GPU, strided views) are copied, item by item. The state must then stay
-    unchanged until the upload is done.
+    With ``snapshot`` (an async save) they are copied into its buffer; once this returns, training may change the
+    state. Without (a sync save), the shard refers to the tensors themselves where they are plain CPU tensors
+    (contiguous, strided, no lazy conj/neg, not a subclass or quantized); only the others (GPU, views) are copied,
+    item by item. The state must then stay unchanged until the upload is done.
     """
     blobs, layout, total = {}, [], 0
     for item in plan.items:
@@ -75,10 +90,8 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str, *, copy: bool = True,
         total = -(-total // _ALIGN) * _ALIGN
         layout.append((item, total, length, dtype, sizes))
         total += length
-    if copy:
-        fits = reuse is not None and total <= reuse.numel() <= total + total // 4
-        snapshot = reuse if fits else torch.empty(total, dtype=torch.uint8)
-        buffer = snapshot[:total]
+    if snapshot is not None:
+        buffer = snapshot.take(total)
         for item, offset, length, _, sizes in layout:
             if length:
                 target = buffer[offset:offset + length]
@@ -87,7 +100,7 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str, *, copy: bool = True,
                 else:
                     tensor = _resolved(planner, item, sizes)
                     target.view(tensor.dtype).view(sizes).copy_(tensor)
-        return Staged(file=file, data=Segments([byte_view(buffer)]), entries=layout, snapshot=snapshot)
+        return Staged(file=file, data=Segments([byte_view(buffer)]), entries=layout)
     views, end = [], 0
     for item, offset, length, _, sizes in layout:
         views.append(bytes(offset - end))  # the alignment padding
@@ -99,6 +112,8 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str, *, copy: bool = True,
             if not _plain(tensor):
                 tensor = torch.empty(sizes, dtype=tensor.dtype).copy_(tensor)
             views.append(byte_view(tensor.reshape(-1).view(torch.uint8)))
+            if len(views[-1]) != length:  # every later item would be misplaced in the shard
+                raise AssertionError(f"{item.index.fqn}: {len(views[-1])} bytes resolved, {length} planned")
     return Staged(file=file, data=Segments(views), entries=layout)
 
 
@@ -110,9 +125,11 @@ def _resolved(planner: SavePlanner, item, sizes: tuple) -> torch.Tensor:
 
 
 def _plain(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory holds exactly its bytes as stored: CPU, strided, contiguous, no lazy conj/neg."""
-    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg())
+    """Whether ``tensor``'s memory holds exactly its bytes as stored: a plain CPU tensor (no subclass: a wrapper's
+    own storage is empty; not quantized), strided, contiguous, no lazy conj/neg."""
+    return (type(tensor) is torch.Tensor and not tensor.is_quantized and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided and tensor.is_contiguous() and not tensor.is_conj()
+            and not tensor.is_neg())
 
 
 def byte_view(tensor: torch.Tensor, *, writable: bool = False) -> memoryview:
@@ -123,6 +140,8 @@ def byte_view(tensor: torch.Tensor, *, writable: bool = False) -> memoryview:
         raise AssertionError(f"byte_view needs a contiguous CPU uint8 tensor, got {tensor.dtype} on {tensor.device}")
     if tensor.numel() == 0:
         return memoryview(bytearray() if writable else b"")
+    if not tensor.data_ptr():  # a wrapper subclass: no memory of its own to view
+        raise AssertionError(f"byte_view of a {type(tensor).__name__} without storage")
     array = (ctypes.c_uint8 * tensor.numel()).from_address(tensor.data_ptr())
     array._keep_alive = tensor  # the memory belongs to the tensor
     view = memoryview(array).cast("B")
@@ -204,7 +223,7 @@ class ObjectStoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
         # DCP's own write: synchronous (dcp.async_save has copied the state already), so no snapshot is needed
-        staged = stage(plan, planner, plan.storage_data, copy=False)
+        staged = stage(plan, planner, plan.storage_data)
         future.set_result(upload(staged, self.store, self.checkpoint))
         return future
 

@@ -204,22 +204,41 @@ def test_async_saves_reuse_one_snapshot_buffer_and_each_checkpoint_keeps_its_val
     state = {"w": torch.zeros(n), "meta": {"n": 0}}
     with Checkpointer(str(tmp_path), async_save=True) as ckpt:
         ckpt.save(state, step=1).wait()
-        first = ckpt._snapshot
+        first = ckpt._snapshot.tensor
         state["w"].add_(1.0)
         ckpt.save(state, step=2)  # into the same buffer: the first upload is done
         state["w"].add_(1.0)  # after the snapshot, while uploading: not in step 2
         ckpt.wait()
-        assert ckpt._snapshot is first
+        assert ckpt._snapshot.tensor is first
         ckpt.save(state, step=3, async_save=False)  # from the tensors: the buffer stays as it is
-        assert ckpt._snapshot is first
+        assert ckpt._snapshot.tensor is first
         state["more"] = torch.full((n,), 7.0)  # twice the state: a new buffer, not one that cannot hold it
         ckpt.save(state, step=4).wait()
-        assert ckpt._snapshot is not first and ckpt._snapshot.numel() >= 8 * n
+        assert ckpt._snapshot.tensor is not first and ckpt._snapshot.tensor.numel() >= 8 * n
         for step, value in ((1, 0.0), (2, 1.0), (3, 2.0), (4, 2.0)):
             target = {"w": torch.full((n,), -1.0), "meta": {"n": None}}
             ckpt.load(target, step, allow_partial=True)
             assert torch.equal(target["w"], torch.full((n,), value)) and target["meta"] == {"n": 0}, step
-    assert ckpt._snapshot is None  # released by close()
+    assert ckpt._snapshot.tensor is None  # released by close()
+
+
+def test_a_sync_save_copies_what_it_cannot_upload_in_place_as_an_async_save_does(tmp_path):
+    # a sync save uploads plain CPU tensors straight from their memory; a wrapper subclass has none of its own (its
+    # data_ptr is 0: viewing it would read address 0), a transposed view's memory is not its stored order
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    base = torch.arange(24.0)
+    state = {"wrapped": TwoTensor(base, 2 * base), "transposed": base.view(4, 6).t(), "plain": base + 1}
+    restored = []
+    for async_save in (False, True):
+        with Checkpointer(str(tmp_path / str(async_save)), async_save=async_save) as ckpt:
+            ckpt.save(state, step=1).wait()
+            target = {"wrapped": torch.zeros(24), "transposed": torch.zeros(6, 4), "plain": torch.zeros(24)}
+            ckpt.load(target)
+            restored.append(target)
+    for name in state:
+        assert torch.equal(restored[0][name], restored[1][name]), name
+    assert torch.equal(restored[0]["transposed"], base.view(4, 6).t()) and torch.equal(restored[0]["plain"], base + 1)
 
 
 def _save_and_kill(rank, world, url, options):

@@ -43,16 +43,16 @@ def _loc(offset: int, rows: int, cols: int = 256) -> ItemLocation:
 
 @pytest.mark.parametrize(("sites", "rows"), [([0, 0, 0, 0], 1000), ([0, 0, 1, 1], 1000), ([0, 0, 0], 7),
                                              ([0, 1, 2], 50)])
-def test_replicated_items_are_read_once_per_site_in_equal_shares_within_the_round_budget(sites, rows):
+def test_replicated_items_and_values_are_read_once_per_site_in_equal_shares_within_the_round_budget(sites, rows):
     locs = [_loc(0, rows), _loc(rows * 1024, 3)]
     value = ItemLocation(file="data/rank00000.distcp", offset=rows * 1024 + 3072, length=100, crc32=0)
     needs = [{loc: "w" for loc in [*locs, value]} for _ in sites]
     budget = 3 * PIECE
     schedule = plan_reads(needs, sites, piece_bytes=PIECE, round_bytes=budget, stripe_min_bytes=0)
     pieces = schedule.pieces()
-    for index, loc in enumerate(schedule.locations):  # each site (or each rank, for the value) reads one copy
+    for index, loc in enumerate(schedule.locations):  # each site reads one copy (a request costs more than a send)
         copies = {p.copy for p in pieces if p.loc == index}
-        assert len(copies) == (len(sites) if loc.dtype is None else len(set(sites)))
+        assert len(copies) == len(set(sites))
         for copy in copies:
             ranges = sorted((p.start, p.end) for p in pieces if p.copy == copy)
             assert ranges[0][0] == 0 and ranges[-1][1] == loc.length
@@ -88,6 +88,23 @@ def test_small_replicated_items_are_read_whole_by_one_rank_each_and_the_ranks_re
             assert readers == {0, 1, 2, 3}
     read = [sum(p.size for p in pieces if p.reader == r) for r in range(4)]
     assert max(read) - min(read) <= 24 << 10, read
+
+
+def test_items_under_stripe_min_bytes_are_read_whole_by_one_rank_of_the_site_and_sent_to_the_others():
+    # a bias every rank of a site needs: one GET per site, not one per rank (a request to the store costs more
+    # than a message inside the site); ranks of another site read their own copy
+    small, large = _loc(0, 4), _loc(4 * 1024, 1000)
+    sites = [0, 0, 0, 1, 1]
+    needs = [{small: "bias", large: "w"} for _ in sites]
+    schedule = plan_reads(needs, sites, piece_bytes=PIECE, round_bytes=4 * PIECE, stripe_min_bytes=large.length + 1)
+    for loc in (small, large):  # both under stripe_min_bytes: not cut across readers
+        pieces = [p for p in schedule.pieces() if p.loc == schedule.locations.index(loc)]
+        for site in set(sites):
+            mine = sorted((p.start, p.end, p.reader) for p in pieces if sites[p.reader] == site)
+            assert len({reader for *_, reader in mine}) == 1 and mine[0][0] == 0 and mine[-1][1] == loc.length
+            assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))  # one whole copy per site
+        for p in pieces:
+            assert sorted((p.reader, *p.receivers)) == [r for r in range(len(sites)) if sites[r] == sites[p.reader]]
 
 
 # ----------------------------------------------------------------------------- distributed, SeaweedFS
@@ -157,16 +174,15 @@ def test_each_rank_gets_only_its_share_by_ranged_gets_and_sites_exchange_the_res
         assert all(end - start <= PIECE for _, start, end in ranges)
         per_rank.append(sum(end - start for _, start, end in ranges))
     site_size = 4 // sites
-    for rank, got in enumerate(per_rank):  # a share (to a piece), plus the small pickled value every rank reads
+    for rank, got in enumerate(per_rank):  # a share (to a piece), perhaps plus the small pickled value
         assert got <= tensor_bytes / site_size + 2 * PIECE + 4096, (rank, got, per_rank)
-    for site in range(sites):  # each site read everything exactly once: no byte twice, none missing
+    for site in range(sites):  # each site read everything exactly once, the pickled value too: none missing
         ranks = range(site * site_size, (site + 1) * site_size)
         counts = Counter(r for rank in ranks for r in _ranges(results[rank][2]))
-        values = [r for r, n in counts.items() if n > 1]  # the pickled value: every rank reads it for itself
-        assert all(n == site_size and r[2] - r[1] < 4096 for r, n in counts.items() if n > 1), counts
-        tensor_ranges = sorted(r for r in counts if r not in values)
-        assert sum(end - start for _, start, end in tensor_ranges) == tensor_bytes
-        for (k1, _, e1), (k2, s2, _) in zip(tensor_ranges, tensor_ranges[1:]):
+        assert set(counts.values()) == {1}, counts
+        ranges = sorted(counts)
+        assert tensor_bytes < sum(end - start for _, start, end in ranges) < tensor_bytes + 4096  # + the value
+        for (k1, _, e1), (k2, s2, _) in zip(ranges, ranges[1:]):
             assert k1 != k2 or e1 <= s2
 
 

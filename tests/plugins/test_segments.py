@@ -35,6 +35,9 @@ def test_slices_crc_and_reader_equal_the_joined_bytes(seed):
     assert bytes(out) == data
     assert reader.seek(0) == 0 and reader.read() == data  # a retry rereads from the start
     assert reader.seek(0, io.SEEK_END) == len(data) and reader.tell() == len(data)
+    for offset, whence in ((-1, io.SEEK_SET), (-len(data) - 1, io.SEEK_END), (0, 7)):
+        with pytest.raises(ValueError):
+            reader.seek(offset, whence)
 
 
 def test_slices_share_the_buffers():
