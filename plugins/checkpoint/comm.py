@@ -51,6 +51,19 @@ def _rebuild(rank: int, described, error_type=None) -> BaseException:
     return error
 
 
+def raise_gathered(described: list, own: BaseException | None) -> None:
+    """Given every rank's error as :func:`_describe` gives it (``None``: none) and this rank's own, raise the same
+    failure on every rank: a rank raises its own error if it happened there, the others the lowest rank's where an
+    error happened (not one that only stopped because another rank left: ``secondary``), rebuilt. Returns if
+    none."""
+    failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
+    if not failed:
+        return
+    if own is not None and not getattr(own, "secondary", False):
+        raise own
+    raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # the lowest rank where an error happened
+
+
 def _transport_error(exc: RuntimeError) -> bool:
     """Whether ``exc`` is gloo failing to reach a peer (timeout, reset, closed connection)."""
     text = str(exc).lower()
@@ -233,15 +246,13 @@ class Comm:
         return value
 
     def _raise_gathered(self, described: list, own: BaseException | None, error_type=None, what=None) -> None:
+        if error_type is None:
+            return raise_gathered(described, own)
         failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
-        if not failed:
-            return
-        if error_type is not None:
+        if failed:
             detail = "; ".join(f"rank {d[2] if len(d) > 2 else rank}: {d[0]}: {d[1]}" for rank, d in failed)
             raise error_type(f"{what} failed: {detail}") from own
-        if own is not None and not getattr(own, "secondary", False):
-            raise own
-        raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # the lowest rank where an error happened
+        return None
 
     def plan(self, local, make_global):
         """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""

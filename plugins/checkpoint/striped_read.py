@@ -33,7 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import torch.distributed as dist
 
-from multidc.plugins.checkpoint.comm import _describe, _rebuild
+from multidc.plugins.checkpoint.comm import _describe, raise_gathered
 from multidc.plugins.checkpoint.crc import combine
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.ranged_read import Abandoned, check_stop
@@ -137,11 +137,7 @@ class StripedRead:
         except _Left as left:
             self._abandon(left.cause)
             raise left.cause from None
-        failed = [(rank, d) for rank, (_, d) in enumerate(gathered) if d is not None]
-        if failed:
-            if own is not None and not getattr(own, "secondary", False):
-                raise own
-            raise _rebuild(*min(failed, key=lambda f: len(f[1]) > 2))  # lowest rank where it happened
+        raise_gathered([d for _, d in gathered], own)
         if error is not None:  # a peer failed but reported nothing: cannot happen, never silently pass
             raise error
         self._verify({key: crc for crcs, _ in gathered for key, crc in crcs.items()})
