@@ -226,8 +226,11 @@ class Checkpointer:
                async_save: bool | None = None) -> SaveHandle:
         """Save into folder ``name``: ``claim()`` on rank 0 prepares it and returns its shard tag; after the commit
         rank 0 runs ``clean(store, name, files the commit references)``."""
-        self.comm.raise_if_any(self._check_access, what="checking access")
-        tag = self.comm.from_rank0(claim, what=f"preparing {name}", error_type=None)
+        def prepare() -> str | None:  # every rank checks its access; rank 0 then prepares the folder
+            self._check_access()
+            return claim() if self.comm.rank == 0 else None
+
+        tag = self.comm.broadcast(self.comm.raise_if_any(prepare, what=f"preparing {name}"))
         writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
         # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): settle
         # that on every rank before the planning collective, where the others would wait for it until timeout_s.
@@ -360,14 +363,18 @@ class Checkpointer:
         return planner.original_state_dict
 
     def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
-        """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank."""
-        self.comm.raise_if_any(self.store.check_access, what="checking access")
+        """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank. In the
+        same round every rank checks its access to the store: a clear error on every rank for a rank whose
+        credentials are refused, before any read."""
 
-        def read_commit() -> tuple[str, bytes]:
+        def open_() -> tuple[str, bytes] | None:
+            self.store.check_access()
+            if self.comm.rank != 0:
+                return None
             name = resolve()
             return name, self.store.get(f"{name}/{COMMIT}")
 
-        name, raw = self.comm.from_rank0(read_commit, what=what, error_type=None)
+        name, raw = self.comm.broadcast(self.comm.raise_if_any(open_, what=what))
         return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
 
     def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:

@@ -184,8 +184,9 @@ class Comm:
         """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
         outcome = {"value": None, "error": None}
         done = threading.Event()
-        # Set once another rank's ``fn`` ended with an error while this one still works: work that waits for
-        # peers (a striped load's exchange) stops waiting for one that has left.
+        # Set once a rank's ``fn`` ended with an error (this one's too): work that waits for peers (a striped load's
+        # exchange) stops waiting for one that has left. Failures persist to the last beat, which every rank sees:
+        # when this returns, it is set on every rank or on none.
         self.peer_failed = peer_failed = threading.Event()
 
         def work():
@@ -222,6 +223,10 @@ class Comm:
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast(self, obj):
+        """Rank 0's ``obj``, on every rank."""
+        return self._broadcast(obj)
+
     def _broadcast(self, obj):
         if self.group is None:
             return obj
@@ -233,9 +238,12 @@ class Comm:
     def raise_if_any(self, fn, *args, what: str | None = None):
         """Run ``fn(*args)`` here and return its value; if it failed on any rank, raise on every rank (the failing
         rank its own exception, the others one of the same kind naming that rank). With ``what``, ``fn`` runs
-        under :meth:`alive` (for work that may take long, e.g. a request that retries)."""
+        under :meth:`alive` (for work that may take long, e.g. a request that retries), whose last heartbeat
+        already tells every rank whether any ``fn`` failed: the errors are gathered only then."""
         if what is not None:
             value, error = self.alive_outcome(fn, *args, what=what)
+            if self.group is not None and not self.peer_failed.is_set():  # no rank failed
+                return value
         else:
             value, error = None, None
             try:

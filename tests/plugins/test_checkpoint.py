@@ -338,6 +338,38 @@ def test_wrong_credentials_fail_on_every_rank_before_anything_is_written(s3_auth
     assert torch.equal(target["x"], torch.ones(3))
 
 
+def _one_rank_with_wrong_credentials(rank, world, url, options, wrong):
+    outcomes = []
+    for step, operation in ((2, "save"), (None, "load")):
+        ckpt = Checkpointer(url, storage_options=wrong if rank == 1 else options)
+        try:
+            if operation == "save":
+                ckpt.save({"x": torch.full((3,), 2.0)}, step=step)
+            else:
+                ckpt.load({"x": torch.zeros(3)})
+            outcomes.append(None)
+        except ObjectStoreAuthError as exc:
+            outcomes.append(str(exc))
+        finally:
+            ckpt.close()
+    return outcomes
+
+
+def test_credentials_refused_on_one_rank_fail_every_rank_naming_it_before_a_save_or_load(s3_auth_server):
+    # the access check runs with rank 0's preparation (save) or commit read (load) in one round; the others learn
+    # of rank 1's failure from that round's heartbeat and gather its error
+    url = s3_auth_server.make_bucket("onewrong") + "/run"
+    options = s3_auth_server.storage_options()
+    Checkpointer(url, storage_options=options).save({"x": torch.ones(3)}, step=1)
+    wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-78")
+    out = run_ranks(_one_rank_with_wrong_credentials, 2, url, options, wrong, timeout=120)
+    for rank, messages in enumerate(out):
+        for message in messages:
+            assert message and "access denied" in message and "not-the-secret-78" not in message, (rank, message)
+            assert rank == 1 or message.startswith("rank 1: "), message
+    assert [c.step for c in list_checkpoints(url, storage_options=options)] == [1]
+
+
 def test_missing_bucket_and_missing_checkpoint_are_clear_errors(s3_server, s3_bucket):
     with pytest.raises(ObjectStoreNotFoundError, match="bucket 'absent-bucket-q' does not exist"):
         Checkpointer("s3://absent-bucket-q/run", storage_options=s3_server.storage_options()).save(
