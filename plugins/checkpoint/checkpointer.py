@@ -275,10 +275,9 @@ class Checkpointer:
     def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, clean) -> None:
         info, failure = None, None
         try:
-            # every rank joins the heartbeat, also one whose staging failed (it has nothing to upload)
-            results, upload_error = self.comm.alive_outcome(upload if error is None else None, staged, self.store,
-                                                            name, self.comm.stopped, what="upload")
-            error = error or upload_error
+            # every rank joins the heartbeat, also one whose staging failed: it reports that failure there
+            results, error = self.comm.alive_outcome(upload if error is None else _raiser(error), staged,
+                                                     self.store, name, self.comm.stopped, what="upload")
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
             info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),
@@ -394,6 +393,13 @@ class Checkpointer:
 def _committed(store: ObjectStore) -> list[CheckpointInfo]:
     return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
             for step, name in _retention.committed(store)]
+
+
+def _raiser(error: BaseException):
+    """A function that raises ``error`` whatever its arguments."""
+    def fail(*_args):
+        raise error
+    return fail
 
 
 def _check_state(state) -> None:

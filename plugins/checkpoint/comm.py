@@ -284,8 +284,16 @@ class Comm:
             raise error if error is not None else _rebuild(0, described)
         return plan
 
-    def gather_outcomes(self, result, error, *, what: str, error_type) -> list:
-        """All ranks' ``result``; if any rank had an ``error``, raise ``error_type`` on every rank."""
+    def gather_outcomes(self, result, error, *, what: str, error_type) -> list | None:
+        """All ranks' ``result`` on rank 0 (``None`` on the others); if any rank had an ``error``, raise
+        ``error_type`` on every rank. Call it right after the :meth:`alive_outcome` that returned ``(result,
+        error)``: its last beat told every rank whether any failed, so without a failure only rank 0 gathers (the
+        results of every rank on every rank would grow with the square of the job's size)."""
+        if self.group is not None and not self.peer_failed.is_set():
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            with self._collective("checkpoint collective (gather)"):
+                dist.gather_object(result, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            return gathered
         gathered = self.all_gather((result, _describe(error)))
         self._raise_gathered([d for _, d in gathered], error, error_type, what)
         return [r for r, _ in gathered]

@@ -370,6 +370,34 @@ def test_credentials_refused_on_one_rank_fail_every_rank_naming_it_before_a_save
     assert [c.step for c in list_checkpoints(url, storage_options=options)] == [1]
 
 
+def _staging_fails_on_rank_1(rank, world, url, options):
+    import multidc.plugins.checkpoint.checkpointer as checkpoint_module
+
+    outcomes = []
+    with Checkpointer(url, storage_options=options) as ckpt:
+        ckpt.save({"x": torch.ones(3)}, step=1)
+        if rank == 1:
+            def failing_stage(*args, **kwargs):
+                raise MemoryError("injected: no host memory for the snapshot")
+
+            checkpoint_module.stage = failing_stage
+        for async_save in (False, True):
+            try:
+                ckpt.save({"x": torch.full((3,), 2.0)}, step=2, async_save=async_save).wait()
+                outcomes.append(None)
+            except CheckpointSaveError as exc:
+                outcomes.append(str(exc))
+    return outcomes
+
+
+def test_a_snapshot_failing_on_one_rank_fails_the_save_on_every_rank_and_commits_nothing(s3_server, s3_bucket):
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    for messages in run_ranks(_staging_fails_on_rank_1, 2, url, options, timeout=120):
+        for message in messages:  # sync and async
+            assert message and "rank 1: MemoryError: injected" in message, message
+    assert [c.step for c in list_checkpoints(url, storage_options=options)] == [1]
+
+
 def test_missing_bucket_and_missing_checkpoint_are_clear_errors(s3_server, s3_bucket):
     with pytest.raises(ObjectStoreNotFoundError, match="bucket 'absent-bucket-q' does not exist"):
         Checkpointer("s3://absent-bucket-q/run", storage_options=s3_server.storage_options()).save(
