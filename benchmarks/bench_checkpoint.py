@@ -13,8 +13,9 @@ Compares, in the same run and against the same server:
                       machine allows; the script prints it next to the target.
 
 Loads: every rank restores the full replica (multidc / DCP load; Lightning: every rank reads the file), against
-the ``raw GET`` bound (every rank GETs its share of the saved shards, nothing else) and ``raw GET, then exchange``
-(the same, then every share sent to the other ranks: the transfers a replicated load cannot avoid).
+the ``raw GET`` bound (every rank GETs its share of the saved shards, nothing else), ``raw GET, then exchange``
+(the same, then every share sent to the other ranks: the transfers a replicated load cannot avoid) and ``raw GET,
+exchange overlapped`` (the same transfers, each piece sent as soon as its GET landed).
 
 Fair timing: every timed operation starts on a settled server (written data flushed, 0.5 s of quiet), and a bound
 and the multidc operation it bounds take turns going first (the second of two large writes was seen to run up to
@@ -144,6 +145,37 @@ def _raw_get_and_exchange(store, key: str, parts: list, rank: int, piece_bytes: 
         work.wait()
 
 
+def _raw_get_pipelined(store, key: str, parts: list, rank: int, piece_bytes: int, concurrency: int,
+                       group) -> None:
+    """The transfers of :func:`_raw_get_and_exchange` overlapped: each piece of this rank's share is sent to the
+    other ranks as soon as its GET landed, while the other GETs run (every receive posted up front)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    import torch.distributed as dist
+
+    from multidc.plugins.checkpoint.storage import byte_view
+
+    length, size = parts[rank].numel(), store.size(key)
+    bounds = [(start, min(length, start + piece_bytes)) for start in range(0, length, piece_bytes)]
+    peers = [(other, dist.get_global_rank(group, other)) for other in range(len(parts)) if other != rank]
+    works = [dist.irecv(parts[other][a:b], src=peer, group=group, tag=i)
+             for other, peer in peers for i, (a, b) in enumerate(bounds)]
+    view = byte_view(parts[rank], writable=True)
+
+    def get(i: int) -> int:
+        a, b = bounds[i][0], min(bounds[i][1], size)
+        if b > a:
+            store.read_into(key, a, view[a:b])
+        return i
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for done in as_completed([pool.submit(get, i) for i in range(len(bounds))]):
+            a, b = bounds[done.result()]
+            works += [dist.isend(parts[rank][a:b], dst=peer, group=group, tag=done.result()) for _, peer in peers]
+    for work in works:
+        work.wait()
+
+
 def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concurrency):
     import torch
     import torch.distributed as dist
@@ -220,6 +252,8 @@ def _rank_main(rank, world, url, options, size_mb, repeats, part_size_mb, concur
                                                                    concurrency))
             measured("raw GET, then exchange", functools.partial(_raw_get_and_exchange, store, shard, parts, rank,
                                                                      pieces, concurrency, group))
+            measured("raw GET, exchange overlapped", functools.partial(_raw_get_pipelined, store, shard, parts,
+                                                                           rank, pieces, concurrency, group))
 
         for run in _in_turn([get_bounds, lambda: measured("multidc load", lambda: ckpt.load(target))], rep):
             run()
