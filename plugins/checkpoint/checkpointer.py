@@ -363,8 +363,8 @@ class Checkpointer:
 
     def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
         """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank. In the
-        same round every rank checks its access to the store: a clear error on every rank for a rank whose
-        credentials are refused, before any read."""
+        same round (as rank 0 reads the commit record) every rank checks its access to the store: a rank whose
+        credentials are refused fails the load on every rank before any shard is read."""
 
         def open_() -> tuple[str, bytes] | None:
             self.store.check_access()

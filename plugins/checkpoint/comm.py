@@ -184,9 +184,9 @@ class Comm:
         """:meth:`alive`, returning ``(value, fn's Exception or None)``; only a failed heartbeat raises."""
         outcome = {"value": None, "error": None}
         done = threading.Event()
-        # Set once a rank's ``fn`` ended with an error (this one's too): work that waits for peers (a striped load's
-        # exchange) stops waiting for one that has left. Failures persist to the last beat, which every rank sees:
-        # when this returns, it is set on every rank or on none.
+        # With a group: set once a rank's ``fn`` ended with an error (this one's too): work that waits for peers (a
+        # striped load's exchange) stops waiting for one that has left. Failures persist to the last beat, which
+        # every rank sees: when this returns, it is set on every rank or on none. Never set in a single process.
         self.peer_failed = peer_failed = threading.Event()
 
         def work():
@@ -243,6 +243,7 @@ class Comm:
         if what is not None:
             value, error = self.alive_outcome(fn, *args, what=what)
             if self.group is not None and not self.peer_failed.is_set():  # no rank failed
+                assert error is None, "alive_outcome returned an error its heartbeat did not report"
                 return value
         else:
             value, error = None, None
@@ -290,6 +291,7 @@ class Comm:
         error)``: its last beat told every rank whether any failed, so without a failure only rank 0 gathers (the
         results of every rank on every rank would grow with the square of the job's size)."""
         if self.group is not None and not self.peer_failed.is_set():
+            assert error is None, "alive_outcome returned an error its heartbeat did not report"
             gathered = [None] * self.world_size if self.rank == 0 else None
             with self._collective("checkpoint collective (gather)"):
                 dist.gather_object(result, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)

@@ -169,11 +169,14 @@ class _Targets:
 
     def direct(self, piece: Piece) -> torch.Tensor | None:
         """The destination bytes of ``piece`` as a writable uint8 view, when one destination takes all of them as
-        they are stored (same dtype, whole rows of a contiguous CPU tensor that spans every other dimension): its
-        GET or its receive then lands there, with no buffer and no copy. ``None``: use a buffer and ``deliver`` (which
-        also reports what is wrong with a destination: this never raises)."""
+        they are stored (a value's buffer; same dtype, whole rows of a contiguous CPU tensor that spans every other
+        dimension): its GET or its receive then lands there, with no buffer and no copy. ``None``: use a buffer and
+        ``deliver`` (which also reports what is wrong with a destination: this never raises)."""
+        if piece.loc in self.values:  # a value's bytes land in its own buffer, verified before it is unpickled
+            data = self.values[piece.loc][1]
+            return torch.frombuffer(data, dtype=torch.uint8)[piece.start:piece.end] if len(data) else None
         entries = self.tensors.get(piece.loc, ())
-        if len(entries) != 1 or piece.loc in self.values or piece.loc in self._shared:
+        if len(entries) != 1 or piece.loc in self._shared:
             return None
         (item, target), = entries
         try:
