@@ -232,10 +232,11 @@ class Checkpointer:
 
         tag = self.comm.broadcast(self.comm.raise_if_any(prepare, what=f"preparing {name}"))
         writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
-        # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): settle
-        # that on every rank before the planning collective, where the others would wait for it until timeout_s.
-        planner, local = self.comm.raise_if_any(self._local_plan, state, writer)
-        plan = self.comm.plan(local, lambda plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
+        # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): the planning
+        # round carries that error to every rank, before any upload
+        planner, plan = self.comm.plan(
+            lambda: self._local_plan(state, writer),
+            lambda planner, plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
         plan = planner.finish_plan(plan)
         in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
@@ -345,11 +346,9 @@ class Checkpointer:
         for value in state.values():
             if isinstance(value, RNGState):
                 value.select_source(commit.world_size)
-        # Stateful objects are converted here, not inside dcp.load: a state_dict() / load_state_dict() that fails
-        # on one rank then raises on every rank, instead of leaving the others in DCP's collectives.
-        plain = self.comm.raise_if_any(state_dicts, state)
-        self._read(name, commit, plain, SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial))
-        self.comm.raise_if_any(restore, state, plain)
+        planner = SafeLoadPlanner(trusted=trusted, allow_partial_load=allow_partial)
+        plain, read_error = self._read(name, commit, lambda: state_dicts(state), planner)
+        self.comm.raise_if_any(_restore_unless, read_error, state, plain)
         return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=commit.step,
                               world_size=commit.world_size, created_unix=commit.created_unix)
 
@@ -358,7 +357,8 @@ class Checkpointer:
         self._ready()
         name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}")
         planner = SafeRebuildLoadPlanner(trusted=trusted)
-        self._read(name, commit, {}, planner)
+        _, read_error = self._read(name, commit, dict, planner)
+        self.comm.raise_if_any(_restore_unless, read_error, {}, {})
         return planner.original_state_dict
 
     def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
@@ -376,10 +376,32 @@ class Checkpointer:
         name, raw = self.comm.broadcast(self.comm.raise_if_any(open_, what=what))
         return name, decode_commit(raw, self.store.where(f"{name}/{COMMIT}"))
 
-    def _read(self, name: str, commit: Commit, state_dict: dict, planner) -> None:
+    def _read(self, name: str, commit: Commit, state_dict_of, planner) -> tuple[dict, Exception | None]:
+        """DCP's load of checkpoint ``name`` into the state dict ``state_dict_of()`` returns (collective), in fewer
+        rounds than ``dcp.load``: the planning round also settles ``state_dict_of``'s errors, and the read's last
+        errors (a value handed to the planner) are left to the caller's next error check. Returns ``(state dict,
+        this rank's read error or None)``; a failed read collective raises here."""
         reader = ObjectStoreReader(self.store, name, commit, comm=self.comm, sites=self._sites,
                                    config=self._read_config)
-        self.comm.dcp_load(state_dict, reader, planner)
+        coordinator = self.comm.rank == 0
+
+        def local_step():
+            state_dict = state_dict_of()
+            planner.set_up_planner(state_dict, commit.metadata, coordinator)
+            reader.set_up_storage_reader(commit.metadata, coordinator)
+            return state_dict, reader.prepare_local_plan(planner.create_local_plan())
+
+        state_dict, plan = self.comm.plan(
+            local_step, lambda _, plans: reader.prepare_global_plan(planner.create_global_plan(plans)))
+        try:
+            reader.read_data(planner.finish_plan(plan), planner).wait()
+        except Exception as exc:  # the same on every rank, but for a value handed to the planner: gathered next
+            if self.comm.failure is exc:  # the group broke: no rank can gather any more
+                raise
+            if self.comm.failure is not None:
+                raise self.comm.failure from exc
+            return state_dict, exc
+        return state_dict, None
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first. Not collective (any rank, any process may call it)."""
@@ -393,6 +415,13 @@ class Checkpointer:
 def _committed(store: ObjectStore) -> list[CheckpointInfo]:
     return [CheckpointInfo(url=f"{store.url}/{name}", name=name, step=step)
             for step, name in _retention.committed(store)]
+
+
+def _restore_unless(error: Exception | None, state: dict, plain: dict) -> None:
+    """Raise this rank's read ``error``, else restore ``state`` from the loaded ``plain`` state dicts."""
+    if error is not None:
+        raise error
+    restore(state, plain)
 
 
 def _raiser(error: BaseException):

@@ -15,12 +15,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from multidc.hierarchical.errors import timed_out
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
@@ -32,19 +29,23 @@ _KNOWN = {cls.__name__: cls for cls in (
 
 
 def _describe(error: BaseException | None):
-    """``(type name, message)`` of this rank's own error, or ``(type name, message, rank)`` of an error rebuilt
-    from ``rank``'s (so that passing it on names the rank where it happened, not the one that passed it)."""
+    """``(type name, message)`` of this rank's own error, ``(type name, message, rank)`` of an error rebuilt from
+    ``rank``'s (so that passing it on names the rank where it happened, not the one that passed it), or ``(type
+    name, message, None)`` of a ``secondary`` one raised here because another rank failed (a choice between ranks'
+    errors, :func:`raise_gathered`, prefers the 2-tuples: errors that happened where they were raised)."""
     if error is None:
         return None
     origin = getattr(error, "origin", None)
-    return origin[1:] + origin[:1] if origin is not None else (type(error).__name__, str(error))
+    if origin is not None:
+        return origin[1:] + origin[:1]
+    return (type(error).__name__, str(error)) + ((None,) if getattr(error, "secondary", False) else ())
 
 
 def _rebuild(rank: int, described, error_type=None) -> BaseException:
     """The error another rank described (:func:`_describe`), raised here. Marked ``secondary``: it happened
     elsewhere, and a choice between ranks' errors prefers the rank where it happened."""
     name, message, *origin = described
-    rank = origin[0] if origin else rank
+    rank = origin[0] if origin and origin[0] is not None else rank
     cls = error_type or _KNOWN.get(name, RuntimeError)
     error = cls(f"rank {rank}: {message}" if error_type is None else f"rank {rank}: {name}: {message}")
     error.secondary, error.origin = True, (rank, name, message)
@@ -106,7 +107,7 @@ class Comm:
         try:
             yield
         except RuntimeError as exc:
-            if not _transport_error(exc):  # e.g. a planning error raised inside dcp.load: not about the link
+            if not _transport_error(exc):  # e.g. an error raised inside the block: not about the link
                 raise
             self._fail(self.describe_failure(what, exc))
             raise self.failure from exc
@@ -259,31 +260,48 @@ class Comm:
             return raise_gathered(described, own)
         failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
         if failed:
-            detail = "; ".join(f"rank {d[2] if len(d) > 2 else rank}: {d[0]}: {d[1]}" for rank, d in failed)
+            detail = "; ".join(f"rank {d[2] if len(d) > 2 and d[2] is not None else rank}: {d[0]}: {d[1]}"
+                               for rank, d in failed)
             raise error_type(f"{what} failed: {detail}") from own
         return None
 
-    def plan(self, local, make_global):
-        """Gather local plans on rank 0, run ``make_global(plans) -> per-rank plans`` there, scatter them."""
+    def plan(self, local_step, global_step) -> tuple:
+        """DCP's planning round: ``local_step() -> (kept, local plan)`` on every rank, the local plans gathered on
+        rank 0, ``global_step(rank 0's kept, plans) -> per-rank plans`` there, scattered: returns ``(kept, this
+        rank's plan)``. An error of any rank's local step (its ``state_dict()`` included), or of the global step,
+        travels in the same gather and scatter and is raised on every rank (the failing rank its own, the others
+        the lowest failing rank's, rebuilt) before any rank reads or writes."""
+        kept, local, error = None, None, None
+        try:
+            kept, local = local_step()
+        except Exception as exc:  # raised below, on every rank
+            error = exc
         if self.group is None:
-            return make_global([local])[0]
+            if error is not None:
+                raise error
+            return kept, global_step(kept, [local])[0]
         gathered = [None] * self.world_size if self.rank == 0 else None
         with self._collective("checkpoint planning (gather)"):
-            dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        outgoing, error = None, None
+            dist.gather_object((local, _describe(error)), gathered, dst=dist.get_global_rank(self.group, 0),
+                               group=self.group)
+        outgoing = None
         if self.rank == 0:
-            try:
-                outgoing = [(plan, None) for plan in make_global(gathered)]
-            except Exception as exc:
-                error = exc
-                outgoing = [(None, _describe(exc))] * self.world_size
+            described = [d for _, d in gathered]
+            if any(d is not None for d in described):
+                outgoing = [(None, described)] * self.world_size
+            else:
+                try:
+                    outgoing = [(plan, None) for plan in global_step(kept, [plan for plan, _ in gathered])]
+                except Exception as exc:
+                    error = exc
+                    outgoing = [(None, [_describe(exc)] + [None] * (self.world_size - 1))] * self.world_size
         box = [None]
         with self._collective("checkpoint planning (scatter)"):
             dist.scatter_object_list(box, outgoing, src=dist.get_global_rank(self.group, 0), group=self.group)
         plan, described = box[0]
         if described is not None:
-            raise error if error is not None else _rebuild(0, described)
-        return plan
+            raise_gathered(described, error)
+        return kept, plan
 
     def gather_outcomes(self, result, error, *, what: str, error_type) -> list | None:
         """All ranks' ``result`` on rank 0 (``None`` on the others); if any rank had an ``error``, raise
@@ -314,28 +332,6 @@ class Comm:
         if error_type is None:
             raise _rebuild(0, described)
         raise error_type(f"{what} failed on rank 0: {described[0]}: {described[1]}")
-
-    def dcp_load(self, state: dict, reader, planner) -> None:
-        """``dcp.load`` on this group; DCP's CheckpointException becomes the lowest failing rank's error, and a
-        failed heartbeat inside DCP's read step is what this raises (not DCP's own collective failing after it)."""
-        try:
-            with warnings.catch_warnings(), self._collective("checkpoint load (DCP collective)"):
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-                dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group,
-                         no_dist=self.group is None)
-        except CheckpointException as exc:
-            if self.failure is not None:
-                raise self.failure from None
-            # the lowest rank with an error of its own: not one that only stopped because another left (secondary)
-            primary = {r: f for r, f in exc.failures.items() if not getattr(f[0], "secondary", False)}
-            rank, (error, _trace) = min((primary or exc.failures).items(), key=lambda kv: kv[0])
-            if rank == self.rank or self.group is None:
-                raise error from None
-            raise _rebuild(rank, _describe(error)) from None
-        except Exception as exc:
-            if self.failure is not None and exc is not self.failure:
-                raise self.failure from exc
-            raise
 
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
