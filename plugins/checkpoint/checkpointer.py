@@ -86,6 +86,7 @@ from multidc.plugins.checkpoint.ranged_read import check_stop
 from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
 from multidc.plugins.checkpoint.storage import ObjectStoreWriter, SnapshotBuffer, stage, upload
+from multidc.plugins.checkpoint.striped_read import PeerLeftError
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -237,10 +238,10 @@ class Checkpointer:
         planner, plan = self.comm.plan(
             lambda: self._local_plan(state, writer),
             lambda planner, plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
-        plan = planner.finish_plan(plan)
         in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
         try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
+            plan = planner.finish_plan(plan)
             staged = stage(plan, planner, plan.storage_data, snapshot=self._snapshot if in_background else None)
         except Exception as exc:  # reported to every rank at the commit barrier, never dropped
             stage_error = exc
@@ -358,7 +359,8 @@ class Checkpointer:
         name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}")
         planner = SafeRebuildLoadPlanner(trusted=trusted)
         _, read_error = self._read(name, commit, dict, planner)
-        self.comm.raise_if_any(_restore_unless, read_error, {}, {})
+        if read_error is not None:  # on every rank, or on none: then there is nothing to restore
+            self.comm.raise_if_any(_restore_unless, read_error, {}, {})
         return planner.original_state_dict
 
     def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
@@ -393,14 +395,22 @@ class Checkpointer:
 
         state_dict, plan = self.comm.plan(
             local_step, lambda _, plans: reader.prepare_global_plan(planner.create_global_plan(plans)))
+        finish_error = None
         try:
-            reader.read_data(planner.finish_plan(plan), planner).wait()
+            plan = planner.finish_plan(plan)
+        except Exception as exc:  # joins the read's collectives, which report it to every rank
+            finish_error = exc
+        try:
+            reader.read_data(plan, planner, error=finish_error).wait()
         except Exception as exc:  # the same on every rank, but for a value handed to the planner: gathered next
             if self.comm.failure is exc:  # the group broke: no rank can gather any more
                 raise
             if self.comm.failure is not None:
                 raise self.comm.failure from exc
             return state_dict, exc
+        if self.comm.group is not None and self.comm.peer_failed.is_set():
+            # another rank failed after the read's own gather (handing a value to its planner): restore nothing here
+            return state_dict, PeerLeftError("this rank read its part, but another rank's load failed")
         return state_dict, None
 
     def list(self) -> list[CheckpointInfo]:

@@ -113,8 +113,8 @@ class Comm:
             raise self.failure from exc
 
     def _fail(self, error: BaseException) -> None:
-        """Remember the first failure (what later errors of this group, e.g. DCP's own collective after a failed
-        heartbeat inside its read step, are reported as) and stop the workers."""
+        """Remember the first failure (what later errors of this group, e.g. a load's after a failed heartbeat
+        inside its read, are reported as) and stop the workers."""
         if self.failure is None:
             self.failure = error
             self.stopped.set()

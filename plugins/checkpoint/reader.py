@@ -108,21 +108,24 @@ class ObjectStoreReader(StorageReader):
                               round_bytes=self.config.round_bytes, stripe_min_bytes=self.config.stripe_min_bytes)
         return [dataclasses.replace(plan, storage_data=schedule) for plan in plans]
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner, *, error: Exception | None = None) -> Future[None]:
+        """Read this rank's part of ``plan`` (collective with ``comm``). ``error``: this rank failed before reading
+        (e.g. finishing its plan); it still joins the read's collectives, and every rank raises that error."""
         if self.comm is None:
-            self._read_all(plan, planner)
+            self._read_all(plan, planner, error)
         else:
-            self.comm.alive(self._read_all, plan, planner, what="download")
+            self.comm.alive(self._read_all, plan, planner, error, what="download")
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner, error: Exception | None = None) -> None:
         schedule: ReadSchedule = plan.storage_data
         comm = self.comm
-        targets, error = None, None
+        targets = None
         try:
-            targets = _Targets(schedule, plan, planner, self.locations, self.store.where(self.checkpoint))
+            if error is None:
+                targets = _Targets(schedule, plan, planner, self.locations, self.store.where(self.checkpoint))
         except Exception as exc:  # reported through the read's first round, so no rank waits for this one
             error = exc
         read = StripedRead(self.store, self.checkpoint, schedule, targets.deliver if targets else None,

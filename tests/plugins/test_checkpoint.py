@@ -411,6 +411,46 @@ class _Opaque:
         self.value = value
 
 
+class _Recorder:
+    """A Stateful that records whether its state was restored."""
+
+    def __init__(self) -> None:
+        self.restored = False
+
+    def state_dict(self) -> dict:
+        return {"w": torch.ones(2)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = True
+
+
+def _one_rank_cannot_unpickle(rank, world, url):
+    from multidc.plugins.checkpoint.comm import THIS_PROCESS
+
+    with Checkpointer(url, process_group=THIS_PROCESS) as alone:  # a value only rank 1 reads, which it refuses
+        alone.save({"rec": {"w": torch.ones(2)}, "v0": 1, "v1": _Opaque(3)}, step=1) if rank == 0 else None
+    dist.barrier()
+    recorder = _Recorder()
+    state = {"rec": recorder, **({"v0": None} if rank == 0 else {"v1": None})}
+    with Checkpointer(url) as ckpt:
+        try:
+            ckpt.load(state)
+            error = None
+        except Exception as exc:  # noqa: BLE001  (compared across ranks below)
+            error = f"{type(exc).__name__}: {exc}"
+    return error, recorder.restored
+
+
+def test_a_value_one_rank_cannot_unpickle_fails_the_load_everywhere_and_no_rank_restores(tmp_path):
+    # the read succeeds on rank 0, but rank 1 refuses its value (weights_only) after the read's own gather: rank 0
+    # must not call load_state_dict (it may be collective, and the job's ranks would differ), and both must raise
+    out = run_ranks(_one_rank_cannot_unpickle, 2, str(tmp_path / "ckpt"), timeout=120)
+    for rank, (error, restored) in enumerate(out):
+        assert error is not None and ("weights_only" in error or "Unsupported global" in error), (rank, error)
+        assert rank == 1 or "rank 1: " in error, error
+        assert not restored, f"rank {rank} restored its state from a failed load"
+
+
 def test_loading_refuses_arbitrary_pickled_objects_unless_trusted(tmp_path):
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save({"obj": _Opaque(3), "t": torch.ones(2)}, step=0)

@@ -120,7 +120,7 @@ def test_a_peer_that_stops_answering_mid_transfer_fails_the_others_within_the_ti
     assert timeout_s == TIMEOUT_S
     assert again.startswith("this Checkpointer cannot be used again: an earlier checkpoint collective failed"), again
     assert latest == (None if phase == "upload" else 1)  # the abandoned save committed nothing
-    # download: the heartbeat inside DCP's read step fails; DCP's own gather after it must not wait a second time
+    # download: the heartbeat inside the read fails; the load's error check after it must not wait a second time
     head = f"checkpoint heartbeat ({phase})"
     for other, other_seconds, *_ in results[2:]:  # a third rank, healthy like rank 0
         assert other.startswith(head) and other_seconds < TIMEOUT_S + 1 + 3, (other, other_seconds)
