@@ -243,7 +243,7 @@ class Checkpointer:
         try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
             plan = planner.finish_plan(plan)
             staged = stage(plan, planner, plan.storage_data, snapshot=self._snapshot if in_background else None)
-        except Exception as exc:  # reported to every rank at the commit barrier, never dropped
+        except Exception as exc:  # reported to every rank through the upload heartbeat, never dropped
             stage_error = exc
         handle = SaveHandle()
         args = (handle, writer, planner, staged, stage_error, name, step, clean)
