@@ -226,9 +226,6 @@ class Comm:
 
     def broadcast(self, obj):
         """Rank 0's ``obj``, on every rank."""
-        return self._broadcast(obj)
-
-    def _broadcast(self, obj):
         if self.group is None:
             return obj
         box = [obj]
@@ -322,7 +319,7 @@ class Comm:
         """Run ``fn()`` on rank 0 (under :meth:`alive`) and return its value on every rank, or raise its error on
         every rank."""
         value, error = self.alive_outcome(fn if self.rank == 0 else None, what=what)
-        value, described = self._broadcast((value, _describe(error)))
+        value, described = self.broadcast((value, _describe(error)))
         if described is None:
             return value
         if error is not None:
