@@ -221,9 +221,9 @@ class ObjectStore:
 
         return self._call(read, ranges[0][0] if len({k for k, _, _ in ranges}) == 1 else "<several objects>")
 
-    def read_into(self, key: str, start: int, out: memoryview, *, stop=None) -> None:
-        """Fill ``out`` with bytes ``[start, start + len(out))`` of ``key``: one ranged GET, streamed, stoppable
-        between chunks by ``stop`` (see ``ranged_read.read_into``)."""
+    def read_into(self, key: str, start: int, out, *, stop=None) -> None:
+        """Fill ``out`` (a memoryview, or ``(offset, view)`` parts) with bytes of ``key`` from ``start``: one
+        ranged GET, streamed, stoppable between chunks by ``stop`` (see ``ranged_read.read_into``)."""
         from multidc.plugins.checkpoint.ranged_read import read_into
 
         read_into(self, key, start, out, stop=stop)

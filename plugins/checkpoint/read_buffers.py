@@ -42,9 +42,10 @@ class GetBuffers:
         """Bytes a piece of ``size`` bytes holds while in use."""
         return held_bytes(size, self.slot)
 
-    def fits(self, size: int) -> bool:
-        """Whether a piece of ``size`` bytes may be taken now (free slots can always be dropped to make room)."""
-        return self.used == 0 or self.used + self.capacity(size) <= self.limit
+    def fits(self, *sizes: int) -> bool:
+        """Whether pieces of ``sizes`` bytes (one GET's) may be taken now (free slots can always be dropped to make
+        room)."""
+        return self.used == 0 or self.used + sum(self.capacity(size) for size in sizes) <= self.limit
 
     def take(self, size: int) -> torch.Tensor:
         """A uint8 buffer of at least ``size`` bytes (use ``buffer[:size]``); give it back with :meth:`give`."""

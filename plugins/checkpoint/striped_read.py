@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 import zlib
@@ -109,9 +110,10 @@ class StripedRead:
         reported at the next status, never raised in between. A collective that fails itself (the group broke)
         leaves at once: the others learn it from the heartbeat (``peer_failed``) and stop waiting."""
         mine = [p for p in self.schedule.pieces() if p.reader == self.rank] if error is None else []
+        gets = [list(pieces) for _, pieces in itertools.groupby(mine, key=lambda p: p.get)]
         self._local = error  # reported at the first round's status (or gathered, with no round)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="multidc-ckpt-get")
-        threading.Thread(target=self._feed, args=(pool, mine), name="multidc-ckpt-feed", daemon=True).start()
+        threading.Thread(target=self._feed, args=(pool, gets), name="multidc-ckpt-feed", daemon=True).start()
         try:
             for pieces in self.schedule.rounds:
                 if self._any_failed(self._wait_gets(pieces)):
@@ -160,38 +162,44 @@ class StripedRead:
         return self._local is not None
 
     # ------------------------------------------------------------------ GETs (read-ahead)
-    def _feed(self, pool: ThreadPoolExecutor, mine: list[Piece]) -> None:
+    def _feed(self, pool: ThreadPoolExecutor, gets: list[list[Piece]]) -> None:
         """Submit this rank's GETs within the read-ahead budget. Any failure here (a buffer allocation, a submit)
         is kept in ``_feed_error`` for :meth:`_future` to raise: a silently dead feed would leave the reading
         thread waiting forever while the heartbeat still reports this rank as working."""
         try:
-            for piece in mine:
-                target = self.direct(piece)
+            for pieces in gets:
+                targets = [self.direct(piece) for piece in pieces]
                 with self._cond:
-                    while not self._room(piece.size, target is not None) and not self.stop.is_set():
+                    while not self._room(pieces, targets) and not self.stop.is_set():
                         self._cond.wait(0.1)
                     if self.stop.is_set():
                         return
-                    if target is None:
-                        buffer = self._take(piece.size)
-                    else:  # straight into the destination
-                        buffer = target
-                        self._in_place[(piece.loc, piece.start)] = piece.size
-                    self._buffers[(piece.loc, piece.start)] = buffer
-                    self._futures[(piece.loc, piece.start)] = pool.submit(self._get, piece, buffer)
+                    buffers = []
+                    for piece, target in zip(pieces, targets):
+                        key = (piece.loc, piece.start)
+                        if target is None:
+                            target = self._take(piece.size)
+                        else:  # straight into the destination
+                            self._in_place[key] = piece.size
+                        self._buffers[key] = target
+                        buffers.append(target)
+                    future = pool.submit(self._get, pieces, buffers)
+                    for piece in pieces:
+                        self._futures[(piece.loc, piece.start)] = future
                     self._cond.notify_all()
         except BaseException as exc:  # every failure must reach the reading thread
             with self._cond:
                 self._feed_error = exc
                 self._cond.notify_all()
 
-    def _room(self, size: int, in_place: bool) -> bool:
-        """Whether a GET of ``size`` bytes may start now: buffers within their budget; GETs into destinations
-        within the same read-ahead (one at least)."""
-        if not in_place:
-            return self._gets.fits(size)
+    def _room(self, pieces: list[Piece], targets: list) -> bool:
+        """Whether a GET of ``pieces`` may start now: its buffers within their budget; the bytes GETs write into
+        destinations within the same read-ahead (one GET at least)."""
+        buffered = [piece.size for piece, target in zip(pieces, targets) if target is None]
+        in_place = sum(piece.size for piece, target in zip(pieces, targets) if target is not None)
         ahead = sum(self._in_place.values())
-        return ahead == 0 or ahead + size <= self.read_ahead
+        return (not buffered or self._gets.fits(*buffered)) and (
+            not in_place or ahead == 0 or ahead + in_place <= self.read_ahead)
 
     def _future(self, piece: Piece):
         key = (piece.loc, piece.start)
@@ -211,18 +219,23 @@ class StripedRead:
             except FutureTimeout:
                 self._check_peers("waiting for a download")
 
-    def _get(self, piece: Piece, buffer: torch.Tensor) -> None:
+    def _get(self, pieces: list[Piece], buffers: list[torch.Tensor]) -> None:
+        """One ranged GET of ``pieces`` (adjacent in one object, gaps of padding between them dropped), each
+        into its buffer or destination; then each piece's CRC, and delivery of those that need a copy."""
         from multidc.plugins.checkpoint.storage import byte_view
 
-        loc = self.schedule.locations[piece.loc]
-        view = byte_view(buffer, writable=True)
-        self.store.read_into(f"{self.checkpoint}/{loc.file}", loc.offset + piece.start, view, stop=self.stop)
-        self.crcs[_crc_key(piece)] = zlib.crc32(view)  # off the event loop, while other GETs stream
-        check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
-        if (piece.loc, piece.start) not in self._in_place:
-            self.deliver(piece, buffer)
-        if not piece.receivers:
-            self._release(piece)
+        locs = [self.schedule.locations[piece.loc] for piece in pieces]
+        begin = locs[0].offset + pieces[0].start
+        views = [byte_view(buffer, writable=True) for buffer in buffers]
+        parts = [(loc.offset + piece.start - begin, view) for loc, piece, view in zip(locs, pieces, views)]
+        self.store.read_into(f"{self.checkpoint}/{locs[0].file}", begin, parts, stop=self.stop)
+        for piece, view, buffer in zip(pieces, views, buffers):
+            self.crcs[_crc_key(piece)] = zlib.crc32(view)  # off the event loop, while other GETs stream
+            check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
+            if (piece.loc, piece.start) not in self._in_place:
+                self.deliver(piece, buffer)
+            if not piece.receivers:
+                self._release(piece)
 
     def _release(self, piece: Piece) -> None:
         with self._cond:

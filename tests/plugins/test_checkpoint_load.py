@@ -18,7 +18,7 @@ import torch
 from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins.checkpoint.crc import combine, crc32_combine
 from multidc.plugins.checkpoint.format import ItemLocation
-from multidc.plugins.checkpoint.read_plan import plan_reads
+from multidc.plugins.checkpoint.read_plan import MAX_GAP, plan_reads
 
 pytestmark = pytest.mark.timeout(300)
 PIECE = 32 << 10
@@ -70,24 +70,57 @@ def test_replicated_items_and_values_are_read_once_per_site_in_equal_shares_with
             assert sum(p.size for p in round_ if rank in p.receivers) <= budget
 
 
-def test_small_replicated_items_are_read_whole_by_one_rank_each_and_the_ranks_read_equal_bytes():
-    # 4 ranks of one site need 32 items of 3/4 piece and one large item: slicing the small ones 4 ways would cost
-    # 4 ranged GETs of 3/16 piece each; each is read whole by one rank instead, the ranks taking turns by load,
-    # while the large item is still striped over all four
+def _gets_of(schedule, rank: int) -> list[tuple[str, int, int]]:
+    """(object, first byte, byte after the last) of each of ``rank``'s GETs in ``schedule``."""
+    gets: dict[int, list] = {}
+    for p in schedule.pieces():
+        if p.reader == rank:
+            loc = schedule.locations[p.loc]
+            gets.setdefault(p.get, []).append((loc.file, loc.offset + p.start, loc.offset + p.end))
+    for pieces in gets.values():  # a GET: one object, its pieces in order, gaps of padding only
+        assert len({f for f, _, _ in pieces}) == 1
+        assert all(0 <= b[1] - a[2] <= MAX_GAP for a, b in zip(pieces, pieces[1:])), pieces
+    return sorted((pieces[0][0], pieces[0][1], pieces[-1][2]) for pieces in gets.values())
+
+
+def test_each_rank_reads_one_contiguous_span_in_gets_of_one_piece_however_small_the_items():
+    # 4 ranks of one site need 32 items of 3/4 piece and one large item: cut item by item, the small ones would
+    # cost a ranged GET each (or four, striped); laid end to end and cut into 4 equal spans, each rank reads its
+    # span front to back in GETs of a whole piece
     small = [_loc(i * (24 << 10), 24) for i in range(32)]
     large = _loc(32 * (24 << 10), 1000)
     needs = [{loc: "w" for loc in [*small, large]} for _ in range(4)]
     schedule = plan_reads(needs, [0] * 4, piece_bytes=PIECE, round_bytes=4 * PIECE, stripe_min_bytes=0)
-    pieces = schedule.pieces()
-    for index, loc in enumerate(schedule.locations):
-        readers = {p.reader for p in pieces if p.loc == index}
-        if loc in small:
-            (piece,) = [p for p in pieces if p.loc == index]  # one GET of the whole item
-            assert (piece.start, piece.end) == (0, loc.length) and len(piece.receivers) == 3
-        else:
-            assert readers == {0, 1, 2, 3}
-    read = [sum(p.size for p in pieces if p.reader == r) for r in range(4)]
-    assert max(read) - min(read) <= 24 << 10, read
+    total = sum(loc.length for loc in [*small, large])
+    spans = []
+    for rank in range(4):
+        gets = _gets_of(schedule, rank)
+        assert all(a[2] == b[1] for a, b in zip(gets, gets[1:]))  # one contiguous span
+        assert all(end - start <= PIECE for _, start, end in gets)
+        assert len(gets) == -(-(gets[-1][2] - gets[0][1]) // PIECE)  # as few GETs as the bytes need
+        spans.append((gets[0][1], gets[-1][2]))
+    assert [a for a, _ in spans] == sorted(a for a, _ in spans) and spans[0][0] == 0 and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # the spans tile the items
+    assert max(b - a for a, b in spans) - min(b - a for a, b in spans) <= 2 * 1024  # equal, to a row
+    for p in schedule.pieces():  # everything read once is sent to the three others
+        assert len(p.receivers) == 3 and p.reader not in p.receivers
+
+
+def test_replicated_state_saved_striped_is_read_back_one_shard_object_per_rank():
+    # what a striped save of DDP state writes: every shard object holds a slice of each large tensor and some
+    # small ones; the ranks reading it back each read one object whole, as the raw-GET bound does
+    locs = []
+    for rank in range(4):
+        file, offset = f"data/rank{rank:05d}.distcp", 0
+        for rows in (96, 16, 16, 1, 1):
+            locs.append(ItemLocation(file=file, offset=offset, length=rows * 1024, crc32=0, dtype="float32",
+                                     sizes=(rows, 256)))
+            offset += rows * 1024 + 64 - (rows * 1024) % 64
+    needs = [{loc: "w" for loc in locs} for _ in range(4)]
+    schedule = plan_reads(needs, [0] * 4, piece_bytes=PIECE, round_bytes=4 * PIECE, stripe_min_bytes=8 << 10)
+    objects = [{f for f, _, _ in _gets_of(schedule, rank)} for rank in range(4)]
+    assert sorted(objects, key=sorted) == [{f"data/rank{r:05d}.distcp"} for r in range(4)], objects
+    assert [len(_gets_of(schedule, rank)) for rank in range(4)] == [5] * 4  # 130 KiB in pieces of 32 KiB
 
 
 def test_items_under_stripe_min_bytes_are_read_whole_by_one_rank_of_the_site_and_sent_to_the_others():
