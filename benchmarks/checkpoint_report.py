@@ -92,7 +92,7 @@ def report(out: dict, *, ranks: int, repeats: int, part_size_mb: float, concurre
           f"bound.\n  A replicated load must also hand every rank the other ranks' shares: GETting the shares and "
           f"sending each to the other ranks (gloo send/recv, no checkpoint work) takes {then:.2f} s here one after "
           f"the other, {overlapped:.2f} s overlapped (each piece sent as it lands); multidc's load takes "
-          f"{figures['load_over_raw_get_and_exchange']:.2f}x the faster")
+          f"{figures['load_over_raw_get_and_exchange']:.2f}x the faster of the two.")
     record = {"bench": "checkpoint", "state_mib": size_mib, "share_mib": share / _MIB, "ranks": ranks,
               "repeats": repeats, "part_size_mb": part_size_mb, "concurrency": concurrency,
               "cpu_count": os.cpu_count(), "rows": rows, "peak_extra_rss_bytes": memory, **figures,

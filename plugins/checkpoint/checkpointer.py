@@ -82,11 +82,10 @@ from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Co
 from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import SafeLoadPlanner, SafeRebuildLoadPlanner, StripedSavePlanner
-from multidc.plugins.checkpoint.ranged_read import check_stop
 from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
+from multidc.plugins.checkpoint.stop import PeerLeftError, check_stop
 from multidc.plugins.checkpoint.storage import ObjectStoreWriter, SnapshotBuffer, stage, upload
-from multidc.plugins.checkpoint.striped_read import PeerLeftError
 
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
@@ -278,8 +277,9 @@ class Checkpointer:
         info, failure = None, None
         try:
             # every rank joins the heartbeat, also one whose staging failed: it reports that failure there
+            # an upload stops at its next part once another rank's failed: the save has failed everywhere
             results, error = self.comm.alive_outcome(upload if error is None else _raiser(error), staged,
-                                                     self.store, name, self.comm.stopped, what="upload")
+                                                     self.store, name, self.comm.until_any_fails, what="upload")
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
             info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from multidc.hierarchical.errors import timed_out
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+from multidc.plugins.checkpoint.stop import Abandoned, PeerLeftError
 
 _KNOWN = {cls.__name__: cls for cls in (
     ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,
@@ -72,6 +73,24 @@ def _transport_error(exc: RuntimeError) -> bool:
         word in text for word in ("gloo", "connection"))
 
 
+class _UntilAnyFails:
+    """Set once this rank's checkpoint group failed (``comm.stopped``) or the heartbeat of the current
+    :meth:`Comm.alive` reported another rank's work failed (``comm.peer_failed``, read at each check: every
+    ``alive`` replaces it)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def is_set(self) -> bool:
+        return self.comm.stopped.is_set() or self.comm.peer_failed.is_set()
+
+    def error(self, what: str) -> Exception:
+        if self.comm.stopped.is_set():
+            return Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
+        return PeerLeftError(f"{what} stopped: another rank of the checkpoint group failed (its error is the one "
+                             "this save reports)")
+
+
 # ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one
 # rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
 THIS_PROCESS = object()
@@ -100,6 +119,8 @@ class Comm:
         # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
         # with one that names the sites and the link.
         self.describe_failure = self._peer_failure
+        # A stop flag for work under ``alive`` that is useful only if every rank's succeeds (an upload)
+        self.until_any_fails = _UntilAnyFails(self)
 
     @contextlib.contextmanager
     def _collective(self, what: str):
@@ -256,6 +277,7 @@ class Comm:
         if error_type is None:
             return raise_gathered(described, own)
         failed = [(rank, d) for rank, d in enumerate(described) if d is not None]
+        failed = [(rank, d) for rank, d in failed if len(d) == 2] or failed  # not those raised because of them
         if failed:
             detail = "; ".join(f"rank {d[2] if len(d) > 2 and d[2] is not None else rank}: {d[0]}: {d[1]}"
                                for rank, d in failed)

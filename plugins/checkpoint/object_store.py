@@ -170,17 +170,18 @@ class ObjectStore:
         else:
             self._call(lambda: self.fs.makedirs(self.root, exist_ok=True), "")
 
-    def put(self, key: str, data: bytes | memoryview | Segments, *, atomic: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview | Segments, *, atomic: bool = False, stop=None) -> None:
         """Write one object (replacing it). Large S3 objects go up as parallel multipart uploads.
 
         ``data`` may be :class:`Segments` (several buffers stored back to back): they are sent as they are, never
         joined into one copy, except an S3 object below two parts (one PUT of at most ``2 * part_size`` bytes).
         ``atomic=True`` guarantees readers never see a partial object: S3 PUTs are atomic already; on other
-        filesystems the data is written under a temporary name and renamed.
+        filesystems the data is written under a temporary name and renamed. ``stop`` (anything with ``is_set()``):
+        a multipart upload checks it before each part and, once set, aborts (``stop.check_stop``'s error).
         """
         data = data if isinstance(data, Segments) else Segments([data])
         if self.is_s3 and len(data) >= 2 * self.part_size:
-            return multipart_put(self, key, data)
+            return multipart_put(self, key, data, stop=stop)
         if atomic and not self.is_s3:
             tmp = f"{key}.tmp-{uuid.uuid4().hex[:8]}"
             self._call(lambda: self._pipe(tmp, data), tmp)

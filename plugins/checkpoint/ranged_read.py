@@ -8,20 +8,9 @@ written: once it is set (the load failed on some rank), nothing more lands in ``
 from __future__ import annotations
 
 from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreError
+from multidc.plugins.checkpoint.stop import check_stop
 
 CHUNK_BYTES = 1 << 20
-
-
-class Abandoned(RuntimeError):
-    """Work of a checkpoint collective that already failed on this rank: stopped before writing anything more."""
-
-    retryable = False  # ObjectStore's retries must end at once, not try again
-
-
-def check_stop(stop, what: str) -> None:
-    """Raise :class:`Abandoned` if ``stop`` (anything with ``is_set()``, e.g. a ``threading.Event``) is set."""
-    if stop is not None and stop.is_set():
-        raise Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
 
 
 def read_into(store: ObjectStore, key: str, start: int, out, *, stop=None, chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -31,7 +20,7 @@ def read_into(store: ObjectStore, key: str, start: int, out, *, stop=None, chunk
     ``[start + offset, start + offset + len(view))``; one ranged GET reads from ``start`` to the end of the last
     part, and the bytes between parts are dropped.
     ``stop``: optional ``threading.Event`` (or anything with ``is_set()``); once set, the read raises
-    :class:`Abandoned` before writing more.
+    the error ``check_stop`` (checkpoint/stop.py) gives, before writing more.
     Raises ``ObjectStoreError`` if the object is shorter than the range.
     """
     parts = [(0, out)] if isinstance(out, memoryview) else [(offset, view) for offset, view in out if len(view)]

@@ -6,15 +6,17 @@ import asyncio
 import logging
 
 from multidc.plugins.checkpoint.segments import Segments
+from multidc.plugins.checkpoint.stop import check_stop
 
 _log = logging.getLogger("multidc.plugins.object_store")
 S3_MIN_PART = 5 << 20  # S3's smallest part (all but the last), bytes
 
 
-def multipart_put(store, key: str, data: Segments) -> None:
+def multipart_put(store, key: str, data: Segments, *, stop=None) -> None:
     """Upload ``data`` as object ``key`` of ``store`` (an ``ObjectStore`` on S3) in parts of ``store.part_size``
-    bytes, ``store.max_concurrency`` at a time, each retried by ``store.retry``. On failure the multipart upload
-    is aborted and the error raised; nothing becomes visible under ``key``."""
+    bytes, ``store.max_concurrency`` at a time, each retried by ``store.retry``. On failure, or once ``stop`` is set
+    (checked before each part), the multipart upload is aborted and the error raised; nothing becomes visible under
+    ``key``."""
     bucket, s3key = store.bucket, store.path(key).split("/", 1)[1]
     upload = store._call(lambda: store._sync(store.fs._call_s3(
         "create_multipart_upload", Bucket=bucket, Key=s3key)), key)["UploadId"]
@@ -23,7 +25,7 @@ def multipart_put(store, key: str, data: Segments) -> None:
         starts.pop()  # fold a short tail into the previous part: only the last part may be < 5 MiB
     bounds = list(zip(starts, starts[1:] + [len(data)]))
     try:
-        etags = store._sync(_upload_parts(store, bucket, s3key, upload, data, bounds, key))
+        etags = store._sync(_upload_parts(store, bucket, s3key, upload, data, bounds, key, stop))
         parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
         store._call(lambda: store._sync(store.fs._call_s3(
             "complete_multipart_upload", Bucket=bucket, Key=s3key, UploadId=upload,
@@ -39,11 +41,12 @@ def multipart_put(store, key: str, data: Segments) -> None:
     store.fs.invalidate_cache(store.path(key))
 
 
-async def _upload_parts(store, bucket, s3key, upload, data, bounds, key) -> list[str]:
+async def _upload_parts(store, bucket, s3key, upload, data, bounds, key, stop) -> list[str]:
     gate = asyncio.Semaphore(store.max_concurrency)
 
     async def one(number: int, start: int, end: int) -> str:
         async with gate:
+            check_stop(stop, f"uploading {store.where(key)}")
             out = await store._acall(lambda: store.fs._call_s3(
                 "upload_part", Bucket=bucket, Key=s3key, UploadId=upload, PartNumber=number,
                 Body=data.slice(start, end).reader()), key)

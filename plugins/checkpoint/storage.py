@@ -35,8 +35,8 @@ from multidc.plugins.checkpoint.format import (
     shard_file,
 )
 from multidc.plugins.checkpoint.object_store import ObjectStore
-from multidc.plugins.checkpoint.ranged_read import check_stop
 from multidc.plugins.checkpoint.segments import Segments
+from multidc.plugins.checkpoint.stop import check_stop
 
 _ALIGN = 64
 
@@ -158,7 +158,8 @@ def _numel(sizes) -> int:
 def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> list[WriteResult]:
     """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`.
 
-    ``stop``: an optional ``threading.Event``; once set (the save was abandoned), nothing more is written.
+    ``stop``: an optional ``threading.Event`` (or anything with ``is_set()``); once set (the save was abandoned, or
+    failed on another rank), no further part is sent and the multipart upload is aborted.
     """
     if not staged.entries:
         return []
@@ -170,7 +171,7 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> li
     check_stop(stop, f"uploading {staged.file}")
     checksums.start()
     try:
-        store.put(f"{checkpoint}/{staged.file}", data)
+        store.put(f"{checkpoint}/{staged.file}", data, stop=stop)
     finally:
         checksums.join()
     results = []

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from multidc.plugins.checkpoint.comm import _describe, raise_gathered
 from multidc.plugins.checkpoint.crc import combine
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
-from multidc.plugins.checkpoint.ranged_read import Abandoned, check_stop
 from multidc.plugins.checkpoint.read_buffers import GetBuffers, aligned, receive_bytes
 from multidc.plugins.checkpoint.read_plan import Piece, ReadSchedule
+from multidc.plugins.checkpoint.stop import Abandoned, PeerLeftError, check_stop
 
 _POLL_S = 0.05  # how soon a wait notices the heartbeat failed; completion is noticed at once
 _LATE_RECEIVE_S = 2.0  # after giving up, how long receives into the caller's tensors may still land
@@ -47,12 +47,6 @@ _LATE_RECEIVE_S = 2.0  # after giving up, how long receives into the caller's te
 
 class _PeerFailed(Exception):
     """Another rank reported a failure at a round boundary; its error is the one every rank raises."""
-
-
-class PeerLeftError(RuntimeError):
-    """Another rank left the load with an error of its own, which is the one to report (``secondary``)."""
-
-    secondary = True
 
 
 class _Left(Exception):

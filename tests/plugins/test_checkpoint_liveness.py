@@ -187,3 +187,63 @@ def test_checkpointer_takes_its_timeout_from_the_topology_unless_given(tmp_path)
     assert Checkpointer(str(tmp_path)).timeout_s == 1800.0
     with pytest.raises(ValueError, match="timeout_s=0 must be a positive number"):
         Checkpointer(str(tmp_path), timeout_s=0)
+
+
+PART_S = 0.5  # how long each of rank 0's multipart parts takes
+PARTS = 8  # parts of rank 0's shard: a whole upload takes PARTS * PART_S
+
+
+def _upload_fails_on_rank_1(rank, world, url, options):
+    import asyncio
+    import time
+
+    import s3fs
+    import torch
+
+    from multidc.plugins import Checkpointer, CheckpointSaveError
+
+    sent = []
+    original = s3fs.S3FileSystem._call_s3
+
+    async def upload_part(self, method, *args, **kwargs):
+        if method == "upload_part":
+            if rank == 1:
+                raise ValueError("injected: the store rejected this part")
+            await asyncio.sleep(PART_S)
+            sent.append(kwargs["PartNumber"])
+        return await original(self, method, *args, **kwargs)
+
+    s3fs.S3FileSystem._call_s3 = upload_part
+    # replicated, so striped: each rank's shard is PARTS parts of 5 MiB, sent one at a time
+    weights = torch.ones(world * PARTS * (5 << 20) // 4)
+    ckpt = Checkpointer(url, storage_options=options, part_size_mb=5, max_concurrency=1, stripe_min_mb=0,
+                        timeout_s=5)
+    started = time.monotonic()
+    try:
+        ckpt.save({"w": weights}, step=1)
+        message = None
+    except CheckpointSaveError as exc:
+        message = str(exc)
+    failed_s = time.monotonic() - started
+    s3fs.S3FileSystem._call_s3 = original
+    ckpt.save({"w": weights}, step=2)  # the Checkpointer stays usable: only the save failed, not its group
+    ckpt.close()
+    return message, failed_s, len(sent)
+
+
+def test_an_upload_failing_on_one_rank_stops_the_others_uploads_at_their_next_part(s3_server, s3_bucket):
+    """Rank 1's first part is rejected: rank 0, whose upload alone would take PARTS * PART_S, learns it from the
+    next heartbeat and sends no further part; the save fails on both ranks with rank 1's error only, commits
+    nothing and leaves no multipart upload behind; the next save succeeds."""
+    from multidc.plugins import list_checkpoints
+
+    url, options = f"{s3_bucket}/run", s3_server.storage_options()
+    results = run_ranks(_upload_fails_on_rank_1, 2, url, options, timeout=120)
+    for message, failed_s, _ in results:
+        assert message and "rank 1: ObjectStoreError" in message and "injected" in message, message
+        assert "rank 0" not in message, message  # rank 0 stopped because of rank 1: not a second failure
+        assert failed_s < PARTS * PART_S / 2, failed_s
+    assert results[0][2] <= PARTS // 2, results[0][2]  # without the stop, all PARTS were sent
+    assert [c.step for c in list_checkpoints(url, storage_options=options)] == [2]
+    uploads = s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=s3_bucket[5:])
+    assert not uploads.get("Uploads"), uploads

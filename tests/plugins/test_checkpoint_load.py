@@ -365,7 +365,8 @@ def test_a_rank_whose_exchange_breaks_is_not_waited_for_and_its_error_is_raised_
 
 def test_a_ranged_read_stops_between_chunks_and_writes_nothing_after_the_stop(s3_server, s3_bucket):
     from multidc.plugins import ObjectStore
-    from multidc.plugins.checkpoint.ranged_read import Abandoned, read_into
+    from multidc.plugins.checkpoint.ranged_read import read_into
+    from multidc.plugins.checkpoint.stop import Abandoned
     from multidc.plugins.checkpoint.storage import byte_view
 
     store = ObjectStore(f"{s3_bucket}/raw", storage_options=s3_server.storage_options())
