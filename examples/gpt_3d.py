@@ -143,6 +143,7 @@ def bigram_data(vocab: int, seq: int, rows: int, seed: int = 0, sample_seed: int
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu (one GPU per rank, NCCL)")
     parser.add_argument("--sites", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
@@ -169,7 +170,7 @@ def main(argv=None) -> None:
     )
     out = args.out or os.path.join("bench-results", "gpt_3d")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.max_steps,
         gradient_clip_val=args.clip, logger=CSVLogger(out, name="csv"), log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=True,
     )

