@@ -36,7 +36,7 @@ class Net(pl.LightningModule):
         super().__init__()
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.rounds, self.discarded, self.initial, self.joined_at, self._round = [], 0, None, None, None
-        self.syncs, self.first_t = [], None
+        self.syncs, self.first_t, self.trained_on = [], None, None
 
     def pipeline_blocks(self):  # DiLoCo's blocks: streaming deals the two Linear layers into two fragments
         return [self.net[0], self.net[2]]
@@ -45,14 +45,15 @@ class Net(pl.LightningModule):
         diloco, t = self.trainer.strategy.diloco, self.trainer.global_step  # the job's inner step
         if self.joined_at is None:
             self.joined_at, self.first_t = diloco.outer_steps, t
-            self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+            self.initial = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
+            self.trained_on = self.device.type
         if self._round is None:  # a round starts (the first step, or the one after a sync): which sites are in it
-            present = torch.zeros(MAX_SITES)
+            present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
             present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site
             diloco.site.all_reduce(present, op="sum")
             self._round = {"step": diloco.outer_steps, "t0": t, "sites": [s for s in range(MAX_SITES)
                                                                          if present[s] > 0.5]}
-        x, y = rows(self.index, self.global_rank, t)
+        x, y = (v.to(self.device) for v in rows(self.index, self.global_rank, t))
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -72,7 +73,7 @@ class Net(pl.LightningModule):
 
     def on_train_end(self):  # the global parameters, equal on every site (streaming: the local ones are not)
         with self.trainer.strategy.diloco.global_parameters():
-            self.global_params = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+            self.global_params = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.net.parameters(), lr=LR)
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--resume", help="fit(ckpt_path=...)")
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: a round is SYNC_EVERY/fragments")
     parser.add_argument("--overlap", type=int, default=0, help="overlap_steps")
+    parser.add_argument("--accelerator", default="cpu", help="gpu: each rank on a GPU, NCCL inside the site")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -104,7 +106,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
                                 wan=WanConfig(timeout_s=args.timeout_s)),
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
+        accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
         enable_checkpointing=args.ckpt_dir is not None, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", save_top_k=-1,
@@ -112,9 +114,10 @@ def main() -> None:
     )
     trainer.fit(module, ckpt_path=args.resume)
     local = {n: p.detach().clone() for n, p in module.net.named_parameters()}
-    torch.save({"site": index, "params": module.global_params, "local": local, "log": module.rounds,
-                "syncs": module.syncs, "discarded": module.discarded, "joined_at": module.joined_at,
-                "first_t": module.first_t, "initial": module.initial, "final_step": trainer.global_step},
+    torch.save({"site": index, "device": module.trained_on, "params": module.global_params, "local": local,
+                "log": module.rounds, "syncs": module.syncs, "discarded": module.discarded,
+                "joined_at": module.joined_at, "first_t": module.first_t, "initial": module.initial,
+                "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 
 

@@ -33,7 +33,7 @@ class Net(pl.LightningModule):
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
-        self.setup_s, self.first_quorum_s = 0.0, None
+        self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
@@ -49,15 +49,16 @@ class Net(pl.LightningModule):
         step = self.trainer.global_step  # the job's committed steps, also right after a rejoin
         if self.joined_at is None:  # the first quorum came before this (optimizer_step, before the closure)
             self.joined_at, self.first_quorum_s = step, time.monotonic() - self._train_start
-            self.initial = {n: p.detach().clone() for n, p in self.net.named_parameters()}
-        present = torch.zeros(MAX_SITES)
+            self.initial = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
+            self.trained_on = self.device.type
+        present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
         present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site present
         strategy.elastic_site.all_reduce(present, op="sum")
         self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5])
         if step == self.stall[0]:  # once (the retried step goes through), longer than the WAN timeout
             seconds, self.stall = self.stall[1], (-1, 0.0)
             time.sleep(seconds)
-        x, y = rows(self.index, self.global_rank, step)
+        x, y = (t.to(self.device) for t in rows(self.index, self.global_rank, step))
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--resume", help="fit(ckpt_path=...)")
     parser.add_argument("--setup-s", type=float, default=0.0, help="sleep in on_fit_start (after the strategy's "
                         "setup); rank 0 writes DIR/<site>.built before")
+    parser.add_argument("--accelerator", default="cpu", help="gpu: each rank on a GPU, NCCL inside the site")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -113,17 +115,17 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
                                          wan=WanConfig(timeout_s=args.timeout_s)),
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
+        accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
         plugins=_precision(args.precision), logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=args.ckpt_dir is not None,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=10,
                                                 save_top_k=-1)] if args.ckpt_dir else [],
     )
     trainer.fit(module, ckpt_path=args.resume)
-    torch.save({"site": index, "params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
-                "log": module.log_steps, "discarded": module.discarded, "joined_at": module.joined_at,
-                "initial": module.initial, "first_quorum_s": module.first_quorum_s,
-                "final_step": trainer.global_step},
+    params = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    torch.save({"site": index, "device": module.trained_on, "params": params, "log": module.log_steps,
+                "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
+                "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 
 
