@@ -124,7 +124,7 @@ class Checkpointer:
         read_config: how loads read (``ReadConfig``: piece size, memory budgets); by default pieces of 8 MiB,
             ``max_concurrency`` GETs in flight, straight into the CPU tensors that take the stored bytes as they are
             (same dtype, contiguous), else (GPU tensors too) at most 64 MiB of GET buffers (in flight or kept for
-            reuse) and one 64 MiB receive buffer per rank (a single larger piece is held alone), items of at least
+            reuse) and one 64 MiB receive buffer per rank (a single larger GET is held alone), items of at least
             ``stripe_min_mb`` striped. A ReadConfig's ``concurrency`` / ``stripe_min_bytes`` left ``None`` take
             ``max_concurrency`` / ``stripe_min_mb``.
     """
@@ -277,7 +277,7 @@ class Checkpointer:
         info, failure = None, None
         try:
             # every rank joins the heartbeat, also one whose staging failed: it reports that failure there
-            # an upload stops at its next part once another rank's failed: the save has failed everywhere
+            # an upload stops (its parts cancelled) once another rank's failed: the save has failed everywhere
             results, error = self.comm.alive_outcome(upload if error is None else _raiser(error), staged,
                                                      self.store, name, self.comm.until_any_fails, what="upload")
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",

@@ -177,7 +177,8 @@ class ObjectStore:
         joined into one copy, except an S3 object below two parts (one PUT of at most ``2 * part_size`` bytes).
         ``atomic=True`` guarantees readers never see a partial object: S3 PUTs are atomic already; on other
         filesystems the data is written under a temporary name and renamed. ``stop`` (anything with ``is_set()``):
-        a multipart upload checks it before each part and, once set, aborts (``stop.check_stop``'s error).
+        once it is set, a multipart upload cancels its parts, even those in flight, aborts, and raises the error
+        ``check_stop`` (checkpoint/stop.py) gives; a single PUT (under two parts) is not stopped.
         """
         data = data if isinstance(data, Segments) else Segments([data])
         if self.is_s3 and len(data) >= 2 * self.part_size:

@@ -23,7 +23,8 @@ def read_into(store: ObjectStore, key: str, start: int, out, *, stop=None, chunk
     the error ``check_stop`` (checkpoint/stop.py) gives, before writing more.
     Raises ``ObjectStoreError`` if the object is shorter than the range.
     """
-    parts = [(0, out)] if isinstance(out, memoryview) else [(offset, view) for offset, view in out if len(view)]
+    parts = [(0, out)] if isinstance(out, memoryview) else out
+    parts = [(offset, view) for offset, view in parts if len(view)]  # S3 refuses an empty range
     if not parts:
         return
     length = parts[-1][0] + len(parts[-1][1])

@@ -1,7 +1,7 @@
 """Buffers of one rank's striped load, reused across pieces. Pure bookkeeping: no I/O.
 
 Invariant (what the README's memory bound rests on): the bytes of GET buffers this rank has allocated, in use
-or kept for reuse, never exceed ``limit``, except for one piece larger than ``limit`` held alone. Reuse never
+or kept for reuse, never exceed ``limit``, except for one GET's larger than ``limit``, held alone. Reuse never
 depends on a piece's exact size: a piece of more than half a slot gets a whole slot (``slot`` bytes) and uses
 its first ``size`` bytes; smaller and larger pieces get a buffer of their own size, freed when released. Free
 slots are dropped whenever keeping them would push the total over ``limit``.
@@ -75,6 +75,6 @@ def aligned(size: int) -> int:
 
 def receive_bytes(rounds, rank: int) -> int:
     """Bytes of the buffer that holds every piece ``rank`` receives in any one round, each at an offset that is a
-    multiple of :data:`ALIGN`: at most the schedule's ``round_bytes`` (or one larger piece) plus under ``ALIGN``
+    multiple of :data:`ALIGN`: at most the schedule's ``round_bytes`` (or one larger GET's pieces) plus under ``ALIGN``
     bytes per piece. Reused round after round, so no piece size ever needs to match."""
     return max((sum(aligned(p.size) for p in pieces if rank in p.receivers) for pieces in rounds), default=0)

@@ -1,13 +1,14 @@
 """Who reads which byte ranges of a checkpoint, in which ranged GETs, and in which rounds the ranges are exchanged.
 Pure: no I/O.
 
-A stored item (one :class:`ItemLocation`) that several ranks of one site need (a replicated tensor or value:
-DDP, the replicas of HSDP) is read from the store once per site. The items that the same ranks of a site need are
-laid end to end in the order they are stored and cut into one contiguous span per reader (as many of those ranks
-as get at least half a piece each, the least loaded), at whole rows of a tensor, never inside a value or an item
-under ``stripe_min_bytes``; each reader sends what it read to the others (a request to the store costs far more
-than a message inside the site). Ranks of other sites read their own copy, so nothing needed by a whole site
-crosses the WAN more than once per site and no exchange leaves a site. Items needed by one rank are read by it.
+A stored item (one :class:`ItemLocation`) that several ranks of one site need (a replicated tensor or value: DDP,
+the replicas of HSDP) is read from the store once per site. The items that the same ranks of a site need are laid
+end to end in the order they are stored and cut into one contiguous span per reader (as many of those ranks as get
+at least half a piece each, the least loaded; sized so that the readers end with equal bytes), at whole rows of a
+tensor, never inside a value or an item under ``stripe_min_bytes``; each reader sends what it read to the others (a
+request to the store costs far more than a message inside the site). Ranks of other sites read their own copy, so
+nothing needed by a whole site crosses the WAN more than once per site and no exchange leaves a site. Items needed
+by one rank are read by it.
 
 Each reader's span becomes ranged GETs of at most ``piece_bytes`` of the object (whole rows; a row larger than that
 alone), each covering adjacent items (gaps of alignment padding are read and dropped): with replicated state saved
@@ -21,6 +22,7 @@ reader with GETs left sends in every round.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -113,8 +115,8 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
 
 def _spans(groups: dict, locations: list[ItemLocation], piece_bytes: int, stripe_min_bytes: int) -> list:
     """``((site, holders), reader, [(location, start, end), ...])`` per reader: the items of each group cut into
-    contiguous spans, one per reader, about equal in bytes. Groups of one rank first (it reads them), then the
-    largest first, each taking the least loaded of its ranks as readers."""
+    contiguous spans, one per reader, sized so that the readers end with about equal bytes to read. Groups of one
+    rank first (it reads them), then the largest first, each taking the least loaded of its ranks as readers."""
     load: dict[int, int] = defaultdict(int)  # bytes each rank reads
     total = {key: sum(locations[i].length for i in items) for key, items in groups.items()}
     out = []
@@ -122,7 +124,8 @@ def _spans(groups: dict, locations: list[ItemLocation], piece_bytes: int, stripe
         holders, items = key[1], groups[key]
         count = max(1, min(len(holders), total[key] // max(1, piece_bytes // 2)))
         readers = sorted(sorted(holders, key=lambda r: (load[r], r))[:count])
-        cuts = _cuts(items, locations, count, total[key], stripe_min_bytes)
+        ends = list(itertools.accumulate(_shares([load[r] for r in readers], total[key])))
+        cuts = _cuts(items, locations, ends[:-1], stripe_min_bytes)
         for reader, (first, last) in zip(readers, zip(cuts, cuts[1:])):
             segments, at = [], 0
             for index in items:
@@ -137,12 +140,30 @@ def _spans(groups: dict, locations: list[ItemLocation], piece_bytes: int, stripe
     return out
 
 
-def _cuts(items: list[int], locations: list[ItemLocation], count: int, total: int, stripe_min_bytes: int) -> list:
-    """``count + 1`` positions in the items laid end to end, from 0 to ``total``: near equal shares, moved to the
-    nearest row bound of a tensor, or item bound of a value or an item under ``stripe_min_bytes``."""
+def _shares(loads: list[int], total: int) -> list[int]:
+    """``total`` bytes dealt to readers that already read ``loads``: the least loaded are filled up to the others'
+    level first, then all alike, so the readers end as equal as the bytes allow."""
+    order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    level, left, filled = loads[order[0]], total, 1
+    while filled < len(order) and (loads[order[filled]] - level) * filled <= left:
+        left -= (loads[order[filled]] - level) * filled
+        level, filled = loads[order[filled]], filled + 1
+    shares = [0] * len(loads)
+    base, extra = divmod(left, filled)
+    for n, i in enumerate(order[:filled]):
+        shares[i] = level - loads[i] + base + (n < extra)
+    return shares
+
+
+def _cuts(items: list[int], locations: list[ItemLocation], targets: list[int], stripe_min_bytes: int) -> list:
+    """Positions in the items laid end to end, from 0 to their total: each of ``targets`` (ascending) moved to
+    the nearest row bound of a tensor, or item bound of a value or an item under ``stripe_min_bytes``."""
+    total = sum(locations[i].length for i in items)
     cuts, at, k = [0], 0, 0
-    for i in range(1, count):
-        target = total * i // count
+    for target in targets:
+        if target >= total:
+            cuts.append(total)
+            continue
         while at + locations[items[k]].length <= target:
             at += locations[items[k]].length
             k += 1

@@ -159,7 +159,7 @@ def upload(staged: Staged, store: ObjectStore, checkpoint: str, stop=None) -> li
     """Checksum and upload one staged shard; returns DCP write results carrying :class:`ItemLocation`.
 
     ``stop``: an optional ``threading.Event`` (or anything with ``is_set()``); once set (the save was abandoned, or
-    failed on another rank), no further part is sent and the multipart upload is aborted.
+    failed on another rank), a multipart upload cancels its parts, in flight too, and is aborted.
     """
     if not staged.entries:
         return []

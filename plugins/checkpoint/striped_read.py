@@ -7,7 +7,7 @@ Invariants:
 * **Bounded memory.** Other GETs land in reused buffers (``read_buffers.GetBuffers``): at most
   ``read_ahead_bytes`` of them are allocated (in flight, waiting to be sent, or kept for reuse) at once; a round's
   other receives land in one buffer of this rank's largest round of receives (at most the schedule's
-  ``round_bytes``, or one larger piece), reused every round. A piece larger than the budget is held alone. Nothing
+  ``round_bytes``, or one larger GET's), reused every round. A GET larger than the budget is held alone. Nothing
   holds a second copy of the share.
 * **Nothing written after a stop.** Every chunk of a GET is written, and every buffered piece copied, into the
   caller's tensors only after checking ``stop`` (the checkpoint group failed) and ``halt`` (this load failed on some

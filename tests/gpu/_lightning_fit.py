@@ -30,8 +30,11 @@ class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.first_step = None
 
     def training_step(self, batch, batch_idx):  # data from the step, so a resumed fit sees the same batches
+        if self.first_step is None:
+            self.first_step = self.global_step
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(self.global_step)).to(self.device)
         return torch.nn.functional.mse_loss(self.net(x), (x[:, :1] * 2).sin())
 
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
-    pl.seed_everything(0)
+    pl.seed_everything(1 if args.resume else 0)  # a resumed fit starts from other weights until it restores
     loader = DataLoader(TensorDataset(torch.zeros(1024, 1)), batch_size=32)  # training_step makes the data
     if args.strategy == "hierarchical_ddp":
         strategy = HierarchicalDDPStrategy(num_sites=1)
@@ -69,7 +72,8 @@ def main() -> None:
     )
     module = Regressor()
     trainer.fit(module, loader, ckpt_path=args.resume)
-    torch.save({"weights": module.final, "device": module.trained_on, "step": trainer.global_step}, args.out)
+    torch.save({"weights": module.final, "device": module.trained_on, "step": trainer.global_step,
+                "first_step": module.first_step}, args.out)
 
 
 if __name__ == "__main__":

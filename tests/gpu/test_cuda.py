@@ -119,5 +119,6 @@ def test_a_fit_on_one_gpu_resumed_from_a_multidc_checkpoint_ends_like_the_unbrok
     resumed = _fit(tmp_path, strategy, "resumed", resume=tmp_path / "unbroken" / "step=4.ckpt")
     assert unbroken["device"] == resumed["device"] == "cuda"
     assert unbroken["step"] == resumed["step"] == 12
+    assert (unbroken["first_step"], resumed["first_step"]) == (0, 4)  # the resumed fit went on from the checkpoint
     for name, value in unbroken["weights"].items():
         assert torch.equal(resumed["weights"][name], value), name

@@ -189,11 +189,10 @@ def test_checkpointer_takes_its_timeout_from_the_topology_unless_given(tmp_path)
         Checkpointer(str(tmp_path), timeout_s=0)
 
 
-PART_S = 0.5  # how long each of rank 0's multipart parts takes
-PARTS = 8  # parts of rank 0's shard: a whole upload takes PARTS * PART_S
+PARTS = 8  # parts of rank 0's shard
 
 
-def _upload_fails_on_rank_1(rank, world, url, options):
+def _upload_fails_on_rank_1(rank, world, url, options, concurrency, part_s):
     import asyncio
     import time
 
@@ -209,14 +208,13 @@ def _upload_fails_on_rank_1(rank, world, url, options):
         if method == "upload_part":
             if rank == 1:
                 raise ValueError("injected: the store rejected this part")
-            await asyncio.sleep(PART_S)
+            await asyncio.sleep(part_s)
             sent.append(kwargs["PartNumber"])
         return await original(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = upload_part
-    # replicated, so striped: each rank's shard is PARTS parts of 5 MiB, sent one at a time
-    weights = torch.ones(world * PARTS * (5 << 20) // 4)
-    ckpt = Checkpointer(url, storage_options=options, part_size_mb=5, max_concurrency=1, stripe_min_mb=0,
+    weights = torch.ones(world * PARTS * (5 << 20) // 4)  # replicated, so striped: PARTS parts of 5 MiB per rank
+    ckpt = Checkpointer(url, storage_options=options, part_size_mb=5, max_concurrency=concurrency, stripe_min_mb=0,
                         timeout_s=5)
     started = time.monotonic()
     try:
@@ -231,18 +229,20 @@ def _upload_fails_on_rank_1(rank, world, url, options):
     return message, failed_s, len(sent)
 
 
-def test_an_upload_failing_on_one_rank_stops_the_others_uploads_at_their_next_part(s3_server, s3_bucket):
-    """Rank 1's first part is rejected: rank 0, whose upload alone would take PARTS * PART_S, learns it from the
-    next heartbeat and sends no further part; the save fails on both ranks with rank 1's error only, commits
-    nothing and leaves no multipart upload behind; the next save succeeds."""
+@pytest.mark.parametrize(("concurrency", "part_s"), [(1, 0.5), (8, 4.0)], ids=["parts-in-turn", "parts-in-flight"])
+def test_an_upload_failing_on_one_rank_stops_the_others_uploads(s3_server, s3_bucket, concurrency, part_s):
+    """Rank 1's first part is rejected; rank 0, whose upload alone would take at least 4 s (8 parts one at a time,
+    or all 8 in flight at once), learns it from the next heartbeat (0.5 s) and cancels its parts, waiting or in
+    flight; the save fails on both ranks with rank 1's error only, commits nothing and leaves no multipart upload
+    behind; the next save succeeds."""
     from multidc.plugins import list_checkpoints
 
     url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    results = run_ranks(_upload_fails_on_rank_1, 2, url, options, timeout=120)
+    results = run_ranks(_upload_fails_on_rank_1, 2, url, options, concurrency, part_s, timeout=120)
     for message, failed_s, _ in results:
         assert message and "rank 1: ObjectStoreError" in message and "injected" in message, message
         assert "rank 0" not in message, message  # rank 0 stopped because of rank 1: not a second failure
-        assert failed_s < PARTS * PART_S / 2, failed_s
+        assert failed_s < 2.5, failed_s
     assert results[0][2] <= PARTS // 2, results[0][2]  # without the stop, all PARTS were sent
     assert [c.step for c in list_checkpoints(url, storage_options=options)] == [2]
     uploads = s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=s3_bucket[5:])

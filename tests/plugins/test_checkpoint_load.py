@@ -106,6 +106,15 @@ def test_each_rank_reads_one_contiguous_span_in_gets_of_one_piece_however_small_
         assert len(p.receivers) == 3 and p.reader not in p.receivers
 
 
+def test_what_ranks_read_alone_counts_when_they_share_the_rest():
+    # rank 0 alone needs 64 rows, both ranks need 64 more: rank 1 reads all of the shared rows, so each reads 64
+    alone, shared = _loc(0, 64), _loc(64 * 1024, 64)
+    schedule = plan_reads([{alone: "a", shared: "s"}, {shared: "s"}], [0, 0], piece_bytes=PIECE,
+                          round_bytes=4 * PIECE, stripe_min_bytes=0)
+    read = [sum(p.size for p in schedule.pieces() if p.reader == r) for r in range(2)]
+    assert read == [64 * 1024, 64 * 1024], read
+
+
 def test_replicated_state_saved_striped_is_read_back_one_shard_object_per_rank():
     # what a striped save of DDP state writes: every shard object holds a slice of each large tensor and some
     # small ones; the ranks reading it back each read one object whole, as the raw-GET bound does
