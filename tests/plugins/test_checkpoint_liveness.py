@@ -175,6 +175,47 @@ def test_a_state_dict_failing_on_one_rank_during_load_raises_on_every_rank(tmp_p
     assert all(seconds < 20 for _, seconds in results)
 
 
+class _RestoreFailsOnRank1:
+    """A Stateful whose ``load_state_dict`` fails on rank 1 only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self):
+        return {"x": 1}
+
+    def load_state_dict(self, state) -> None:
+        if self.rank == 1:
+            raise ValueError("load_state_dict failed on purpose")
+
+
+def _load_with_restore_failing_on_one_rank(rank, world, url):
+    import time
+
+    import torch
+
+    from multidc.plugins import Checkpointer
+
+    ckpt = Checkpointer(url)  # the default timeout (30 min): a rank left waiting would hang the test
+    ckpt.save({"w": torch.ones(8), "thing": _RestoreFailsOnRank1(rank)}, step=1)
+    started = time.monotonic()
+    try:
+        ckpt.load({"w": torch.zeros(8), "thing": _RestoreFailsOnRank1(rank)})
+        outcome = "no error"
+    except ValueError as exc:
+        outcome = str(exc)
+    ckpt.save({"w": torch.ones(8)}, step=2)  # the group still works: the failure was gathered, not left hanging
+    ckpt.close()
+    return outcome, time.monotonic() - started
+
+
+def test_a_restore_failing_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_ranks(_load_with_restore_failing_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=90)
+    assert results[1][0] == "load_state_dict failed on purpose"
+    assert results[0][0] == "rank 1: load_state_dict failed on purpose"
+    assert all(seconds < 20 for _, seconds in results)
+
+
 def test_checkpointer_takes_its_timeout_from_the_topology_unless_given(tmp_path):
     from multidc.plugins import Checkpointer
 
