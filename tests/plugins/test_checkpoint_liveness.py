@@ -135,61 +135,23 @@ def test_a_peer_that_stops_answering_mid_transfer_fails_the_others_within_the_ti
 
 
 class _FailsOnRank1:
-    """A Stateful whose ``state_dict`` fails on rank 1 only (a user's bug, on one rank)."""
+    """A Stateful whose ``hook`` (``state_dict`` or ``load_state_dict``) fails on rank 1 only (a user's bug, on one
+    rank)."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, hook: str | None = None) -> None:
+        self.failing = hook if rank == 1 else None
 
     def state_dict(self):
-        if self.rank == 1:
+        if self.failing == "state_dict":
             raise ValueError("state_dict failed on purpose")
         return {"x": 1}
 
     def load_state_dict(self, state) -> None:
-        pass
-
-
-def _load_with_state_dict_failing_on_one_rank(rank, world, url):
-    import time
-
-    import torch
-
-    from multidc.plugins import Checkpointer
-
-    ckpt = Checkpointer(url)  # the default timeout (30 min): a rank left waiting would hang the test
-    ckpt.save({"w": torch.ones(8)}, step=1)
-    started = time.monotonic()
-    try:
-        ckpt.load({"w": torch.zeros(8), "thing": _FailsOnRank1(rank)}, allow_partial=True)
-        outcome = "no error"
-    except ValueError as exc:
-        outcome = str(exc)
-    ckpt.close()
-    return outcome, time.monotonic() - started
-
-
-def test_a_state_dict_failing_on_one_rank_during_load_raises_on_every_rank(tmp_path):
-    results = run_ranks(_load_with_state_dict_failing_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=90)
-    assert results[1][0] == "state_dict failed on purpose"
-    assert results[0][0] == "rank 1: state_dict failed on purpose"
-    assert all(seconds < 20 for _, seconds in results)
-
-
-class _RestoreFailsOnRank1:
-    """A Stateful whose ``load_state_dict`` fails on rank 1 only."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def state_dict(self):
-        return {"x": 1}
-
-    def load_state_dict(self, state) -> None:
-        if self.rank == 1:
+        if self.failing == "load_state_dict":
             raise ValueError("load_state_dict failed on purpose")
 
 
-def _load_with_restore_failing_on_one_rank(rank, world, url):
+def _load_failing_on_rank_1(rank, world, url, hook):
     import time
 
     import torch
@@ -197,22 +159,24 @@ def _load_with_restore_failing_on_one_rank(rank, world, url):
     from multidc.plugins import Checkpointer
 
     ckpt = Checkpointer(url)  # the default timeout (30 min): a rank left waiting would hang the test
-    ckpt.save({"w": torch.ones(8), "thing": _RestoreFailsOnRank1(rank)}, step=1)
+    ckpt.save({"w": torch.ones(8), "thing": _FailsOnRank1(rank)}, step=1)
     started = time.monotonic()
     try:
-        ckpt.load({"w": torch.zeros(8), "thing": _RestoreFailsOnRank1(rank)})
+        ckpt.load({"w": torch.zeros(8), "thing": _FailsOnRank1(rank, hook)})
         outcome = "no error"
     except ValueError as exc:
         outcome = str(exc)
+    seconds = time.monotonic() - started
     ckpt.save({"w": torch.ones(8)}, step=2)  # the group still works: the failure was gathered, not left hanging
     ckpt.close()
-    return outcome, time.monotonic() - started
+    return outcome, seconds
 
 
-def test_a_restore_failing_on_one_rank_raises_on_every_rank(tmp_path):
-    results = run_ranks(_load_with_restore_failing_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=90)
-    assert results[1][0] == "load_state_dict failed on purpose"
-    assert results[0][0] == "rank 1: load_state_dict failed on purpose"
+@pytest.mark.parametrize("hook", ["state_dict", "load_state_dict"])
+def test_a_state_dict_or_restore_failing_on_one_rank_during_load_raises_on_every_rank(tmp_path, hook):
+    results = run_ranks(_load_failing_on_rank_1, 2, str(tmp_path / "ckpt"), hook, timeout=90)
+    assert results[1][0] == f"{hook} failed on purpose"
+    assert results[0][0] == f"rank 1: {hook} failed on purpose"
     assert all(seconds < 20 for _, seconds in results)
 
 
