@@ -21,11 +21,14 @@ class PeerLeftError(Abandoned):
     secondary = True
 
 
+def abandoned(what: str) -> Abandoned:
+    """The error of ``what``, stopped because a checkpoint collective of this rank failed."""
+    return Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
+
+
 def check_stop(stop, what: str) -> None:
     """Raise if ``stop`` (anything with ``is_set()``, e.g. a ``threading.Event``) is set: the error its ``error(what)``
-    gives if it has one, else :class:`Abandoned`."""
+    gives if it has one, else :func:`abandoned`'s."""
     if stop is not None and stop.is_set():
         describe = getattr(stop, "error", None)
-        if describe is not None:
-            raise describe(what)
-        raise Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
+        raise describe(what) if describe is not None else abandoned(what)
