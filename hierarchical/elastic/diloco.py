@@ -73,7 +73,7 @@ class ElasticDiLoCo(DiLoCo):
             that has not trained with the job waits for them, instead of training alone.
 
     Checkpoints: ``state_dict()`` is DiLoCo's outer state plus the job's committed rounds; store it with the model
-    and inner optimizer of one site (the first of the round's quorum: ``site.is_leader``). A site built with
+    and inner optimizer of one site: ``site.save_once(save)`` (every site alike) runs it on one. A site built with
     ``join=False`` that loads it (``load_state_dict``) resumes the job at that round: the first quorum gives its
     state to sites that start without one, and it takes the live sites' state instead if they are further on.
     Saved right after a round of plain DiLoCo without overlap (inner steps a multiple of ``sync_every``) every site

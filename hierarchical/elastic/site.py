@@ -169,6 +169,9 @@ class ElasticSite:
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
         self._leads = False  # see is_leader
+        self._members: tuple[str, ...] = ()  # the replica ids (name:uuid) of this rank's last quorum
+        self._undecided: tuple[str, int] | None = None  # see save_once: (the step's first site, the step)
+        self._deferred: list[Callable[[], object]] = []
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
         self._votes = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -224,6 +227,7 @@ class ElasticSite:
         site holds the job's latest state as the first of the sites that hold it (``is_leader``)."""
         self._transport.expect(quorum)
         self._leads = leads_after_quorum(quorum)
+        self._members = tuple(quorum.replica_ids)
 
     def _claim(self, state: dict) -> dict:
         """What a joining site must share with the live ones: the site size, the WAN settings, tensor shapes."""
@@ -276,11 +280,16 @@ class ElasticSite:
                 self._transport.quorum_done()
             # trained with the job before, received the live state, or the job starts with every site
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
-            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step(), self._leads),
+            undecided = self._undecided
+            # a deferred save: the step's first site is still in the quorum (the same process) and, as this site
+            # leads, no longer at the latest step: it discarded the step, so it wrote nothing (see save_once)
+            write = undecided is not None and undecided[0] in self._members and undecided[1] == manager.current_step()
+            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step(), self._leads, write),
                                 self._votes)
             steps = {vote[2] for vote in votes}
             ready, late = all(vote[0] for vote in votes) and len(steps) == 1, any(vote[1] for vote in votes)
             self._leads = all(vote[3] for vote in votes) and len(steps) == 1  # the site leads as one
+            write = self._leads and all(vote[4] for vote in votes)
             if len(steps) > 1:  # a rank failed to heal: the whole site registers as behind, and heals next quorum
                 manager.load_state_dict({"step": min(steps), "batches_committed": manager.batches_committed()})
             if ready:
@@ -292,6 +301,12 @@ class ElasticSite:
                     f"the other sites, or check that they reach the lighthouse (multidc doctor)."
                 )
             time.sleep(0.1)
+        deferred, self._deferred, self._undecided = self._deferred, [], None
+        if write:
+            _log.info("site %r writes the checkpoint of step %d: the first site of that step's quorum discarded it",
+                      self.name, manager.current_step())
+            for save in deferred:
+                save()
         # the same on every rank of the site: one step everywhere, one quorum
         if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
@@ -339,8 +354,8 @@ class ElasticSite:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this site saves the job's checkpoints now. One site per committed step, the same answer on every
-        rank of the site (the sites that commit a step hold identical states, so one copy is the job's):
+        """Whether this site saves the job's checkpoints now. At most one site per committed step, the same answer
+        on every rank of the site (the sites that commit a step hold identical states, so one copy is the job's):
 
         * after a commit, the site that committed the step as the first site of that step's quorum;
         * after a quorum, the first site (in the quorum's order) of those that hold the job's latest step, unless
@@ -349,8 +364,28 @@ class ElasticSite:
 
         Every site saves at the same point of its loop, so one rule applies to a save on every site. A checkpoint
         saved by the leader of a degraded quorum is as complete as any. No site leads at step 0, nor, before the
-        next quorum, after a step that its quorum's first site discarded."""
+        next quorum, after a step that its quorum's first site discarded: ``save_once`` covers that case."""
         return self._leads
+
+    def save_once(self, save: Callable[[], object]) -> None:
+        """Run ``save`` (a checkpoint of the job's current state; every rank of the site calls this alike, on every
+        site) on exactly one site of the job:
+
+        * on the leader (``is_leader``), now;
+        * right after a commit, on a site that committed the step but was not the first site of its quorum, the
+          first site may have discarded the step (a failure it alone saw) and then writes nothing. Such a site
+          keeps ``save`` until the next ``start_step()``: if that quorum shows the step's first site, the same
+          process, no longer at the latest step, the first of the sites that committed it runs ``save`` there,
+          after the quorum and before returning (its errors raise from ``start_step``); otherwise it drops it (the
+          first site committed and saved it, or left the job, when whether it saved is unknown).
+
+        A deferred ``save`` reads the state when it runs: nothing may change the weights or the optimizer between
+        the call and the next ``start_step()`` (the next optimizer step comes after it in every loop shown here).
+        Saves kept when the site closes (the job ended: no next quorum) are dropped (logged)."""
+        if self._leads:
+            save()
+        elif self._undecided is not None:
+            self._deferred.append(save)
 
     def resume(self, step: int) -> None:
         """This site's state was loaded from a checkpoint of the job's step ``step``: call before the first
@@ -402,6 +437,10 @@ class ElasticSite:
         """
         committed = self.manager.should_commit()
         self._leads = committed and self.topology is not None and self.topology.site == 0
+        self._deferred = []  # saves left from before the step's quorum were decided there
+        # committed, but not as the step's first site, which may have discarded it: save_once defers to the next quorum
+        first = min(self._members) if committed and not self._leads and self._members else None
+        self._undecided = (first, self.manager.current_step()) if first is not None else None
         # the site's vote and quorum are the same on every rank: its ranks count (and raise) together
         failed = not committed and self.manager.num_participants() >= self._min_sites
         self._failed_steps = self._failed_steps + 1 if failed else 0
@@ -417,6 +456,11 @@ class ElasticSite:
 
     def close(self) -> None:
         """Stop the site's manager (its server on rank 0) and the topology's worker."""
+        if self._deferred:
+            _log.info("site %r leaves %d checkpoint save(s) of step %d to the first site of that step's quorum: no "
+                      "later quorum showed whether that site discarded the step", self.name, len(self._deferred),
+                      self.step)
+            self._deferred = []
         if self.topology is not None:
             self.topology.close()
         if self._manager is not None:

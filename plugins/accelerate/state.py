@@ -52,11 +52,13 @@ class StateMixin:
         defaults to ``job_step``. The others return the same location without writing. The writer: after
         ``zero_grad()`` or the next training forward (the next quorum), the first of the sites that hold the job's
         latest step; between ``optimizer.step()`` and the next quorum, the first site of the step's quorum if it
-        committed the step (a step it discarded while another site committed it is then not saved). Nothing is
-        written at step 0.
+        committed the step, else (it discarded the step while other sites committed it) the first of those, in
+        the next quorum (``zero_grad()``), from the state as it is then (``ElasticSite.save_once``: save after
+        ``scheduler.step()``, as in any Accelerate loop). Nothing is written at step 0.
 
         Returns:
-            Where the checkpoint is (committed when this returns, unless async).
+            Where the checkpoint is (committed when this returns on the writing site, unless async or deferred to
+            the next quorum).
         """
         if not self._through_multidc(output_dir, loading=False):
             if replace:
@@ -71,8 +73,11 @@ class StateMixin:
         ckpt = self._checkpointer(output_dir)
         if step is None:
             step = self.job_step if site is not None else self.save_iteration
-        if site is None or site.is_leader:
+        if site is None:
             ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
+        else:
+            site.save_once(lambda: ckpt.save(self._multidc_state(step), step=step, async_save=async_save,
+                                             replace=replace))
         self.project_configuration.iteration = step + 1
         return f"{ckpt.url}/{checkpoint_name(step)}"
 

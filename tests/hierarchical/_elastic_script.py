@@ -70,7 +70,8 @@ def main() -> None:
         open(os.path.join(args.out, f"{args.site}.built"), "w").close()
     time.sleep(args.hold_s)
     log, discarded, joined_at, last, last_step, first_quorum_s = [], 0, None, [], -1, None
-    leads = {"quorum": [], "commit": []}  # the job steps whose state this site would save, after which event
+    # the job steps whose state this site would save: after which event (is_leader), or through save_once
+    leads = {"quorum": [], "commit": [], "once": []}
     while True:
         started = time.monotonic()
         site.start_step()
@@ -100,6 +101,7 @@ def main() -> None:
             discarded += 1
         if site.is_leader:
             leads["commit"].append(site.step)
+        site.save_once(lambda step=site.step: leads["once"].append(step))  # now, at the next quorum, or never
         opt.zero_grad()
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:

@@ -1,4 +1,5 @@
-"""The model, data and single-process reference of tests/hierarchical/test_elastic.py."""
+"""The model, data and single-process reference of tests/hierarchical/test_elastic.py, and a failure the sites' scripts
+inject."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def lr_factor(step: int) -> float:
     """The LR schedule of the Lightning test (``LambdaLR``): the factor at the job's committed step ``step``."""
     return 1.0 / (1.0 + 0.05 * step)
+
+
+def fail_after_sync(site, step: int) -> None:
+    """Make the ``ElasticSite`` ``site`` see a failure of its own at job step ``step``, once, after the step's
+    transfers completed everywhere (say, its last acknowledgement lost): it discards the step, which the other sites
+    commit."""
+    sync = site.sync_gradients
+
+    def sync_then_fail(module: nn.Module) -> None:
+        sync(module)
+        if site.step == step:
+            site.manager.report_error(RuntimeError(f"injected after the sync of step {step}"))
+
+    site.sync_gradients = sync_then_fail
 
 
 def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],

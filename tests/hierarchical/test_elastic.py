@@ -283,15 +283,21 @@ def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_pa
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
-def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_committed_it(tmp_path, lighthouse):
+@pytest.mark.parametrize("per_site", [1, 2])
+def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_committed_it(tmp_path, lighthouse,
+                                                                                         per_site):
     # site0, the first of every quorum, discards step 4 (a local error) while site1 commits it: after the next
-    # quorum site1 is the one site that holds the job's state and leads; no step has two writers
+    # quorum site1 is the one site that holds the job's state and leads; no step has two writers; save_once right
+    # after each commit writes every step once, step 5 on site1 at the next quorum
     names, discard = ["site0", "site1"], 4
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "10",
+    trees = {name: _site(name, per_site, 2, lighthouse.address, tmp_path, "--steps", "10",
                          *(["--discard-at", str(discard)] if name == "site0" else []))
              for name in names}
     finish_all(trees, tmp_path)
     ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
+    for name in names:  # the ranks of a site agree on what they save
+        others = [torch.load(tmp_path / f"{name}_rank{r}.pt")["leads"] for r in range(1, per_site)]
+        assert all(leads == ranks[name]["leads"] for leads in others)
     assert discard not in [e["step"] for e in ranks["site0"]["log"]]
     assert discard in [e["step"] for e in ranks["site1"]["log"]]
     final = ranks["site0"]["final_step"]
@@ -302,11 +308,13 @@ def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_commi
                 out.setdefault(n, set()).add(name)
         return out
 
-    after_quorum, after_commit = writers("quorum"), writers("commit")
+    after_quorum, after_commit, once = writers("quorum"), writers("commit"), writers("once")
     assert all(len(sites) == 1 for sites in [*after_quorum.values(), *after_commit.values()])  # never two
     assert set(after_quorum) == set(range(1, final + 1)), after_quorum  # a writer for every step, the gap filled
     assert after_quorum[discard + 1] == {"site1"}
-    assert set(after_commit) == set(range(1, final + 1)) - {discard + 1}, after_commit  # the documented gap
+    assert set(after_commit) == set(range(1, final + 1)) - {discard + 1}, after_commit  # the leader's gap
+    assert once == {n: {"site1" if n == discard + 1 else "site0"} for n in range(1, final + 1)}, once
+    assert sum(len(rank["leads"]["once"]) for rank in ranks.values()) == final  # each step once
 
 
 def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path):

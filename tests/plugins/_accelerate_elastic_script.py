@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
 from multidc.plugins import MultiDCAccelerator, MultiDCPlugin  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, fail_after_sync, lr_factor, model, rows  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +40,10 @@ def main() -> None:
     parser.add_argument("--overlap", type=int, default=0, help="--diloco overlap_steps")
     parser.add_argument("--ckpt-dir", help="save_state here after every --ckpt-every-th committed job step")
     parser.add_argument("--ckpt-every", type=int, default=4)
+    parser.add_argument("--save-before-quorum", action="store_true", help="save_state after scheduler.step(), "
+                        "before zero_grad() (the next quorum), instead of after it")
+    parser.add_argument("--discard-at", type=int, default=-1, help="the job step this site discards, once, after its "
+                        "transfers completed (the other sites commit it)")
     parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
     parser.add_argument("--resume-step", type=int)
     parser.add_argument("--resume-late", action="store_true", help="load_state after the site joined the job")
@@ -60,6 +64,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # per committed step, or per inner step
     prepared, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
     rank, site = accelerator.process_index, accelerator.elastic_site
+    if args.discard_at >= 0:
+        fail_after_sync(site, args.discard_at)
+    written = _record_writes()
     if args.resume and not args.resume_late:
         accelerator.load_state(args.resume, step=args.resume_step)
 
@@ -90,6 +97,9 @@ def main() -> None:
         accelerator.backward(torch.nn.functional.mse_loss(prepared(x), y))
         optimizer.step()
         scheduler.step()
+        committed = None if args.diloco else accelerator.elastic_steps.committed
+        if args.save_before_quorum and committed and accelerator.job_step % args.ckpt_every == 0:
+            accelerator.save_state(args.ckpt_dir)  # the first site of the step's quorum, or one at the next quorum
         optimizer.zero_grad()
         committed = accelerator.diloco.synced if args.diloco else accelerator.elastic_steps.committed
         if committed is not None:
@@ -97,7 +107,7 @@ def main() -> None:
         if committed:
             log.append(entry)
             last, last_step = entry["sites"], entry["step"]
-            if args.ckpt_dir and accelerator.job_step % args.ckpt_every == 0:
+            if args.ckpt_dir and not args.save_before_quorum and accelerator.job_step % args.ckpt_every == 0:
                 accelerator.save_state(args.ckpt_dir)  # written by the first site of the quorum only
         elif committed is False:
             discarded += 1
@@ -113,10 +123,24 @@ def main() -> None:
             params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "local": local, "syncs": syncs, "first_t": first_t, "log": log,
                 "discarded": discarded, "joined_at": joined_at,
-                "initial": initial, "final_step": job_step(), "num_sites": site.num_sites,
+                "initial": initial, "final_step": job_step(), "num_sites": site.num_sites, "written": written,
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     accelerator.end_training()
+
+
+def _record_writes() -> list[int]:
+    """The steps of the checkpoints this process writes, as it writes them."""
+    from multidc.plugins import Checkpointer
+
+    written, save = [], Checkpointer.save
+
+    def recorded(self, state, *, step, **kwargs):
+        written.append(step)
+        return save(self, state, step=step, **kwargs)
+
+    Checkpointer.save = recorded
+    return written
 
 
 if __name__ == "__main__":

@@ -23,7 +23,14 @@ from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import MultiDCPlugin, list_checkpoints  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import TIMEOUT_S, _run_with_a_kill, check_rejoined, run_alone  # noqa: E402
+from tests.hierarchical.test_elastic import (  # noqa: E402
+    TIMEOUT_S,
+    _run_with_a_kill,
+    _site,
+    check_rejoined,
+    finish_all,
+    run_alone,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "plugins" / "_accelerate_elastic_script.py")
@@ -92,6 +99,30 @@ def test_elastic_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_
         expected = reference(before + resumed["log"], 1, survivor["initial"], scheduled=True)
     for name, value in resumed["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+
+
+def test_a_save_before_the_quorum_of_a_step_its_first_site_discarded_is_written_once(tmp_path, lighthouse):
+    # save_state between scheduler.step() and zero_grad() every 4 job steps on both sites; site0, the first of every
+    # quorum, discards step 7 after its transfers completed while site1 commits it: site1's save of job step 8 is
+    # written at the next quorum (zero_grad) by site1, the others by site0, each once; step 8's loads as the replay's
+    ckpts = tmp_path / "ckpts"
+    common = ["--steps", "12", "--sleep", "0.02", "--ckpt-dir", str(ckpts), "--save-before-quorum"]
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, *common, *extra, script=SCRIPT,
+                         accelerate=ACCELERATE)
+             for name, extra in (("site0", ["--discard-at", "7"]), ("site1", []))}
+    finish_all(trees, tmp_path)
+    first, other = (torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1"))
+    assert (first["discarded"], other["discarded"]) == (1, 0)
+    assert [e["step"] for e in other["log"]] == list(range(12)) and all(e["sites"] == [0, 1] for e in other["log"])
+    assert (first["written"], other["written"]) == ([4, 12], [8])
+    assert [info.step for info in list_checkpoints(str(ckpts))] == [4, 8, 12]
+    resumed = run_alone(tmp_path / "resume", lighthouse.address, "--steps", "10", "--resume", str(ckpts),
+                        "--resume-step", "8", script=SCRIPT, accelerate=ACCELERATE)
+    assert [e["step"] for e in resumed["log"]] == [8, 9]
+    expected = reference([e for e in other["log"] if e["step"] < 8] + resumed["log"], 1, other["initial"],
+                         scheduled=True)
+    for name, value in resumed["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
 def test_elastic_settings_are_checked_at_construction(monkeypatch):

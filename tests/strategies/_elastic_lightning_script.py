@@ -24,7 +24,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, fail_after_sync, lr_factor, model, rows  # noqa: E402
 
 
 class Net(pl.LightningModule):
@@ -34,9 +34,12 @@ class Net(pl.LightningModule):
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
         self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
+        self.discard_at, self.written = -1, []
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
+        if self.discard_at >= 0:
+            fail_after_sync(self.trainer.strategy.elastic_site, self.discard_at)
         if self.global_rank == 0:
             open(os.path.join(self.out, f"{self.name}.built"), "w").close()
         time.sleep(self.setup_s)
@@ -81,6 +84,19 @@ class Net(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
 
 
+def _record_writes(module: Net) -> None:
+    """Log in ``module.written`` the step of every checkpoint this site writes."""
+    from multidc.strategies._checkpointing import LightningCheckpoints
+
+    save = LightningCheckpoints.save
+
+    def recorded(self, checkpoint, path, **kwargs) -> None:
+        module.written.append(checkpoint["global_step"])
+        return save(self, checkpoint, path, **kwargs)
+
+    LightningCheckpoints.save = recorded
+
+
 def _precision(precision: str) -> list:
     """Lightning turns '16-mixed' into bf16 on CPU: build fp16 loss scaling explicitly to check its refusal."""
     if precision == "32-true":
@@ -106,12 +122,15 @@ def main() -> None:
     parser.add_argument("--setup-s", type=float, default=0.0, help="sleep in on_fit_start (after the strategy's "
                         "setup); rank 0 writes DIR/<site>.built before")
     parser.add_argument("--accelerator", default="cpu", help="gpu: each rank on a GPU, NCCL inside the site")
+    parser.add_argument("--discard-at", type=int, default=-1, help="the job step this site discards, once, after its "
+                        "transfers completed (the other sites commit it)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
     module = Net(index, args.sleep, args.out, args.site, args.interval, (args.stall_at, args.stall_s))
-    module.setup_s = args.setup_s
+    module.setup_s, module.discard_at = args.setup_s, args.discard_at
+    _record_writes(module)
     trainer = pl.Trainer(
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
                                          wan=WanConfig(timeout_s=args.timeout_s)),
@@ -125,6 +144,7 @@ def main() -> None:
     params = {n: p.detach().clone() for n, p in module.net.named_parameters()}
     torch.save({"site": index, "device": module.trained_on, "params": params, "log": module.log_steps,
                 "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
+                "written": module.written,
                 "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 

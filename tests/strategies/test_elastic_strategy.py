@@ -107,6 +107,32 @@ def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, ligh
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
+def test_a_step_its_first_site_discards_is_saved_once_by_a_site_that_committed_it(tmp_path, lighthouse):
+    # site0, the first site of every quorum, discards step 19 after its transfers completed (a failure it alone saw)
+    # while site1 commits it: ModelCheckpoint's save of step 20 on site1 waits for the next quorum, which shows
+    # site0 behind, and site1 writes it there, from the state of step 20; the others are site0's, each written once
+    ckpts = tmp_path / "ckpts"
+    common = ("--max-steps", "30", "--sleep", "0.02", "--ckpt-dir", str(ckpts))
+    trees = {"site0": _site("site0", 1, 2, lighthouse.address, tmp_path, *common, "--discard-at", "19", script=SCRIPT),
+             "site1": _site("site1", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT)}
+    finish_all(trees, tmp_path)
+    first, other = (torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1"))
+    assert (first["discarded"], other["discarded"]) == (1, 0)
+    assert [e["step"] for e in other["log"]] == list(range(30)) and all(e["sites"] == [0, 1] for e in other["log"])
+    assert (first["written"], other["written"]) == ([10, 30], [20])
+    saved = {info.step for name in os.listdir(ckpts) for info in list_checkpoints(str(ckpts / name))}
+    assert sorted(saved) == [10, 20, 30]
+    for name, value in first["params"].items():
+        assert torch.equal(value, other["params"][name]), name
+    resumed = run_alone(tmp_path / "resume", lighthouse.address, "--max-steps", "22", "--resume",
+                        str(ckpts / "step=20.ckpt"), script=SCRIPT)
+    assert [e["step"] for e in resumed["log"]] == [20, 21]
+    before = [e for e in other["log"] if e["step"] < 20]
+    expected = reference(before + resumed["log"], 1, other["initial"], scheduled=True)
+    for name, value in resumed["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
 def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path, lighthouse):
     # site1 stalls inside step 5 longer than the WAN timeout: that step fails and is discarded; the LR schedule
     # still follows the committed steps only (a replay with the schedule of the committed steps matches)
