@@ -121,8 +121,10 @@ class ElasticMixin:
             if getattr(self, "_was_leader", True):
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return None
-        save = super().save_checkpoint
-        site.save_once(lambda: save(checkpoint, filepath, storage_options=storage_options))
+        from multidc.plugins.checkpoint.state import with_streams_of_now
+
+        save = super().save_checkpoint  # Lightning built `checkpoint` now; the random streams are read at the save
+        site.save_once(with_streams_of_now(lambda: save(checkpoint, filepath, storage_options=storage_options)))
         return None
 
     def remove_checkpoint(self, filepath) -> None:

@@ -302,17 +302,16 @@ class ElasticSite:
                 )
             time.sleep(0.1)
         deferred, self._deferred, self._undecided = self._deferred, [], None
-        if write:
-            _log.info("site %r writes the checkpoint of step %d: the first site of that step's quorum discarded it",
-                      self.name, manager.current_step())
-            for save in deferred:
-                save()
         # the same on every rank of the site: one step everywhere, one quorum
         if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
         self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
                                         self.intra_group)
+        if write:
+            _log.info("site %r writes the checkpoint of step %d: the first site of that step's quorum discarded it",
+                      self.name, manager.current_step())
+            _run_all(deferred)
         return self.topology
 
     def sync_gradients(self, module: torch.nn.Module) -> None:
@@ -379,9 +378,14 @@ class ElasticSite:
           after the quorum and before returning (its errors raise from ``start_step``); otherwise it drops it (the
           first site committed and saved it, or left the job, when whether it saved is unknown).
 
-        A deferred ``save`` reads the state when it runs: nothing may change the weights or the optimizer between
-        the call and the next ``start_step()`` (the next optimizer step comes after it in every loop shown here).
-        Saves kept when the site closes (the job ended: no next quorum) are dropped (logged)."""
+        A deferred ``save`` reads the state when it runs: take what may change before the next ``start_step()``
+        (random streams, counters, the data position) at the call, as the Lightning strategies and
+        ``MultiDCAccelerator.save_state`` do; the weights and the optimizer state do not change before it (the next
+        optimizer step comes after it). It runs while the other sites wait in the step's first WAN transfer: a
+        synchronous save that takes longer than ``wan.timeout_s`` fails that step everywhere (save asynchronously:
+        the upload then goes on in the background). A save of the job's last step is never deferred to a quorum
+        that does not come: the sites that keep it when they close drop it (logged); the last step's checkpoint is
+        written only if the first site of its quorum committed it."""
         if self._leads:
             save()
         elif self._undecided is not None:
@@ -483,6 +487,18 @@ def leads_after_quorum(quorum) -> bool:
     the job's latest step, past step 0, and does not heal in this quorum (torchft also makes sites at step 0
     other than its primary heal)."""
     return quorum.max_replica_rank == 0 and quorum.max_step > 0 and not quorum.heal
+
+
+def _run_all(calls: list[Callable[[], object]]) -> None:
+    """Run every call, then raise the first error (a failed save does not skip the ones after it)."""
+    first = None
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:  # raised below, after the others ran
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _site_votes(vote: tuple, group) -> list[tuple]:

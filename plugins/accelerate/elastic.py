@@ -18,7 +18,7 @@ starts. Then:
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
 rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only one site
-writes (``ElasticSite.is_leader``; one copy of the job's state, named by ``job_step``), and ``load_state(url)``
+writes (``ElasticSite.save_once``; one copy of the job's state, named by ``job_step``), and ``load_state(url)``
 right after ``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``).
 Parallel layouts are refused in this mode.
 """

@@ -21,7 +21,7 @@ import os
 
 from multidc.plugins.checkpoint import Checkpointer, CheckpointInfo, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
-from multidc.plugins.checkpoint.state import ModelState, RNGState, StatefulDict, site_key
+from multidc.plugins.checkpoint.state import ModelState, RNGState, StatefulDict, site_key, state_dicts
 
 
 class StateMixin:
@@ -75,9 +75,9 @@ class StateMixin:
             step = self.job_step if site is not None else self.save_iteration
         if site is None:
             ckpt.save(self._multidc_state(step), step=step, async_save=async_save, replace=replace)
-        else:
-            site.save_once(lambda: ckpt.save(self._multidc_state(step), step=step, async_save=async_save,
-                                             replace=replace))
+        else:  # the state as it is now (streams, counters, custom objects): the save may wait for the next quorum
+            state = state_dicts(self._multidc_state(step))
+            site.save_once(lambda: ckpt.save(state, step=step, async_save=async_save, replace=replace))
         self.project_configuration.iteration = step + 1
         return f"{ckpt.url}/{checkpoint_name(step)}"
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+T = TypeVar("T")
 
 # Per-parameter optimizer keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Unflattened, every pipeline
 # stage would write the same ``param_groups`` key, only one copy would be stored, and the other stages would load
@@ -156,6 +160,24 @@ class RNGState:
             np_state = state["numpy"]
             numpy.random.set_state((np_state["kind"], np_state["keys"].numpy().astype("uint32"), np_state["pos"],
                                     np_state["has_gauss"], np_state["cached_gaussian"]))
+
+
+def with_streams_of_now(call: Callable[[], T]) -> Callable[[], T]:
+    """``call``, to run later under this rank's random streams as they are now, with the streams of its own time
+    put back after: a checkpoint save deferred to the next quorum (``ElasticSite.save_once``) stores the streams of
+    the moment it was asked for, not those after the next batch was drawn."""
+    streams = RNGState()
+    then = streams.state_dict()
+
+    def run() -> T:
+        now = streams.state_dict()
+        streams.load_state_dict(then)
+        try:
+            return call()
+        finally:
+            streams.load_state_dict(now)
+
+    return run
 
 
 def _numpy():

@@ -78,7 +78,7 @@ def main() -> None:
         accelerator.load_state(args.resume, step=args.resume_step)
     joined_at, first_t = job_step(), accelerator.job_step
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
-    log, syncs, discarded, last, last_step = [], [], 0, [], -1
+    log, syncs, discarded, last, last_step, rng_at_save = [], [], 0, [], -1, {}
 
     def done(step: int) -> bool:  # every site took part in the last committed step
         return (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps
@@ -100,6 +100,8 @@ def main() -> None:
         committed = None if args.diloco else accelerator.elastic_steps.committed
         if args.save_before_quorum and committed and accelerator.job_step % args.ckpt_every == 0:
             accelerator.save_state(args.ckpt_dir)  # the first site of the step's quorum, or one at the next quorum
+            rng_at_save[accelerator.job_step] = torch.get_rng_state()
+            torch.rand(1)  # the loop draws (the next batch, say) before the next quorum
         optimizer.zero_grad()
         committed = accelerator.diloco.synced if args.diloco else accelerator.elastic_steps.committed
         if committed is not None:
@@ -124,6 +126,7 @@ def main() -> None:
     torch.save({"site": index, "params": params, "local": local, "syncs": syncs, "first_t": first_t, "log": log,
                 "discarded": discarded, "joined_at": joined_at,
                 "initial": initial, "final_step": job_step(), "num_sites": site.num_sites, "written": written,
+                "rng_at_save": rng_at_save,
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     accelerator.end_training()

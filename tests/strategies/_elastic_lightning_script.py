@@ -34,7 +34,7 @@ class Net(pl.LightningModule):
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
         self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
-        self.discard_at, self.written = -1, []
+        self.discard_at, self.written, self.rng_at_save = -1, [], {}
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
@@ -46,6 +46,9 @@ class Net(pl.LightningModule):
 
     def on_train_start(self):
         self._train_start = time.monotonic()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        torch.rand(1)  # as a data pipeline would: the streams move on between a save and the next step's quorum
 
     def training_step(self, batch, batch_idx):
         strategy = self.trainer.strategy
@@ -64,7 +67,9 @@ class Net(pl.LightningModule):
         x, y = (t.to(self.device) for t in rows(self.index, self.global_rank, step))
         return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # after ModelCheckpoint's
+        if self.trainer.global_step % 10 == 0:
+            self.rng_at_save[self.trainer.global_step] = torch.get_rng_state()
         if self.trainer.strategy.elastic_committed:
             step, sites = self._pending
             self.log_steps.append({"step": step, "sites": sites})
@@ -144,7 +149,7 @@ def main() -> None:
     params = {n: p.detach().clone() for n, p in module.net.named_parameters()}
     torch.save({"site": index, "device": module.trained_on, "params": params, "log": module.log_steps,
                 "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
-                "written": module.written,
+                "written": module.written, "rng_at_save": module.rng_at_save,
                 "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 
