@@ -53,8 +53,8 @@ class StateMixin:
         ``zero_grad()`` or the next training forward (the next quorum), the first of the sites that hold the job's
         latest step; between ``optimizer.step()`` and the next quorum, the first site of the step's quorum if it
         committed the step, else (it discarded the step while other sites committed it) the first of those, in
-        the next quorum (``zero_grad()``), from the state as it is then (``ElasticSite.save_once``: save after
-        ``scheduler.step()``, as in any Accelerate loop). Nothing is written at step 0.
+        the next quorum (``zero_grad()``), with the state taken at this call (``ElasticSite.save_once``; save
+        after ``scheduler.step()``, as in any Accelerate loop). Nothing is written at step 0.
 
         Returns:
             Where the checkpoint is (committed when this returns on the writing site, unless async or deferred to
