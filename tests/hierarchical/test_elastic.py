@@ -574,3 +574,18 @@ def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_h
         _dead_peer_timeout(listener, 3.0)
         with socket.create_connection(listener.getsockname()) as _client, listener.accept()[0] as accepted:
             assert options(accepted) == (1, 3, 8000)
+
+
+def test_every_deferred_save_runs_before_the_first_error_is_raised():
+    # ElasticSite.start_step runs the saves it kept for the quorum: one that fails does not skip the next
+    from multidc.hierarchical.elastic.site import _run_all
+
+    ran = []
+
+    def fail() -> None:
+        ran.append("first")
+        raise OSError("the store refused the upload")
+
+    with pytest.raises(OSError, match="refused the upload"):
+        _run_all([fail, lambda: ran.append("second")])
+    assert ran == ["first", "second"]
