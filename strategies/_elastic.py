@@ -118,7 +118,7 @@ class ElasticMixin:
         else the first of the sites that did, at the next optimizer step's quorum (``ElasticSite.save_once``)."""
         site = self._elastic_site_now()
         if site is None:  # not fitting: as the last step's leader decided (trainer.save_checkpoint after fit)
-            if getattr(self, "_was_leader", True):
+            if self._elastic_leader():
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return None
         from multidc.plugins.checkpoint.state import with_streams_of_now

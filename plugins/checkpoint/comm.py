@@ -22,7 +22,7 @@ import torch.distributed as dist
 from multidc.hierarchical.errors import timed_out
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
-from multidc.plugins.checkpoint.stop import PeerLeftError, abandoned
+from multidc.plugins.checkpoint.stop import abandoned, peer_left
 
 _KNOWN = {cls.__name__: cls for cls in (
     ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,
@@ -87,8 +87,7 @@ class _UntilAnyFails:
     def error(self, what: str) -> Exception:
         if self.comm.stopped.is_set():
             return abandoned(what)
-        return PeerLeftError(f"{what} stopped: another rank of the checkpoint group failed (its error is the one "
-                             "this save reports)")
+        return peer_left(what)
 
 
 # ``process_group=THIS_PROCESS``: this process alone, also inside a distributed job. For a caller that runs on one

@@ -125,7 +125,7 @@ def _spans(groups: dict, locations: list[ItemLocation], piece_bytes: int, stripe
         count = max(1, min(len(holders), total[key] // max(1, piece_bytes // 2)))
         readers = sorted(sorted(holders, key=lambda r: (load[r], r))[:count])
         ends = list(itertools.accumulate(_shares([load[r] for r in readers], total[key])))
-        cuts = _cuts(items, locations, ends[:-1], stripe_min_bytes)
+        cuts = _cuts(items, locations, ends[:-1], total[key], stripe_min_bytes)
         for reader, (first, last) in zip(readers, zip(cuts, cuts[1:])):
             segments, at = [], 0
             for index in items:
@@ -155,10 +155,10 @@ def _shares(loads: list[int], total: int) -> list[int]:
     return shares
 
 
-def _cuts(items: list[int], locations: list[ItemLocation], targets: list[int], stripe_min_bytes: int) -> list:
-    """Positions in the items laid end to end, from 0 to their total: each of ``targets`` (ascending) moved to
-    the nearest row bound of a tensor, or item bound of a value or an item under ``stripe_min_bytes``."""
-    total = sum(locations[i].length for i in items)
+def _cuts(items: list[int], locations: list[ItemLocation], targets: list[int], total: int,
+          stripe_min_bytes: int) -> list:
+    """Positions in the items laid end to end, from 0 to their ``total`` length: each of ``targets`` (ascending)
+    moved to the nearest row bound of a tensor, or item bound of a value or an item under ``stripe_min_bytes``."""
     cuts, at, k = [0], 0, 0
     for target in targets:
         if target >= total:

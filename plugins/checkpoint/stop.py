@@ -26,6 +26,12 @@ def abandoned(what: str) -> Abandoned:
     return Abandoned(f"{what} stopped: a checkpoint collective of this rank failed meanwhile")
 
 
+def peer_left(what: str) -> PeerLeftError:
+    """The error of ``what``, stopped because another rank of the checkpoint group failed."""
+    return PeerLeftError(f"{what} stopped: another rank of the checkpoint group failed (its error is the one "
+                         "reported)")
+
+
 def check_stop(stop, what: str) -> None:
     """Raise if ``stop`` (anything with ``is_set()``, e.g. a ``threading.Event``) is set: the error its ``error(what)``
     gives if it has one, else :func:`abandoned`'s."""

@@ -39,7 +39,7 @@ from multidc.plugins.checkpoint.crc import combine
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.read_buffers import GetBuffers, aligned, receive_bytes
 from multidc.plugins.checkpoint.read_plan import Piece, ReadSchedule
-from multidc.plugins.checkpoint.stop import Abandoned, PeerLeftError, abandoned, check_stop
+from multidc.plugins.checkpoint.stop import Abandoned, abandoned, check_stop, peer_left
 
 _POLL_S = 0.05  # how soon a wait notices the heartbeat failed; completion is noticed at once
 _LATE_RECEIVE_S = 2.0  # after giving up, how long receives into the caller's tensors may still land
@@ -329,8 +329,7 @@ class StripedRead:
         if self.outer_stop is not None and self.outer_stop.is_set():
             raise _Left(abandoned(what))
         if self.peer_failed is not None and self.peer_failed.is_set():
-            raise _Left(PeerLeftError(f"{what} stopped: another rank of the checkpoint group left the load with "
-                                      "an error (it is the error this load reports)"))
+            raise _Left(peer_left(what))
 
     def _gather(self, obj) -> list:
         """``all_gather_object`` with polled waits (see :meth:`_poll`)."""

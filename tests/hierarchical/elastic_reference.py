@@ -1,5 +1,5 @@
-"""The model, data and single-process reference of tests/hierarchical/test_elastic.py, and a failure the sites' scripts
-inject."""
+"""The model, data and single-process reference of tests/hierarchical/test_elastic.py, and what the sites' scripts
+inject (a failure) or record (the checkpoints they write)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,21 @@ def fail_after_sync(site, step: int) -> None:
             site.manager.report_error(RuntimeError(f"injected after the sync of step {step}"))
 
     site.sync_gradients = sync_then_fail
+
+
+def record_writes() -> list[int]:
+    """The steps of the checkpoints this process writes (``multidc.plugins.Checkpointer.save``, which the
+    Lightning strategies and ``MultiDCAccelerator.save_state`` call), appended as it writes them."""
+    from multidc.plugins import Checkpointer
+
+    written, save = [], Checkpointer.save
+
+    def recorded(self, state, *, step, **kwargs):
+        written.append(step)
+        return save(self, state, step=step, **kwargs)
+
+    Checkpointer.save = recorded
+    return written
 
 
 def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],

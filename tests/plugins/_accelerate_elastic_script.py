@@ -24,7 +24,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
 from multidc.plugins import MultiDCAccelerator, MultiDCPlugin  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, fail_after_sync, lr_factor, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import (  # noqa: E402
+    LR,
+    MAX_SITES,
+    fail_after_sync,
+    lr_factor,
+    model,
+    record_writes,
+    rows,
+)
 
 
 def main() -> None:
@@ -66,7 +74,7 @@ def main() -> None:
     rank, site = accelerator.process_index, accelerator.elastic_site
     if args.discard_at >= 0:
         fail_after_sync(site, args.discard_at)
-    written = _record_writes()
+    written = record_writes()
     if args.resume and not args.resume_late:
         accelerator.load_state(args.resume, step=args.resume_step)
 
@@ -130,20 +138,6 @@ def main() -> None:
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     accelerator.end_training()
-
-
-def _record_writes() -> list[int]:
-    """The steps of the checkpoints this process writes, as it writes them."""
-    from multidc.plugins import Checkpointer
-
-    written, save = [], Checkpointer.save
-
-    def recorded(self, state, *, step, **kwargs):
-        written.append(step)
-        return save(self, state, step=step, **kwargs)
-
-    Checkpointer.save = recorded
-    return written
 
 
 if __name__ == "__main__":

@@ -24,7 +24,15 @@ import lightning.pytorch as pl  # noqa: E402
 
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, fail_after_sync, lr_factor, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import (  # noqa: E402
+    LR,
+    MAX_SITES,
+    fail_after_sync,
+    lr_factor,
+    model,
+    record_writes,
+    rows,
+)
 
 
 class Net(pl.LightningModule):
@@ -34,7 +42,7 @@ class Net(pl.LightningModule):
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
         self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
-        self.discard_at, self.written, self.rng_at_save = -1, [], {}
+        self.discard_at, self.rng_at_save = -1, {}
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
@@ -89,19 +97,6 @@ class Net(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
 
 
-def _record_writes(module: Net) -> None:
-    """Log in ``module.written`` the step of every checkpoint this site writes."""
-    from multidc.strategies._checkpointing import LightningCheckpoints
-
-    save = LightningCheckpoints.save
-
-    def recorded(self, checkpoint, path, **kwargs) -> None:
-        module.written.append(checkpoint["global_step"])
-        return save(self, checkpoint, path, **kwargs)
-
-    LightningCheckpoints.save = recorded
-
-
 def _precision(precision: str) -> list:
     """Lightning turns '16-mixed' into bf16 on CPU: build fp16 loss scaling explicitly to check its refusal."""
     if precision == "32-true":
@@ -135,7 +130,7 @@ def main() -> None:
     index = int(args.site.removeprefix("site"))
     module = Net(index, args.sleep, args.out, args.site, args.interval, (args.stall_at, args.stall_s))
     module.setup_s, module.discard_at = args.setup_s, args.discard_at
-    _record_writes(module)
+    module.written = record_writes()
     trainer = pl.Trainer(
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
                                          wan=WanConfig(timeout_s=args.timeout_s)),
