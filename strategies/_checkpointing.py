@@ -25,6 +25,7 @@ safe unpickler.
 
 from __future__ import annotations
 
+import datetime
 import io
 from collections import OrderedDict
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle
+from multidc.plugins.checkpoint.comm import Comm, default_timeout_s
 from multidc.plugins.checkpoint.format import COMMIT, parse_step
 from multidc.plugins.checkpoint.retention import clear_file, delete_committed
 from multidc.plugins.checkpoint.state import load_optimizer_state_dict, site_key
@@ -80,8 +82,11 @@ def locate(path) -> tuple[str, str]:
 
 class LightningCheckpoints:
     """Save, load, remove and find Lightning checkpoints as multidc checkpoints. Framework-thin: the strategy
-    passes in what it holds. ``save``/``load``/``remove``/``wait``/``close`` are collective (every rank calls them
-    with the same path, as Lightning does); ``find_last`` is not.
+    passes in what it holds. ``save``/``load``/``remove``/``wait``/``close`` are collective (every rank calls them);
+    ``find_last`` is not. As with Lightning's ``broadcast``, rank 0's path is the one saved, loaded or removed on
+    every rank; the ranks agree on it in a checkpoint collective of their own, so a rank that does not come (hung in
+    a callback, dead, cut off) fails every other within the topology's ``WanConfig.timeout_s`` (a ``WanError``
+    naming the sites), not the default group's 30 minutes.
 
     Args:
         async_save: upload in the background; training blocks only for the host-memory snapshot. The next save,
@@ -101,12 +106,26 @@ class LightningCheckpoints:
         self._open: OrderedDict[str, Checkpointer] = OrderedDict()
         self._pending: SaveHandle | None = None
         self._deferred: list[str] = []  # removals waiting for the pending save to commit
+        self._paths: Comm | None = None  # the group the ranks agree on paths in (opened at the first call)
         # The job's multidc.hierarchical.Topology (None: one site), which the strategy builds at setup and hands
         # over before each call: checkpoint collectives then wait its WanConfig.timeout_s and name its sites.
         self.topology = None
 
     def __getstate__(self) -> dict:  # spawn launchers pickle the strategy: nothing is open before launch
-        return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None}
+        return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None,
+                "_paths": None}
+
+    def _agree(self, path, what: str) -> str:
+        """Rank 0's ``path`` (``/``-stripped) on every rank. Collective; the first call opens the group, under the
+        same bounded wait (an unresponsive rank fails the others within the timeout, naming it as a WAN failure
+        in a multi-site job)."""
+        text = str(path).rstrip("/")
+        what = f"agreeing on the checkpoint path to {what} ({text})"
+        if self._paths is None:
+            timeout = datetime.timedelta(seconds=default_timeout_s(self.topology))
+            self._paths = Comm.create(None, timeout=timeout, topology=self.topology, data=False, what=what)
+        self._paths.check_usable()
+        return self._paths.all_gather(text, what=what)[0]
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], path, *, site: int | None = None, diloco=None) -> None:
@@ -116,7 +135,7 @@ class LightningCheckpoints:
         (``site_<k>``), and the state of ``diloco`` (a ``multidc.hierarchical.DiLoCo``), the same everywhere,
         under ``"diloco"``."""
         self.wait()
-        root = str(path).rstrip("/")
+        root = self._agree(path, "save")
         step = int(checkpoint.get("global_step") or 0)
         ckpt = self._checkpointer(root)
         # a single-file checkpoint (another strategy's) at this path goes: a folder cannot coexist with it
@@ -146,7 +165,7 @@ class LightningCheckpoints:
         ``save``); a checkpoint without this site's key raises a ``ValueError`` naming the sites it holds.
         """
         self.wait()
-        root, which = locate(path)
+        root, which = locate(self._agree(path, "load"))
         ckpt = self._checkpointer(root)
         ckpt.comm.from_rank0(lambda: _refuse_single_file(ckpt), what=f"reading {ckpt.url}", error_type=None)
         header = {_LIGHTNING: b""}
@@ -174,7 +193,7 @@ class LightningCheckpoints:
     def remove(self, path) -> None:
         """Delete the checkpoint at ``path`` (rank 0). While a save is uploading, the removal waits for its commit,
         so ``save_top_k`` never deletes the previous checkpoint before the new one is loadable."""
-        root = str(path).rstrip("/")
+        root = self._agree(path, "remove")
         if self._pending is not None:
             self._deferred.append(root)
             return
@@ -211,6 +230,9 @@ class LightningCheckpoints:
         finally:
             while self._open:
                 self._open.popitem(last=False)[1].close()
+            paths, self._paths = self._paths, None
+            if paths is not None:
+                paths.close()
 
     def _checkpointer(self, root: str) -> Checkpointer:
         ckpt = self._open.pop(root, None)
@@ -313,7 +335,7 @@ class CheckpointingMixin:
             raise TypeError(
                 f"{type(self).__name__} takes storage options once, as checkpoint_storage_options=..., not per save."
             )
-        self._checkpoints().save(checkpoint, self.broadcast(str(filepath)), **self._checkpoint_sites())
+        self._checkpoints().save(checkpoint, filepath, **self._checkpoint_sites())
         return None
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -321,7 +343,7 @@ class CheckpointingMixin:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self.lightning_module.trainer
         return self._checkpoints().load(
-            self.broadcast(str(checkpoint_path)), module=self.lightning_module, optimizers=list(self.optimizers),
+            checkpoint_path, module=self.lightning_module, optimizers=list(self.optimizers),
             fitting=trainer.state.fn == TrainerFn.FITTING, strict=self.lightning_module.strict_loading,
             trusted=weights_only is False, **self._checkpoint_sites(),
         )

@@ -75,9 +75,8 @@ import datetime
 import functools
 import threading
 
-from multidc.hierarchical.errors import wan_failure
 from multidc.plugins.checkpoint import retention as _retention
-from multidc.plugins.checkpoint.comm import Comm
+from multidc.plugins.checkpoint.comm import Comm, default_timeout_s
 from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Commit, checkpoint_name, decode_commit
 from multidc.plugins.checkpoint.handle import UNWAITED, CheckpointInfo, CheckpointSaveError, SaveHandle
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
@@ -86,8 +85,6 @@ from multidc.plugins.checkpoint.reader import ObjectStoreReader, ReadConfig
 from multidc.plugins.checkpoint.state import RNGState, restore, state_dicts
 from multidc.plugins.checkpoint.stop import PeerLeftError, check_stop
 from multidc.plugins.checkpoint.storage import ObjectStoreWriter, SnapshotBuffer, stage, upload
-
-_DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
 
 
 class Checkpointer:
@@ -140,16 +137,14 @@ class Checkpointer:
         if stripe_min_mb < 0:
             raise ValueError(f"stripe_min_mb={stripe_min_mb} must be >= 0.")
         if timeout_s is None:
-            timeout_s = topology.wan.timeout_s if topology is not None else _DEFAULT_TIMEOUT_S
+            timeout_s = default_timeout_s(topology)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
         self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                  max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
-        self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s))
-        if topology is not None and getattr(topology, "num_sites", 1) > 1:
-            self.comm.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
+        self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s), topology=topology)
         # which site each rank of the group is in: a striped load exchanges pieces only inside a site
         self._sites = self.comm.all_gather(getattr(topology, "site", 0))
         # fields the caller's ReadConfig leaves None come from max_concurrency / stripe_min_mb

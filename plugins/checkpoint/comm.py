@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from multidc.hierarchical.errors import timed_out
+from multidc.hierarchical.errors import timed_out, wan_failure
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
 from multidc.plugins.checkpoint.stop import abandoned, peer_left
@@ -94,17 +94,25 @@ class _UntilAnyFails:
 # rank only (Lightning's CheckpointIO, on rank 0): a collective would wait for ranks that never come.
 THIS_PROCESS = object()
 _DATA_TIMEOUT = datetime.timedelta(hours=6)
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo groups
+
+
+def default_timeout_s(topology) -> float:
+    """How long a checkpoint group waits for an unresponsive rank when not told: the ``WanConfig.timeout_s`` of the
+    job's ``topology`` (``None``: no topology, torch's 1800 s)."""
+    return topology.wan.timeout_s if topology is not None else _DEFAULT_TIMEOUT_S
 
 
 class Comm:
     """Rank, world size and a private gloo group (``None`` in a single process without a process group)."""
 
-    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0, data_group=None) -> None:
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float = 1800.0, data_group=None,
+                 topology=None) -> None:
         self.group, self.rank, self.world_size, self.timeout_s = group, rank, world_size, timeout_s
         # Bulk transfers between the ranks (striped loads) on a group of their own, from worker threads, while
         # ``group`` carries the heartbeat. Its waits are polled and end when the heartbeat fails (``stopped``).
         self.data_group = data_group
-        self.global_rank = dist.get_rank() if group is not None else 0
+        self.global_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         # The first failed collective: the group is unusable from then on. Workers of ``alive`` that outlive the
         # failure check ``stopped`` before each write (upload, commit, copy into the caller's tensors).
         self.failure: BaseException | None = None
@@ -115,9 +123,11 @@ class Comm:
         self.peer_failed = threading.Event()  # replaced by each ``alive_outcome``
         # A beat well inside the timeout: a peer that stopped answering is noticed within timeout + one beat.
         self.heartbeat_s = min(1.0, timeout_s / 10)
-        # ``(what, error) -> exception`` for a failed collective; the Checkpointer of a multi-site job replaces it
-        # with one that names the sites and the link.
+        # ``(what, error) -> exception`` for a failed collective; in a multi-site job (``topology``: the job's
+        # multidc.hierarchical.Topology) a WanError that names the sites and this end of the link.
         self.describe_failure = self._peer_failure
+        if topology is not None and getattr(topology, "num_sites", 1) > 1:
+            self.describe_failure = lambda what, exc: wan_failure(topology, what, timeout_s, exc)
         # A stop flag for work under ``alive`` that is useful only if every rank's succeeds (an upload)
         self.until_any_fails = _UntilAnyFails(self)
 
@@ -169,21 +179,30 @@ class Comm:
             f"checkpoint. [gloo: {exc}]")
 
     @classmethod
-    def create(cls, process_group, *, timeout: datetime.timedelta) -> Comm:
-        """A Comm over ``process_group`` (``None``: the default group), on a new gloo group: collective. Without a
-        process group, or with ``THIS_PROCESS``, a Comm of this process alone (no group, nothing collective)."""
+    def create(cls, process_group, *, timeout: datetime.timedelta, topology=None, data: bool = True,
+               what: str = "opening the checkpoint group") -> Comm:
+        """A Comm over ``process_group`` (``None``: the default group), on a new gloo group: collective, and like
+        every collective here it waits ``timeout`` at most for a rank that does not come (``describe_failure``'s
+        error about ``what``; with a multi-site ``topology``, a WanError naming the sites). ``data``: also a group
+        for bulk transfers (striped loads). Without a process group, or with ``THIS_PROCESS``, a Comm of this
+        process alone (no group, nothing collective)."""
+        timeout_s = timeout.total_seconds()
         if process_group is THIS_PROCESS or not (dist.is_available() and dist.is_initialized()):
             if process_group is not None and process_group is not THIS_PROCESS:
                 raise ValueError("process_group was given but torch.distributed is not initialized.")
-            return cls(None, 0, 1, timeout_s=timeout.total_seconds())
+            return cls(None, 0, 1, timeout_s=timeout_s)
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being retried);
-        # liveness comes from the heartbeat on ``group``, so this one only reaps abandoned operations.
-        data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT))
+        opening = cls(None, 0, len(ranks), timeout_s=timeout_s, topology=topology)  # its errors, before the group
+        with opening._collective(what):
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being retried);
+            # liveness comes from the heartbeat on ``group``, so this one only reaps abandoned operations.
+            data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT)) if data \
+                else None
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
-        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout.total_seconds(), data_group=data_group)
+        return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout_s, data_group=data_group,
+                   topology=topology)
 
     def alive(self, fn, *args, what: str):
         """Run ``fn(*args)`` on this rank while exchanging heartbeats with the others; return its value or raise
@@ -236,11 +255,12 @@ class Comm:
             raise outcome["fatal"]
         return outcome["value"], outcome["error"]
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj, *, what: str = "checkpoint collective (all_gather)") -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
         if self.group is None:
             return [obj]
         out = [None] * self.world_size
-        with self._collective("checkpoint collective (all_gather)"):
+        with self._collective(what):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 

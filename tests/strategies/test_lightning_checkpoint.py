@@ -446,3 +446,94 @@ def test_a_peer_stopped_during_a_lightning_save_fails_the_others_with_a_wan_erro
     assert seconds < WAN_TIMEOUT_S + 1 + 5, seconds  # timeout + one beat + margin for a loaded machine
     assert results[1][0] != "no error"
     assert list_checkpoints(tmp_path / "ckpts" / "epoch=0-step=1.ckpt") == []  # the abandoned save committed nothing
+
+
+# ----------------------------------------------------------------------------- a rank stuck in user code
+STUCK_CAP_S = 30.0  # a stuck rank gives up waiting after this: without the bounded wait, the others save or load
+
+
+def _stuck_until_released(flag, held: dict) -> None:
+    """Hang, as user code can (a callback waiting on a lock, a slow filesystem), until ``flag`` exists or
+    ``STUCK_CAP_S`` passed."""
+    import time
+
+    held["from"] = time.monotonic()
+    while not os.path.exists(flag) and time.monotonic() - held["from"] < STUCK_CAP_S:
+        time.sleep(0.05)
+
+
+def _fit_with_a_stuck_rank(rank, root, *, stuck_rank, phase, ckpt_path=None) -> tuple[str, float]:
+    """One ``hierarchical_ddp`` fit (2 sites x 2 ranks, checkpoints every 2 steps) in which ``stuck_rank`` hangs
+    in user code: ``"save"``: its ``on_save_checkpoint`` callback of the step-4 save; ``"load"``: its
+    ``configure_optimizers`` while the others load ``ckpt_path``. Returns what ``fit`` raised here and how long
+    after this rank reached the checkpoint (or, stuck, was released)."""
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from multidc.hierarchical import WanConfig, WanError
+
+    release, clock = os.path.join(root, f"release-{phase}"), {}
+
+    class StuckSave(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            clock.setdefault("at", time.monotonic())
+            if phase == "save" and rank == stuck_rank and checkpoint["global_step"] == 4:
+                _stuck_until_released(release, clock)
+                clock["at"] = time.monotonic()
+
+    class Model(script.Regressor):
+        def configure_optimizers(self):
+            if phase == "load" and rank == stuck_rank:
+                _stuck_until_released(release, clock)
+            clock["at"] = time.monotonic()
+            return super().configure_optimizers()
+
+    strategy = HierarchicalDDPStrategy(num_sites=2, wan=WanConfig(timeout_s=WAN_TIMEOUT_S))
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=4, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[StuckSave(), ModelCheckpoint(dirpath=root, every_n_train_steps=2)])
+    try:
+        trainer.fit(Model(), DataLoader(script.regressor_data(), batch_size=4), ckpt_path=ckpt_path)
+        outcome = "no error"
+    except WanError as exc:
+        outcome = str(exc)
+    except Exception as exc:  # reported to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - clock.get("at", time.monotonic())
+    if rank == 0:
+        open(release, "w").close()  # the stuck rank goes on, finds the others gone and fails too
+    return outcome, seconds
+
+
+def _save_then_load_with_a_stuck_rank(rank, world, root):
+    import torch.distributed as dist
+
+    saved = _fit_with_a_stuck_rank(rank, root, stuck_rank=2, phase="save")
+    dist.barrier()  # the default group: every rank is out of the first fit
+    step2 = os.path.join(root, "epoch=0-step=2.ckpt")
+    loaded = _fit_with_a_stuck_rank(rank, root, stuck_rank=1, phase="load", ckpt_path=step2)
+    return saved, loaded
+
+
+def test_a_rank_stuck_in_user_code_fails_the_others_save_and_load_within_the_wan_timeout(tmp_path):
+    """Agreeing on the path runs in a checkpoint group under WanConfig.timeout_s, not Lightning's broadcast on the
+    default group (30 min): the ranks that wait for a stuck one fail with a WanError naming the sites."""
+    from multidc.hierarchical.tools.ranks import run_ranks
+
+    env = {rank: {"TORCHELASTIC_RUN_ID": "multidc-test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                  "GROUP_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "1"} for rank in range(4)}  # read by Lightning; the group already exists
+    results = run_ranks(_save_then_load_with_a_stuck_rank, 4, str(tmp_path), env=env, timeout=200)
+    for phase, stuck in ((0, 2), (1, 1)):
+        what = ("save", "load")[phase]
+        for rank, (message, seconds) in enumerate(result[phase] for result in results):
+            if rank == stuck:  # released after the others failed: it finds them gone
+                assert message != "no error", (what, rank)
+                continue
+            assert message.startswith(f"agreeing on the checkpoint path to {what} ") and \
+                "between site '0' and site '1' timed out after" in message, (what, rank, message)
+            assert seconds < WAN_TIMEOUT_S + 5, (what, rank, seconds)  # the timeout + a margin for a loaded machine
+    assert [info.step for info in list_checkpoints(tmp_path / "epoch=0-step=2.ckpt")] == [2]
+    assert list_checkpoints(tmp_path / "epoch=0-step=4.ckpt") == []  # the failed save committed nothing
