@@ -21,7 +21,7 @@ from torch import nn
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
-from multidc.hierarchical.diloco.fragments import local_tensor, split_fragments
+from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
 from multidc.hierarchical.topology import Topology
 
 
@@ -70,8 +70,12 @@ class DiLoCo:
     ``alpha * local + (1 - alpha) * global`` when the result arrives ``overlap_steps`` later. The inner
     optimizer keeps its state. Only trainable parameters are synchronized; buffers stay per site.
 
-    Construction is collective over the topology's ranks: the settings and the fragments' sizes are compared
-    (the same ValueError on every rank when they differ), then site 0's parameters are copied to every site.
+    Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
+    each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the
+    settings or sizes differ). Every rank then starts from site 0's parameters, bitwise: a fragment whose digest
+    is the same on every rank is already there and nothing crosses the WAN for it (under DDP, whose start-up
+    broadcast made the sites equal, nothing at all); each fragment that differs is copied from site 0 (float32,
+    uncompressed).
 
     Args:
         model: the model as trained (a DDP wrapper, an FSDP2 / TP module: DTensor parameters sync their local
@@ -112,7 +116,7 @@ class DiLoCo:
                 f"sites' global parameters apart. Use a Topology from Topology.build (elastic DiLoCo is not there)."
             )
         self.topology = topology
-        split, self.config = _agree(model, topology, config, blocks)
+        split, self.config, apart = _agree(model, topology, config, blocks)
         base = wan if wan is not None else topology.wan
         self.wan = dataclasses.replace(base, compression=self.config.compression)
         self.stats = DiLoCoStats()
@@ -121,7 +125,8 @@ class DiLoCo:
         make_outer = outer_optimizer or self._default_outer
         with torch.no_grad():
             self._fragments = [
-                self._fragment(params, make_outer, self.config.offset(i)) for i, params in enumerate(split)
+                self._fragment(params, make_outer, self.config.offset(i), copy=apart[i])
+                for i, params in enumerate(split)
             ]
         self._largest = max(f.global_flat.numel() for f in self._fragments)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
@@ -130,16 +135,16 @@ class DiLoCo:
         c = self.config
         return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
 
-    def _fragment(self, params: list[nn.Parameter], make_outer, offset: int) -> _Fragment:
+    def _fragment(self, params: list[nn.Parameter], make_outer, offset: int, *, copy: bool) -> _Fragment:
         local = [local_tensor(p) for p in params]
         flat = torch.cat([t.detach().reshape(-1).float() for t in local])
-        # Replicas start equal: site 0's values reach every rank exactly (x + 0 + ... in float32, uncompressed).
-        if self.topology.site != 0:
-            flat.zero_()
-        all_reduce(flat, self.topology, wan=dataclasses.replace(self.wan, compression="none"), replicated=True)
         views = _views(flat, local)
-        for t, view in zip(local, views):
-            t.copy_(view)
+        if copy:  # the ranks differ: site 0's values reach every rank exactly (x + 0 + ... in float32, uncompressed)
+            if self.topology.site != 0:
+                flat.zero_()
+            all_reduce(flat, self.topology, wan=dataclasses.replace(self.wan, compression="none"), replicated=True)
+            for t, view in zip(local, views):
+                t.copy_(view)
         outer = make_outer(views)
         _init_state(outer, views)
         return _Fragment(local, flat, views, outer, offset)
@@ -347,18 +352,22 @@ def _load_outer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     optimizer.load_state_dict(state)
 
 
-def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig]:
-    """This rank's fragments and settings, after every rank compared theirs: the same ValueError everywhere."""
-    split, error, sizes = None, None, None
+def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig, list[bool]]:
+    """This rank's fragments and settings, after every rank compared theirs (the same ValueError everywhere), and
+    per fragment whether the ranks' parameters differ: decided from the gathered digests, so alike everywhere.
+    With one site there is nothing to copy and nothing is hashed."""
+    split, error, sizes, digests = None, None, None, None
     try:
         config = config_or_default(config)
         split = split_fragments(model, config.fragments, blocks)
         sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
+        digests = [digest(params) if topology.num_sites > 1 else "" for params in split]
     except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
         error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    claims = agree(error, config, sizes, group=topology.group, where=" of the sites' group")
-    if any(c[2] != claims[0][2] for c in claims):
-        seen = {rank: c[2] for rank, c in enumerate(claims)}
+    claims = agree(error, config, (sizes, digests), group=topology.group, where=" of the sites' group")
+    if any(c[2][0] != claims[0][2][0] for c in claims):
+        seen = {rank: c[2][0] for rank, c in enumerate(claims)}
         raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "
                          f"every site must train the same model with the same layout.")
-    return split, config
+    apart = [len({c[2][1][i] for c in claims}) > 1 for i in range(len(split))]
+    return split, config, apart

@@ -6,6 +6,7 @@ layers from the whole depth of the model (Douillard et al. 2025, "strided" fragm
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -69,3 +70,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds for ``p``: a DTensor's local shard (FSDP2 / tensor parallelism), else ``p``."""
     to_local = getattr(p, "to_local", None)
     return to_local() if callable(to_local) else p
+
+
+def digest(params: Sequence[torch.Tensor]) -> str:
+    """SHA-256 (hex) of the raw bytes of this rank's tensors of ``params`` (``local_tensor``), in order: equal
+    digests mean bitwise-equal values (dtype bytes, so ``-0.0`` differs from ``0.0``). Reads each tensor on the CPU
+    once (SHA-256: about 1 to 2 GB/s per core)."""
+    h = hashlib.sha256()
+    for p in params:
+        t = local_tensor(p).detach().reshape(-1)
+        h.update(memoryview(t.view(torch.uint8).cpu().numpy()))
+    return h.hexdigest()

@@ -43,7 +43,7 @@ class _Run:
         torch.manual_seed(plan["seed"])
         self.model = TinyGPT(**plan["model"])
         # Same seed on every rank: equal start without DDP's start-up broadcast, which would cross the WAN once
-        # per method (DiLoCo still copies site 0's parameters at construction, as it must in real jobs).
+        # per method (DiLoCo's start finds the sites equal by their digests and copies nothing).
         self.ddp = DistributedDataParallel(self.model, init_sync=False)
         if method["kind"] == "ddp":
             register_ddp_hook(self.ddp, topo, wan=WanConfig(compression=method.get("compression", "none"),

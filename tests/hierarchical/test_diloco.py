@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, get_codec, register_site_ddp_hook
+from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, all_reduce, get_codec, register_site_ddp_hook
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
 from tests.diloco_reference import run_reference
@@ -70,13 +70,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
     with diloco.global_parameters():
         inside = _flat(dict(model.named_parameters())).clone()
     diloco.close()
-    # The global copy is kept per fragment; put it back in model order, by name, for the reference.
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    named = {}
-    for params, flat in zip(split_fragments(model, diloco.config.fragments), state["global"].values()):
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            named[name_of[id(p)]] = piece.view(p.shape)
-    glob = _flat({n: named[n] for n in name_of.values()})
+    glob = _flat(_named_global(model, diloco, state))
     return {
         "local": {n: p.detach().clone() for n, p in model.named_parameters()},
         "inside_global_parameters": inside,
@@ -88,15 +82,27 @@ def _train(rank: int, world: int, case: dict) -> dict:
     }
 
 
+def _named_global(model, diloco, state) -> dict:
+    """The global copy (kept per fragment) by parameter name, in model order, as the reference holds it."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    named = {}
+    for params, flat in zip(split_fragments(model, diloco.config.fragments), state["global"].values()):
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            named[name_of[id(p)]] = piece.view(p.shape)
+    return {n: named[n] for n in name_of.values()}
+
+
 def _setup(topo, case):
     """DDP over every rank with the site-only hook (as the strategies do), or DDP over the site's group alone,
-    where sites start from different values and DiLoCo must copy site 0's parameters everywhere."""
+    where sites start from different values (the blocks ``case["shift"]``, default all, moved on sites > 0) and
+    DiLoCo must copy site 0's parameters everywhere."""
     model = _model()
     if case.get("ddp") == "site_group":
         if topo.site:
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
+                for i in case.get("shift", range(len(model))):
+                    for p in model[i].parameters():
+                        p.add_(1.0)
         ddp = DistributedDataParallel(model, process_group=topo.intra_group)
     else:
         ddp = DistributedDataParallel(model)
@@ -157,6 +163,45 @@ def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_uneq
     config = {"sync_every": 6, "fragments": 3}
     results = run_ranks(_train, 4, {"layout": LAYOUTS["3+1"], "steps": 12, "config": config, "ddp": "site_group"})
     _check(results, _reference(LAYOUTS["3+1"], 12, config))
+
+
+def test_sites_starting_equal_send_no_parameter_bytes_at_start():
+    results = run_ranks(_start, 4, {"layout": LAYOUTS["2x2"], "config": {"sync_every": 4, "fragments": 2}})
+    for r in results:  # DDP's start-up broadcast made every rank equal: DiLoCo compares digests, copies nothing
+        assert r["start_sent"] == 0, r
+        assert r["local"] == r["site_0"] == r["global"]
+
+
+@pytest.mark.parametrize("layout", ["2x2", "3+1"])
+def test_only_fragments_that_differ_between_sites_are_copied_at_start(layout):
+    # block 1 (fragment 1 of 2) moved on the sites > 0: fragment 1 alone crosses the WAN, then every rank is equal
+    case = {"layout": LAYOUTS[layout], "config": {"sync_every": 4, "fragments": 2}, "ddp": "site_group", "shift": [1]}
+    results = run_ranks(_start, len(LAYOUTS[layout]), case)
+    for r in results:
+        assert r["start_sent"] == r["copy_sent"][1], r  # what a float32 all-reduce of fragment 1 sends
+        assert r["local"] == r["site_0"] == r["global"]
+    assert any(r["start_sent"] > 0 for r in results)
+
+
+def _start(rank: int, world: int, case: dict) -> dict:
+    """DiLoCo's start alone: the WAN bytes it sent, and per fragment the bytes a replicated, uncompressed float32
+    all-reduce of the fragment's size sends (the copy measured another way); digests of this rank's parameters
+    after the start, of site 0's starting values (``_model()``) and of the global copy."""
+    topo = Topology.build(site=case["layout"][rank])
+    before = topo.wan_stats.snapshot()["bytes_sent"]
+    model, _, _, diloco = _setup(topo, case)
+    start_sent = topo.wan_stats.snapshot()["bytes_sent"] - before
+    state = diloco.state_dict()
+    diloco.close()
+    copy_sent = []
+    for flat in state["global"].values():
+        before = topo.wan_stats.snapshot()["bytes_sent"]
+        all_reduce(torch.zeros_like(flat), topo, wan=dataclasses.replace(topo.wan, compression="none"),
+                   replicated=True)
+        copy_sent.append(topo.wan_stats.snapshot()["bytes_sent"] - before)
+    return {"start_sent": start_sent, "copy_sent": copy_sent, "local": _digest(_flat(dict(model.named_parameters()))),
+            "site_0": _digest(_flat(dict(_model().named_parameters()))),
+            "global": _digest(_flat(_named_global(model, diloco, state)))}
 
 
 def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(tmp_path):

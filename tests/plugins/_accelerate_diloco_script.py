@@ -7,7 +7,8 @@
 on its own rows: micro-batch ``k`` of rank (site ``s``, local rank ``l``) is ``test_diloco._rows(s, l, k)``, so a
 single-process reference can replay it. ``--save-at S`` calls ``save_state(URL)`` after optimizer step S;
 ``--resume`` loads it and trains on. Every rank writes DIR/rank{r}.pt: its parameters, the global ones (through
-``accelerator.diloco.global_parameters()``), ``wan_metrics()`` per optimizer step and DiLoCo's stats.
+``accelerator.diloco.global_parameters()``), ``wan_metrics()`` per optimizer step, DiLoCo's stats and the WAN
+bytes its start (in ``prepare``) sent.
 ``--layout`` adds plugin sizes (e.g. ``dp_shard=2``: FSDP2 inside each site): the model's blocks go into the
 layout, rank (site ``s``, data-parallel index ``l`` in the site) trains on the same rows. Every optimizer step
 ``accelerator.clip_grad_norm_`` (with a bound that never clips) reports the norm it clips by.
@@ -47,6 +48,7 @@ def main() -> None:
     model = _model()
     blocks = {"blocks": list(model)} if layout else {}
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), **blocks)
+    start_bytes = accelerator.topology.wan_stats.snapshot()["bytes_sent"]  # DiLoCo started in prepare
     first = 1
     if args.resume:
         accelerator.load_state(args.ckpt)
@@ -75,7 +77,7 @@ def main() -> None:
     with accelerator.diloco.global_parameters():
         glob = _full(net)
     report = {"site": site, "local": _full(net), "global": glob, "metrics": metrics, "norms": norms,
-              "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first}
+              "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first, "start_bytes": start_bytes}
     torch.save(report, os.path.join(args.out, f"rank{accelerator.process_index}.pt"))
     accelerator.end_training()
 

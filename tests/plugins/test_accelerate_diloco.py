@@ -74,6 +74,11 @@ def test_wan_metrics_show_bytes_on_merge_steps_only(runs):
         assert merged == sent == [3, 5, 7, 9]  # syncs start at 2, 4, 6, 8 and merge one step later
 
 
+def test_diloco_start_in_prepare_sends_no_parameters_over_the_wan_when_sites_start_equal(runs):
+    for run in runs:  # every rank built the same seeded model: DiLoCo's start compares digests, copies nothing
+        assert [rank["start_bytes"] for rank in run] == [0, 0, 0, 0]
+
+
 def test_load_state_with_a_sync_in_flight_ends_like_the_unbroken_run(runs):
     unbroken, resumed = runs
     for a, b in zip(unbroken, resumed):

@@ -7,8 +7,9 @@ Each rank trains the model of tests/hierarchical/test_diloco.py on its own rows:
 (site ``s``, local rank ``l``) is ``test_diloco._rows(s, l, k)``, ``steps_per_epoch`` optimizer steps per epoch, in
 order (no sampler), so a single-process reference can replay it. ``ModelCheckpoint`` saves every
 ``steps_per_epoch`` steps (at an epoch's end, which Lightning resumes exactly). Every rank writes
-DIR/rank{r}.json (its site, DiLoCo's stats) and DIR/weights_rank{r}.pt (its parameters and, read through
-``strategy.diloco.global_parameters()``, the global ones); rank 0's CSV logger holds the WAN metrics.
+DIR/rank{r}.json (its site, DiLoCo's stats, the WAN bytes sent before the first step) and DIR/weights_rank{r}.pt
+(its parameters and, read through ``strategy.diloco.global_parameters()``, the global ones); rank 0's CSV logger
+holds the WAN metrics.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class Net(pl.LightningModule):
         data = TensorDataset(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]))
         return DataLoader(data, batch_size=len(rows[0][0]))
 
+    def on_train_start(self) -> None:  # DiLoCo started in setup: what its start sent over the WAN
+        self.report["start_bytes"] = self.trainer.strategy.topology.wan_stats.snapshot()["bytes_sent"]
+
     def on_train_end(self) -> None:  # DiLoCo still runs: teardown comes after
         diloco = self.trainer.strategy.diloco
         with diloco.global_parameters():
@@ -86,7 +90,7 @@ def main() -> None:
     torch.save({"local": local, "global": module.report["global"]}, os.path.join(args.out, f"weights_rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"site": strategy.topology.site, "stats": module.report["stats"],
-                   "global_step": trainer.global_step}, f)
+                   "start_bytes": module.report["start_bytes"], "global_step": trainer.global_step}, f)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ def test_wan_metrics_reach_the_logger_on_merge_steps_only(runs):
     assert all(float(r["wan/exposed_s"]) >= 0 for r in rows)
 
 
+def test_diloco_start_sends_no_parameters_over_the_wan_when_sites_start_equal(runs):
+    for run in runs:  # DDP's start-up broadcast made the sites equal; DiLoCo's start compares digests only
+        assert [rank["start_bytes"] for rank in run["ranks"]] == [0, 0, 0, 0]
+
+
 def test_resume_from_a_checkpoint_with_a_sync_in_flight_ends_like_the_unbroken_run(runs):
     unbroken, resumed = runs
     for a, b, ra, rb in zip(unbroken["weights"], resumed["weights"], unbroken["ranks"], resumed["ranks"]):
