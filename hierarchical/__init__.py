@@ -13,7 +13,7 @@ Low-bandwidth sites (DiLoCo: sites train alone, pseudo-gradients cross the WAN e
 
     register_site_ddp_hook(ddp_model, topo)                 # DDP averages inside the site only
     diloco = DiLoCo(ddp_model, optimizer, topo, DiLoCoConfig(sync_every=50, fragments=4, overlap_steps=1))
-    # ... the usual loop: every optimizer.step() is followed by diloco.step() (a hook on the optimizer)
+    # ... the usual loop: every optimizer.step() runs diloco.step() (a hook on the optimizer; don't call it too)
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class DiLoCo:
         model: the model as trained (a DDP wrapper, an FSDP2 / TP module: DTensor parameters sync their local
             shards). Replicas inside a site must hold equal values, as DDP and FSDP2 keep them.
         inner_optimizer: when given, ``step()`` runs after each of its steps (a step post-hook; a step a
-            ``GradScaler`` skips is not counted). ``None``: call ``step()`` yourself after each inner step.
+            ``GradScaler`` skips is not counted), and calling ``step()`` yourself raises a RuntimeError (it would
+            count the inner step twice). ``None``: call ``step()`` yourself after each inner step.
         topology: the sites (``Topology.build``, or a parallel layout's replica topology).
         config: ``DiLoCoConfig``; ``None`` builds ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``) on every rank.
         wan: WAN settings of the syncs; default ``topology.wan`` with ``config.compression`` as its codec.
@@ -130,6 +131,7 @@ class DiLoCo:
             ]
         self._largest = max(f.global_flat.numel() for f in self._fragments)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
+        self._hook_stepping = False
 
     def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.config
@@ -151,11 +153,30 @@ class DiLoCo:
 
     def _after_inner_step(self, optimizer, _args, _kwargs) -> None:
         if not _state_init_step(optimizer):
-            self.step()
+            self._hook_stepping = True
+            try:
+                self.step()
+            finally:
+                self._hook_stepping = False
 
     @torch.no_grad()
     def step(self) -> None:
-        """Count one inner step; merge the sync due now and start the one whose turn it is. Every rank."""
+        """Count one inner step; merge the sync due now and start the one whose turn it is. Call it on every rank
+        after each inner step when DiLoCo was built with ``inner_optimizer=None`` (else the optimizer's hook does).
+
+        Raises:
+            RuntimeError: DiLoCo was built with an inner optimizer, whose step post-hook calls ``step()`` already;
+                raised before anything is counted or synced, on the rank that calls it. Every rank running the same
+                loop raises at the same inner step, with the sites' parameters still equal; a rank that called it
+                alone would leave the others waiting in the next sync until ``WanConfig.timeout_s``.
+        """
+        if self._hook is not None and not self._hook_stepping:
+            raise RuntimeError(
+                "DiLoCo.step() was called, but this DiLoCo was built with an inner optimizer, whose step post-hook "
+                "already runs step() after every optimizer.step(): a second call would count each inner step twice "
+                "(syncs every sync_every/2 steps). Remove the diloco.step() call, or build DiLoCo(model, None, "
+                "topology, ...) to call step() yourself."
+            )
         self.stats.inner_steps += 1
         t = self.stats.inner_steps
         started = time.perf_counter()

@@ -58,7 +58,9 @@ def _train(rank: int, world: int, case: dict) -> dict:
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         before = topo.wan_stats.snapshot()["bytes_sent"]
-        opt.step()  # the DiLoCo step runs in the optimizer's post-hook
+        opt.step()  # the DiLoCo step runs in the optimizer's post-hook (built with opt)
+        if case.get("manual"):  # built with inner_optimizer=None: the loop steps DiLoCo itself
+            diloco.step()
         sent.append(topo.wan_stats.snapshot()["bytes_sent"] - before)
         if t == case.get("save_at"):
             from multidc.plugins import Checkpointer
@@ -95,7 +97,7 @@ def _named_global(model, diloco, state) -> dict:
 def _setup(topo, case):
     """DDP over every rank with the site-only hook (as the strategies do), or DDP over the site's group alone,
     where sites start from different values (the blocks ``case["shift"]``, default all, moved on sites > 0) and
-    DiLoCo must copy site 0's parameters everywhere."""
+    DiLoCo must copy site 0's parameters everywhere. ``case["manual"]``: DiLoCo without the inner optimizer."""
     model = _model()
     if case.get("ddp") == "site_group":
         if topo.site:
@@ -108,7 +110,7 @@ def _setup(topo, case):
         ddp = DistributedDataParallel(model)
         register_site_ddp_hook(ddp, topo)
     opt = _inner(ddp.parameters())
-    diloco = DiLoCo(ddp, opt, topo, DiLoCoConfig(**case["config"]))
+    diloco = DiLoCo(ddp, None if case.get("manual") else opt, topo, DiLoCoConfig(**case["config"]))
     return model, ddp, opt, diloco
 
 
@@ -163,6 +165,40 @@ def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_uneq
     config = {"sync_every": 6, "fragments": 3}
     results = run_ranks(_train, 4, {"layout": LAYOUTS["3+1"], "steps": 12, "config": config, "ddp": "site_group"})
     _check(results, _reference(LAYOUTS["3+1"], 12, config))
+
+
+def test_step_by_hand_without_an_inner_optimizer_equals_the_reference():
+    config = {"sync_every": 4}
+    results = run_ranks(_train, 2, {"layout": [0, 1], "steps": 8, "config": config, "manual": True})
+    _check(results, _reference([0, 1], 8, config))
+    assert {r["stats"]["outer_syncs"] for r in results} == {2}
+
+
+def test_a_second_step_for_the_same_inner_step_raises_on_every_rank_before_the_sites_diverge():
+    results = run_ranks(_step_twice, 2)
+    for r in results:  # the manual step() after the hook's, at inner step 1: nothing counted twice, nothing synced
+        assert "Remove the diloco.step() call" in r["error"] and "DiLoCo(model, None" in r["error"], r["error"]
+        assert r["inner_steps"] == 1 and r["outer_syncs"] == 0
+    assert results[0]["global"] == results[1]["global"]
+
+
+def _step_twice(rank: int, world: int) -> dict:
+    """The loop of torchft's DiLoCo: ``optimizer.step()`` then ``diloco.step()``, on a DiLoCo built with the
+    optimizer (whose post-hook steps it already). ``sync_every=2``: counted twice, step 1 would sync."""
+    topo = Topology.build(site=rank)
+    _, ddp, opt, diloco = _setup(topo, {"config": {"sync_every": 2}})
+    x, y = _rows(topo.site, 0, 1)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    try:
+        diloco.step()
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    state = diloco.state_dict()
+    diloco.close()
+    return {"error": error, "inner_steps": diloco.stats.inner_steps, "outer_syncs": diloco.stats.outer_syncs,
+            "global": [_digest(flat) for flat in state["global"].values()]}
 
 
 def test_sites_starting_equal_send_no_parameter_bytes_at_start():
