@@ -113,3 +113,5 @@ ELASTIC = "MULTIDC_ELASTIC"
 LIGHTHOUSE = "MULTIDC_LIGHTHOUSE"
 # The address this host advertises to the other sites for torchft's manager and state transfer (default: its name).
 ELASTIC_HOST = "MULTIDC_ELASTIC_HOST"
+# torchft's own log level (its native side and its Python loggers): error, warn (default), info, debug, trace.
+TORCHFT_LOG_LEVEL = "MULTIDC_TORCHFT_LOG_LEVEL"

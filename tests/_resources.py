@@ -33,6 +33,15 @@ def require_module(name: str, extra: str):
         _missing(f"the Python package {name!r}", f"pip install 'multidc[{extra}]'")
 
 
+def require_torchft():
+    """torchft (the ``elastic`` extra), imported as multidc imports it: its native logging at
+    ``MULTIDC_TORCHFT_LOG_LEVEL`` (warnings by default), whichever test module imports it first."""
+    from multidc.hierarchical.elastic.lighthouse import torchft_logging
+
+    with torchft_logging():
+        return require_module("torchft", "elastic")
+
+
 def require_weed() -> str:
     """Path of the SeaweedFS ``weed`` binary (a real S3 server), or report it missing."""
     path = weed_binary()

@@ -7,14 +7,25 @@ site, or the site least likely to fail); its port must be open to every site.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import html
 import importlib.machinery
 import importlib.util
+import logging
 import os
+import re
 import sys
+import urllib.error
+import urllib.request
 from types import ModuleType
 
 from multidc.hierarchical import _env
+
+_LOG_LEVELS = {"error": "ERROR", "warn": "WARNING", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+               "trace": "DEBUG"}  # MULTIDC_TORCHFT_LOG_LEVEL -> the level of torchft's Python loggers
+_PYTHON_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")  # torchft 0.2's
 
 
 class LighthouseUnreachable(ConnectionError):
@@ -22,9 +33,12 @@ class LighthouseUnreachable(ConnectionError):
 
 
 def import_torchft() -> ModuleType:
-    """``torchft``, or an ImportError saying how to install it (elastic sites are the optional ``elastic`` extra)."""
+    """``torchft``, or an ImportError saying how to install it (elastic sites are the optional ``elastic`` extra).
+    Its logging is at ``MULTIDC_TORCHFT_LOG_LEVEL`` (default ``warn``) if this is its first import (see
+    ``torchft_logging``)."""
     try:
-        import torchft
+        with torchft_logging():
+            import torchft
     except ImportError as exc:
         raise ImportError(
             "elastic sites run on torchft, which is not installed: pip install 'multidc[elastic]' (torchft 0.2)."
@@ -47,11 +61,52 @@ def _torchft_native() -> ModuleType:
     if not paths:
         return import_torchft()._torchft  # not installed (a clear ImportError), or laid out otherwise
     loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", paths[0])
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("torchft._torchft", paths[0],
-                                                                                     loader=loader))
-    loader.exec_module(module)
+    spec = importlib.util.spec_from_file_location("torchft._torchft", paths[0], loader=loader)
+    with torchft_logging():  # pyo3's single-phase init runs the module's init (its logger) in module_from_spec
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
     sys.modules["torchft._torchft"] = module
     return module
+
+
+def torchft_log_level() -> str:
+    """torchft's log level: ``MULTIDC_TORCHFT_LOG_LEVEL`` (``error``, ``warn``, ``info``, ``debug``, ``trace``),
+    default ``warn``.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = _env.read(_env.TORCHFT_LOG_LEVEL) or "warn"
+    if value.lower() not in _LOG_LEVELS:
+        raise ValueError(f"{_env.TORCHFT_LOG_LEVEL}={value!r} is not a log level: set error, warn, info, debug or "
+                         f"trace (default warn), or unset it.")
+    return "warn" if value.lower() == "warning" else value.lower()
+
+
+@contextlib.contextmanager
+def torchft_logging():
+    """Around the first import of torchft's native extension: its logging at ``torchft_log_level()``.
+
+    torchft 0.2's extension sets its Rust logger once, when it is imported, from ``RUST_LOG`` (unset or unknown:
+    info, about six lines per step on a site's rank 0, and the lighthouse's every quorum with its members).
+    ``RUST_LOG`` holds the level for that import only, so other Rust libraries keep the user's. torchft's Python
+    loggers get the same level unless the user set theirs. A no-op once the extension is loaded."""
+    if "torchft._torchft" in sys.modules:
+        yield
+        return
+    level, before = torchft_log_level(), os.environ.get("RUST_LOG")
+    os.environ["RUST_LOG"] = level
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RUST_LOG", None)
+        else:
+            os.environ["RUST_LOG"] = before
+    for name in _PYTHON_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(_LOG_LEVELS[level])
 
 
 def lighthouse_url(address: str | None = None) -> str:
@@ -96,6 +151,53 @@ def check_lighthouse(address: str | None = None, *, timeout_s: float = 10.0) -> 
             f"open the port between the sites. ({exc})"
         ) from exc
     return url
+
+
+@dataclasses.dataclass(frozen=True)
+class HeardReplica:
+    """A replica group (an elastic site's member) the lighthouse has heard since it started."""
+
+    replica_id: str
+    """torchft's id: ``<site name>:<uuid>``, a new uuid per start of the site's manager."""
+    heard_s_ago: float
+    """Seconds since its last heartbeat (or quorum request) reached the lighthouse."""
+    alive: bool
+    """Heard within the lighthouse's heartbeat timeout: the lighthouse counts it as present."""
+    address: str | None
+    """Its torchft manager (``http://host:port``) if it is in the lighthouse's last quorum, else None."""
+
+    @property
+    def site(self) -> str:
+        return self.replica_id.rpartition(":")[0] or self.replica_id
+
+
+_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(.*?): seen ([0-9.eE+-]+)s ago\s*</li>', re.S)
+_MEMBER = re.compile(r'<div class="member[^"]*">\s*<b>(.*?)</b>.*?Manager: (\S+?)\s*<br/>', re.S)
+
+
+def heard_replicas(address: str | None = None, *, timeout_s: float = 10.0) -> list[HeardReplica]:
+    """The replica groups the lighthouse has heard, from its status page (torchft 0.2's dashboard, ``/status`` on
+    the lighthouse's port), without registering anything (no heartbeat, no quorum request, which would hold up the
+    job's quorums).
+
+    Raises:
+        OSError: the lighthouse does not answer within ``timeout_s``.
+        ValueError: it serves no such page (``address``: a malformed one, or none configured).
+    """
+    url = lighthouse_url(address)
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # as the sites reach it: no HTTP proxy
+    try:
+        with direct.open(f"{url}/status", timeout=timeout_s) as response:
+            page = response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"the lighthouse at {url} serves no status page: {exc}") from exc
+    if "<h2>Heartbeats</h2>" not in page:
+        raise ValueError(f"the lighthouse at {url} serves no heartbeat list at /status (checked against torchft "
+                         f"0.2's): {page[:200]!r}")
+    managers = {html.unescape(rid): html.unescape(addr) for rid, addr in _MEMBER.findall(page)}
+    return [HeardReplica(replica_id=html.unescape(rid), heard_s_ago=float(age), alive=not old,
+                         address=managers.get(html.unescape(rid)))
+            for old, rid, age in _HEARTBEAT.findall(page)]
 
 
 def start_lighthouse(bind: str, *, min_sites: int = 1, join_timeout_ms: int = 60_000, quorum_tick_ms: int = 100,

@@ -23,6 +23,11 @@ discard that step (``commit()`` is False; one that completed it commits, and the
 it from one that committed), the next quorum leaves the dead site out once the lighthouse stops hearing it, and the
 others go on, averaging over the sites present. A restarted site joins at the next quorum and receives the model,
 optimizer and step from a live site's same-index rank (torchft's HTTP checkpoint transport), not from storage.
+A site's name is held by one member at a time: a site started while a live member of that name is in the job fails
+before joining any quorum (a restart right after a crash waits until the lighthouse drops the dead member).
+
+torchft logs at ``MULTIDC_TORCHFT_LOG_LEVEL`` (default ``warn``); each site logs one line per change of the quorum's
+members (sites joined and left, the step) on its rank 0, at INFO on the ``multidc.hierarchical.elastic`` logger.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from multidc.hierarchical import _env
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
+from multidc.hierarchical.elastic.members import quorum_change, wait_for_site_name
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
@@ -110,7 +116,8 @@ class ElasticSite:
     Args:
         state_dict: what a rejoining site receives (model, optimizer, ...): called on a live site's ranks.
         load_state_dict: applies it on the rejoining site's ranks, before its first step.
-        site: this site's name (default ``MULTIDC_SITE``); sites must have distinct names.
+        site: this site's name (default ``MULTIDC_SITE``); sites must have distinct names, and one process group
+            holds a name at a time (see ``start_step``).
         wan: WAN settings of the rail hop (``timeout_s``: how long a step waits for a dead site before the step
             is discarded; ``chunk_mb``); default ``WanConfig()``. One WAN stream per rail (torchft reconfigures
             one group per rank), whatever ``streams`` says.
@@ -227,6 +234,9 @@ class ElasticSite:
         site holds the job's latest state as the first of the sites that hold it (``is_leader``)."""
         self._transport.expect(quorum)
         self._leads = leads_after_quorum(quorum)
+        change = quorum_change(self._members, tuple(quorum.replica_ids))
+        if change is not None and dist.get_rank() == 0:  # once per change and site, not per step
+            _log.info("site %r, step %d: the quorum has %s", self.name, quorum.max_step, change)
         self._members = tuple(quorum.replica_ids)
 
     def _claim(self, state: dict) -> dict:
@@ -269,9 +279,21 @@ class ElasticSite:
 
     def start_step(self) -> ElasticTopology:
         """Join this step's quorum (collective over the site, blocks until the quorum forms); a site that needs
-        the live state receives it here. Returns the topology of the sites present."""
+        the live state receives it here. Returns the topology of the sites present.
+
+        The first call, before this site registers with the lighthouse, waits while another member of the job holds
+        this site's name and has been heard within the lighthouse's heartbeat timeout (a crashed one: until the
+        lighthouse drops it). One still heartbeating 5 s after this site first looked is a live one: this site
+        then fails, and the job goes on without noticing it.
+
+        Raises:
+            RuntimeError: (first call, every rank) a live member of the job holds this site's name; the message
+                names it and its manager's address.
+        """
         if self.topology is not None:
             self.topology.close()
+        if self._manager is None:  # before this site registers with the lighthouse
+            self._wait_for_name()
         deadline, manager = time.monotonic() + self._quorum_timeout_s, self.manager
         while True:
             try:
@@ -313,6 +335,17 @@ class ElasticSite:
                       self.name, manager.current_step())
             _run_all(deferred)
         return self.topology
+
+    def _wait_for_name(self) -> None:
+        """Wait until no live member of the job holds this site's name, else raise on every rank of the site
+        (collective; rank 0 asks the lighthouse, see ``multidc.hierarchical.elastic.members``)."""
+        verdict = [None]
+        if dist.get_rank() == 0:
+            verdict[0] = wait_for_site_name(self._manager_options["lighthouse_addr"], self.name,
+                                            timeout_s=self._quorum_timeout_s)
+        dist.broadcast_object_list(verdict, src=0, group=self._votes)
+        if verdict[0] is not None:
+            raise RuntimeError(verdict[0])
 
     def sync_gradients(self, module: torch.nn.Module) -> None:
         """Average the gradients of ``module``'s trainable parameters over the sites of this step, in place

@@ -6,6 +6,7 @@ Then set ``MULTIDC_LIGHTHOUSE=<this host>:29510`` on every site; ``multidc docto
 it. ``--min-sites`` should be a majority of the sites: a restarted lighthouse that has not yet heard every site
 can otherwise give two groups of sites a quorum each on the same step (their weights then stay apart).
 Its traffic is unauthenticated, unencrypted gRPC, like gloo's: keep the port on the sites' private network.
+torchft's own log lines are warnings only; ``MULTIDC_TORCHFT_LOG_LEVEL=info`` shows every quorum with its members.
 """
 
 from __future__ import annotations

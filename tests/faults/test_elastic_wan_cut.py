@@ -15,9 +15,9 @@ import torch
 
 from multidc.hierarchical.tools.lab import Lab, lab_available
 from multidc.hierarchical.tools.processes import ProcessTree
-from tests._resources import require_module
+from tests._resources import require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
 from tests.hierarchical.test_elastic import KILL_AT, STEPS, _free_port, _logs, _progress, _site  # noqa: E402

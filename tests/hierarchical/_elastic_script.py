@@ -6,13 +6,14 @@
 Each rank trains ``model()`` with SGD on its rows (``rows(site, local rank, step)``), averaging gradients over
 the sites present through ``ElasticSite``. The job ends once ``--steps`` steps are committed and all ``--sites``
 sites took part in the last one (or at ``--max-steps``). Every committed step is logged with the sites that took
-part; each rank writes DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (the committed step count) as it
-goes.
+part (and those present twice: two members of one site); multidc's INFO log lines go to stderr; each rank writes
+DIR/<site>_rank<r>.pt at the end and DIR/<site>.progress (the committed step count) as it goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # multidc's INFO lines
     dist.init_process_group("gloo")
     rank, index = dist.get_rank(), int(args.site.removeprefix("site"))
     net = model(args.hidden, seed=index if args.seed_per_site else 0)
@@ -89,14 +91,14 @@ def main() -> None:
         torch.nn.functional.mse_loss(trained(x), y).backward()  # under DDP: averaged inside the site
         site.sync_gradients(trained)
         present = torch.zeros(MAX_SITES)
-        present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per site present
+        present[index] = 1.0 / dist.get_world_size()  # summed over the site's ranks: 1 per member of the site
         site.all_reduce(present, op="sum")
         if step == args.discard_at:
             site.manager.report_error(RuntimeError(f"test: {args.site} discards step {step}"))
         if site.commit():
             opt.step()
             last, last_step = [s for s in range(MAX_SITES) if present[s] > 0.5], step
-            log.append({"step": step, "sites": last})
+            log.append({"step": step, "sites": last, "twice": [s for s in range(MAX_SITES) if present[s] > 1.5]})
         else:
             discarded += 1
         if site.is_leader:

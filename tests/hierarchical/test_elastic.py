@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from multidc.hierarchical.tools.processes import ProcessTree
-from tests._resources import require_module
+from tests._resources import require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 
 from multidc.hierarchical.elastic import start_lighthouse  # noqa: E402
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
@@ -59,12 +59,13 @@ class Lighthouse:
 
 
 def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
-          script: str = SCRIPT, lab=None, accelerate: list[str] | None = None) -> ProcessTree:
+          script: str = SCRIPT, lab=None, accelerate: list[str] | None = None,
+          env: dict[str, str] | None = None) -> ProcessTree:
     """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop);
     with ``lab``, inside site ``name``'s namespace, advertising its WAN address; with ``accelerate`` (the
-    ``accelerate launch --config_file ...`` command), that instead of torchrun."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
-    env |= {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ``accelerate launch --config_file ...`` command), that instead of torchrun; ``env``: more variables."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
+    env = base | {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | (env or {})
     host = "127.0.0.1"
     if lab is not None:
         host = lab.site_ip(int(name.removeprefix("site")))

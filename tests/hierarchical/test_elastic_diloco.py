@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._resources import require_module
+from tests._resources import require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402

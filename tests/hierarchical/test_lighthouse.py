@@ -15,9 +15,9 @@ import time
 import pytest
 
 from multidc.hierarchical.tools.processes import ProcessTree
-from tests._resources import require_module
+from tests._resources import require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 
 from multidc.hierarchical.elastic import (  # noqa: E402
     LighthouseUnreachable,

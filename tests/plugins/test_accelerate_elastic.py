@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests._launch import run_script
-from tests._resources import require_module
+from tests._resources import require_module, require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402

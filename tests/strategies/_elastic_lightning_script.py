@@ -66,9 +66,10 @@ class Net(pl.LightningModule):
             self.initial = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
             self.trained_on = self.device.type
         present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
-        present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site present
+        present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per member of a site
         strategy.elastic_site.all_reduce(present, op="sum")
-        self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5])
+        self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5],
+                         [s for s in range(MAX_SITES) if present[s] > 1.5])  # a site present twice
         if step == self.stall[0]:  # once (the retried step goes through), longer than the WAN timeout
             seconds, self.stall = self.stall[1], (-1, 0.0)
             time.sleep(seconds)
@@ -79,8 +80,8 @@ class Net(pl.LightningModule):
         if self.trainer.global_step % 10 == 0:
             self.rng_at_save[self.trainer.global_step] = torch.get_rng_state()
         if self.trainer.strategy.elastic_committed:
-            step, sites = self._pending
-            self.log_steps.append({"step": step, "sites": sites})
+            step, sites, twice = self._pending
+            self.log_steps.append({"step": step, "sites": sites, "twice": twice})
         else:
             self.discarded += 1
         if self.global_rank == 0:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._resources import require_cuda, require_module
+from tests._resources import require_cuda, require_module, require_torchft
 
-require_module("torchft", "elastic")
+require_torchft()
 require_module("lightning", "lightning")
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
@@ -33,6 +33,7 @@ from tests.hierarchical.test_elastic import (  # noqa: E402
     first_quorum_beside_an_idle_site,
     run_alone,
 )
+from tests.hierarchical.test_elastic_members import check_second_member_refused  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
 DILOCO_SCRIPT = str(Path(__file__).resolve().parent / "_elastic_diloco_lightning_script.py")
@@ -81,6 +82,12 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse, accele
     expected = reference(survivor["log"], 1, survivor["initial"], scheduled=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6 if accelerator == "cpu" else 1e-4)
+
+
+def test_a_second_process_of_a_live_site_is_refused_by_a_lightning_fit(tmp_path, lighthouse):
+    # the check is ElasticSite's, before the first quorum: under a Trainer the second process fails in the
+    # strategy's first step, and the fit of both sites goes on as if it had not come
+    check_second_member_refused(tmp_path, lighthouse.address, ["--max-steps", "400", "--sleep", "0.05"], script=SCRIPT)
 
 
 def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, lighthouse):

@@ -1,0 +1,82 @@
+"""Who is in an elastic job: a site's name held by one member at a time, and one log line per change of members.
+
+Invariant: a process that starts a site whose name a live member of the job holds never registers with the
+lighthouse (its torchft manager, whose heartbeats and quorum requests would make it a second member of that site, is
+never started), so the job's quorums never hold a site twice and the live sites see nothing of it. A member that
+has stopped heartbeating (crashed) leaves after the lighthouse's heartbeat timeout; a newcomer waits for that.
+
+Limit: two processes of one site started within a poll of each other both find the name free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from multidc.hierarchical import _env
+from multidc.hierarchical.elastic.lighthouse import HeardReplica, heard_replicas
+
+_log = logging.getLogger("multidc.hierarchical.elastic")
+
+LIVE_AFTER_S = 5.0
+"""A member of the site that still heartbeats this long after the newcomer first looked is alive, not dying
+(torchft's and ``multidc lighthouse``'s default heartbeat timeout, in seconds)."""
+
+
+def wait_for_site_name(url: str, name: str, *, timeout_s: float, live_after_s: float = LIVE_AFTER_S,
+                       poll_s: float = 0.25) -> str | None:
+    """Wait until no live member of the job holds site ``name`` (per the lighthouse at ``url``).
+
+    Returns None when the name is free: no member of it heartbeats, or the ones that did stopped and the lighthouse
+    dropped them. Returns why this process must not join when a member still heartbeats ``live_after_s`` after the
+    first look, or when one is still present after ``timeout_s``. A lighthouse that does not answer is asked again
+    until ``timeout_s``, and then, like one without torchft 0.2's status page, left to the quorum (logged)."""
+    looked, said = time.monotonic(), set()
+    while True:
+        try:
+            heard = heard_replicas(url, timeout_s=min(10.0, timeout_s))
+        except ValueError as exc:
+            _log.warning("site %r joins without checking that no other member holds its name: %s", name, exc)
+            return None
+        except OSError as exc:
+            heard, error = None, exc
+        now = time.monotonic()
+        held = [r for r in heard or () if r.alive and r.site == name]
+        if heard is not None and not held:
+            return None
+        for member in held:
+            if now - member.heard_s_ago > looked + live_after_s:  # a heartbeat that came after the grace
+                return _taken(url, name, member, f"{now - looked:.1f} s after this process first looked")
+            if member.replica_id not in said:
+                said.add(member.replica_id)
+                _log.info("site %r waits for its member %s (heard %.1f s ago) to leave the job: the lighthouse drops "
+                          "a member whose heartbeats stop after its heartbeat timeout", name, member.replica_id,
+                          member.heard_s_ago)
+        if now - looked > timeout_s:
+            if heard is None:
+                _log.warning("site %r could not read the lighthouse's status page at %s for %g s (%s): it joins "
+                             "without checking that no other member holds its name", name, url, timeout_s, error)
+                return None
+            return _taken(url, name, held[0], f"still present after quorum_timeout_s={timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def _taken(url: str, name: str, member: HeardReplica, when: str) -> str:
+    where = f"its torchft manager at {member.address}" if member.address else "not yet in a quorum"
+    return (f"site {name!r} is already in the job: its member {member.replica_id} ({where}) still heartbeats to the "
+            f"lighthouse at {url}, heard {member.heard_s_ago:.1f} s ago, {when}. A site's name is held by one "
+            f"member at a time: stop that member first (a restart waits until the lighthouse drops it), or start "
+            f"this one under another name ({_env.SITE} or site=).")
+
+
+def quorum_change(before: tuple[str, ...], after: tuple[str, ...]) -> str | None:
+    """What changed between two quorums' members (torchft replica ids, ``<site>:<uuid>``), for a log line; None if
+    nothing did. A restarted site leaves under its old id and joins under its new one."""
+    if tuple(sorted(before)) == tuple(sorted(after)):
+        return None
+
+    def sites(ids) -> str:
+        return ", ".join(sorted(rid.rpartition(":")[0] or rid for rid in ids)) or "none"
+
+    joined, left = set(after) - set(before), set(before) - set(after)
+    return f"{len(after)} site(s) ({sites(after)}); joined: {sites(joined)}; left: {sites(left)}"

@@ -1,0 +1,206 @@
+"""Who is in an elastic job (``multidc.hierarchical.elastic.members``), and what the job logs about it.
+
+A second process of a site already in the job fails before it joins any quorum, naming the site and the live
+member's manager, while the job goes on as if it had not come; a site restarted right after a crash waits until
+the lighthouse drops the dead member, then rejoins. torchft logs warnings only unless ``MULTIDC_TORCHFT_LOG_LEVEL``
+asks for more, and each site logs one line per change of the quorum's members, not one per step."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from multidc.hierarchical.tools.processes import ProcessTree
+from tests._resources import require_torchft
+
+require_torchft()
+
+from multidc.hierarchical.elastic import start_lighthouse  # noqa: E402
+from multidc.hierarchical.elastic.lighthouse import heard_replicas, torchft_log_level  # noqa: E402
+from multidc.hierarchical.elastic.members import quorum_change, wait_for_site_name  # noqa: E402
+from tests.hierarchical.test_elastic import (  # noqa: E402
+    KILL_AT,
+    SCRIPT,
+    TIMEOUT_S,
+    _logs,
+    _progress,
+    _site,
+    finish_all,
+)
+
+MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+def check_second_member_refused(tmp_path: Path, lighthouse: str, live: list[str], script: str = SCRIPT) -> dict:
+    """site0 and site1 train (``live`` arguments: long enough to be there when the second process comes); a second
+    process of site1 (the same command) must fail, its log naming the site and the live member's manager, while
+    both go on and finish as if it had not come: no step discarded, every step committed once, no quorum with a
+    site twice, both identical. Returns each site's rank-0 results."""
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never started"
+            assert all(tree.process.poll() is None for tree in trees.values()), _logs(tmp_path, "site1")
+            time.sleep(0.05)
+        second = _site("site1", 1, 2, lighthouse, tmp_path, *live, script=script)
+        code, _ = second.wait(max(1.0, deadline - time.monotonic()))
+        log = (tmp_path / "site1.1.log").read_text()
+        assert code != 0, log[-3000:]
+        assert re.search(r"site 'site1' is already in the job: its member site1:\S+ \(its torchft manager at "
+                         r"http://\S+:\d+\) still heartbeats", log), log[-3000:]
+        assert all(tree.process.poll() is None for tree in trees.values()), "the job ended before the refusal"
+        finish_all(trees, tmp_path, deadline - time.monotonic())
+    finally:
+        for tree in trees.values():
+            tree.kill()
+    ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
+    for name, rank in ranks.items():
+        assert rank["discarded"] == 0, name
+        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], rank["final_step"])), name
+        assert not [e for e in rank["log"] if e["twice"]], name  # the quorums never held site1 twice
+    for key, value in ranks["site0"]["params"].items():
+        assert torch.equal(value, ranks["site1"]["params"][key]), key
+    return ranks
+
+
+def test_a_second_process_of_a_live_site_is_refused_and_the_job_goes_on(tmp_path, lighthouse):
+    check_second_member_refused(tmp_path, lighthouse.address, ["--steps", "250"])
+
+
+def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_it_then_rejoins(tmp_path):
+    # the killed member's last heartbeat is still within the lighthouse's heartbeat timeout (12 s: longer than a
+    # restart takes, and than LIVE_AFTER_S) when the restarted site looks: it must wait for it, not refuse it
+    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=12_000, join_timeout_ms=1000)
+    address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while _progress(tmp_path, "site1") < KILL_AT:
+            assert time.monotonic() < deadline, "the job never reached the kill step"
+            assert trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+            time.sleep(0.05)
+        trees["site1"].kill()  # every process of the site
+        killed_at = _progress(tmp_path, "site1")
+        (tmp_path / "site1.progress").unlink()
+        trees["site1"] = _site("site1", 1, 2, address, tmp_path, "--steps", "40")  # at once, the same command
+        finish_all(trees, tmp_path, deadline - time.monotonic())
+    finally:
+        for tree in trees.values():
+            tree.kill()
+        server.shutdown()
+    assert re.search(r"site 'site1' waits for its member site1:\S+ \(heard \d+\.\d s ago\) to leave the job",
+                     (tmp_path / "site1.1.log").read_text()), _logs(tmp_path, "site1")
+    survivor, restarted = (torch.load(tmp_path / f"{name}_rank0.pt") for name in names)
+    assert restarted["joined_at"] > killed_at and restarted["final_step"] == survivor["final_step"] >= 40
+    assert [e["step"] for e in survivor["log"]] == list(range(survivor["joined_at"], survivor["final_step"]))
+    assert not [e for e in survivor["log"] + restarted["log"] if e["twice"]]
+    for key, value in survivor["params"].items():
+        assert torch.equal(value, restarted["params"][key]), key
+
+
+def test_the_lighthouse_status_tells_a_live_member_from_one_that_stopped_heartbeating():
+    # what the check reads without registering: torchft 0.2's status page (the format is checked here)
+    from torchft.coordination import LighthouseClient
+
+    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=1500)
+    url = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    stop = threading.Event()
+    try:
+        client = LighthouseClient(url, connect_timeout=datetime.timedelta(seconds=10))
+        client.quorum(replica_id="us-east:a1", timeout=datetime.timedelta(seconds=10), address="http://h0:1234",
+                      store_address="h0:29500", step=3, world_size=1)  # in the last quorum: its address is known
+        client.heartbeat("eu-west:b2")  # heard once, then silent (crashed)
+
+        def beat() -> None:  # a live member heartbeats every 100 ms, as torchft's manager does
+            while not stop.wait(0.1):
+                client.heartbeat("us-east:a1")
+
+        threading.Thread(target=beat, daemon=True).start()
+        heard = {r.replica_id: r for r in heard_replicas(url, timeout_s=10)}
+        assert set(heard) == {"us-east:a1", "eu-west:b2"} and all(r.alive for r in heard.values())
+        assert heard["us-east:a1"].address == "http://h0:1234" and heard["eu-west:b2"].address is None
+        assert heard["us-east:a1"].site == "us-east"
+        started = time.monotonic()
+        assert wait_for_site_name(url, "eu-west", timeout_s=30, poll_s=0.1) is None  # free once dropped
+        assert 0.5 < time.monotonic() - started < 10
+        assert not {r.replica_id: r for r in heard_replicas(url)}["eu-west:b2"].alive
+        assert wait_for_site_name(url, "ap-south", timeout_s=30) is None  # never heard: free at once
+        started = time.monotonic()
+        refusal = wait_for_site_name(url, "us-east", timeout_s=30, live_after_s=1.0, poll_s=0.1)
+        assert 1.0 < time.monotonic() - started < 10
+        assert refusal.startswith("site 'us-east' is already in the job: its member us-east:a1 (its torchft "
+                                  "manager at http://h0:1234) still heartbeats to the lighthouse at "), refusal
+    finally:
+        stop.set()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("before,after,expected", [
+    ((), ("a:1",), "1 site(s) (a); joined: a; left: none"),
+    (("a:1",), ("a:1", "b:2"), "2 site(s) (a, b); joined: b; left: none"),
+    (("a:1", "b:2"), ("b:2", "a:1"), None),  # the same members
+    (("a:1", "b:2"), ("a:1",), "1 site(s) (a); joined: none; left: b"),
+    (("a:1", "b:2"), ("a:1", "b:3"), "2 site(s) (a, b); joined: b; left: b"),  # b restarted
+])
+def test_a_quorum_change_names_the_sites_that_joined_and_left(before, after, expected):
+    assert quorum_change(before, after) == expected
+
+
+@pytest.mark.parametrize("value,expected", [(None, "warn"), ("INFO", "info"), ("warning", "warn"),
+                                            ("debug", "debug"), ("loud", ValueError)])
+def test_torchft_log_level_comes_from_its_variable(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("MULTIDC_TORCHFT_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("MULTIDC_TORCHFT_LOG_LEVEL", value)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="MULTIDC_TORCHFT_LOG_LEVEL='loud' is not a log level: set error, warn"):
+            torchft_log_level()
+    else:
+        assert torchft_log_level() == expected
+
+
+@pytest.mark.parametrize("level", [None, "info"])
+def test_torchft_logs_warnings_only_unless_asked_and_each_site_logs_each_quorum_change_once(tmp_path, level):
+    # torchft's native INFO lines (about six per step on a site's rank 0; the lighthouse's every quorum) only when
+    # MULTIDC_TORCHFT_LOG_LEVEL asks; multidc's own line per change of the quorum's members either way
+    env = {"MULTIDC_TORCHFT_LOG_LEVEL": level} if level else {}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "RUST_LOG"))}
+    output = tmp_path / "lighthouse.log"
+    with output.open("w") as out:
+        lighthouse = ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0", "--heartbeat-timeout-ms", "2000",
+                                  "--join-timeout-ms", "1000"], env=base | env, stdout=out, stderr=subprocess.STDOUT)
+    names, trees = ["site0", "site1"], {}
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"listening on (127\.0\.0\.1:\d+)", output.read_text())):
+            assert time.monotonic() < deadline and lighthouse.process.poll() is None, output.read_text()
+            time.sleep(0.05)
+        trees = {name: _site(name, 1, 2, match.group(1), tmp_path, "--steps", "20", env=env) for name in names}
+        finish_all(trees, tmp_path)
+    finally:
+        for tree in [*trees.values(), lighthouse]:
+            tree.kill()
+    logs = {name: (tmp_path / f"{name}.0.log").read_text() for name in names} | {"lighthouse": output.read_text()}
+    if level is None:
+        assert not [name for name, log in logs.items() if "[INFO] [torchft" in log], logs
+    else:
+        assert "[INFO] [torchft::lighthouse]" in logs["lighthouse"] and "[INFO] [torchft::manager]" in logs["site0"]
+    for name in names:
+        changes = [line for line in logs[name].splitlines() if f"site '{name}', step " in line]
+        assert 1 <= len(changes) <= 4, changes  # 20 steps: once per change, not per step
+        assert all("INFO multidc.hierarchical.elastic: " in line and "the quorum has" in line for line in changes)
+        assert any("the quorum has 2 site(s) (site0, site1); joined: " in line for line in changes), changes
