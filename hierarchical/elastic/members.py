@@ -5,7 +5,10 @@ lighthouse (its torchft manager, whose heartbeats and quorum requests would make
 never started), so the job's quorums never hold a site twice and the live sites see nothing of it. A member that
 has stopped heartbeating (crashed) leaves after the lighthouse's heartbeat timeout; a newcomer waits for that.
 
-Limit: two processes of one site started within a poll of each other both find the name free.
+A member that the check cannot stop (a site cut off from the lighthouse until its replacement joined, then back;
+two processes of one site started within a poll of each other) shows up in a quorum beside another member of its
+name. Then one of them leaves before that quorum's step trains (``in_quorum_twice``): the step is discarded where
+its WAN transfers expected the leaver, and no committed step counts a site twice.
 """
 
 from __future__ import annotations
@@ -76,7 +79,30 @@ def quorum_change(before: tuple[str, ...], after: tuple[str, ...]) -> str | None
         return None
 
     def sites(ids) -> str:
-        return ", ".join(sorted(rid.rpartition(":")[0] or rid for rid in ids)) or "none"
+        return ", ".join(sorted(_site_of(rid) for rid in ids)) or "none"
 
     joined, left = set(after) - set(before), set(before) - set(after)
     return f"{len(after)} site(s) ({sites(after)}); joined: {sites(joined)}; left: {sites(left)}"
+
+
+def in_quorum_twice(quorum) -> tuple[list[str], bool] | None:
+    """``(the other members of this site's name, whether this member leaves)`` when a torchft quorum answer holds this
+    member's site more than once; None when it does not.
+
+    The member behind the job's step leaves (the quorum would heal it: a member back from a cut-off after its
+    replacement joined); when every member of the quorum is at the job's step (two processes started together), all
+    but the lowest replica id leave. Every member of the site decides alike from the same answer, and one member of
+    the name stays, unless two of them are at the job's step while another site heals (then both stay, each logging
+    the other)."""
+    ids = list(quorum.replica_ids)  # sorted by replica id; replica_rank indexes them (torchft 0.2)
+    me = ids[quorum.replica_rank]
+    same = sorted(rid for rid in ids if _site_of(rid) == _site_of(me))
+    if len(same) < 2:
+        return None
+    behind = quorum.max_replica_rank is None
+    everyone_at_step = quorum.max_world_size == len(ids)
+    return [rid for rid in same if rid != me], behind or (everyone_at_step and me != same[0])
+
+
+def _site_of(replica_id: str) -> str:
+    return replica_id.rpartition(":")[0] or replica_id

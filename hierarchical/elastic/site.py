@@ -47,7 +47,7 @@ from multidc.hierarchical import _env
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
-from multidc.hierarchical.elastic.members import quorum_change, wait_for_site_name
+from multidc.hierarchical.elastic.members import in_quorum_twice, quorum_change, wait_for_site_name
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
@@ -177,6 +177,7 @@ class ElasticSite:
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
         self._leads = False  # see is_leader
         self._members: tuple[str, ...] = ()  # the replica ids (name:uuid) of this rank's last quorum
+        self._twice: tuple[list[str], bool] | None = None  # see members.in_quorum_twice: of the last quorum
         self._undecided: tuple[str, int] | None = None  # see save_once: (the step's first site, the step)
         self._deferred: list[Callable[[], object]] = []
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
@@ -238,6 +239,10 @@ class ElasticSite:
         if change is not None and dist.get_rank() == 0:  # once per change and site, not per step
             _log.info("site %r, step %d: the quorum has %s", self.name, quorum.max_step, change)
         self._members = tuple(quorum.replica_ids)
+        self._twice = in_quorum_twice(quorum)
+        if self._twice is not None and not self._twice[1] and change is not None and dist.get_rank() == 0:
+            _log.warning("site %r, step %d: another member of this site, %s, is in the quorum; it leaves (one "
+                         "member holds a site's name)", self.name, quorum.max_step, ", ".join(self._twice[0]))
 
     def _claim(self, state: dict) -> dict:
         """What a joining site must share with the live ones: the site size, the WAN settings, tensor shapes."""
@@ -300,6 +305,8 @@ class ElasticSite:
                 manager.start_quorum()
             finally:  # a source serves its state by now, or never will: held requests need not wait longer
                 self._transport.quorum_done()
+            if self._twice is not None and self._twice[1]:
+                self._leave_twice(manager.current_step())
             # trained with the job before, received the live state, or the job starts with every site
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
             undecided = self._undecided
@@ -335,6 +342,20 @@ class ElasticSite:
                       self.name, manager.current_step())
             _run_all(deferred)
         return self.topology
+
+    def _leave_twice(self, step: int) -> None:
+        """Leave the job, on every rank of the site (they all read the same quorum answer): its quorum holds another
+        member of this site's name, which stays (see ``members.in_quorum_twice``). The rails close first, so the
+        others' transfers of this step fail at once (they discard it) instead of waiting ``wan.timeout_s``."""
+        others = ", ".join(self._twice[0])
+        self.close()
+        raise RuntimeError(
+            f"site {self.name!r} left the job at step {step}: its quorum also holds {others}, another member of this "
+            f"site that stays (this one is behind, or started at the same moment). A site's name is held by one "
+            f"member at a time: this process was cut off long enough for the lighthouse to drop it and another was "
+            f"started in its place, or two were started at once. Nothing is lost; start one member per site, under "
+            f"another name ({_env.SITE} or site=) if you meant a new site."
+        )
 
     def _wait_for_name(self) -> None:
         """Wait until no live member of the job holds this site's name, else raise on every rank of the site

@@ -7,9 +7,11 @@ asks for more, and each site logs one line per change of the quorum's members, n
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -109,6 +111,53 @@ def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_i
     assert not [e for e in survivor["log"] + restarted["log"] if e["twice"]]
     for key, value in survivor["params"].items():
         assert torch.equal(value, restarted["params"][key]), key
+
+
+def _signal_tree(tree: ProcessTree, signum: int) -> None:
+    for pid in tree.members():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_the_site_twice(tmp_path, lighthouse):
+    # site1 is cut off (every process stopped: no heartbeat, no transfer) until the lighthouse dropped it; its
+    # replacement passes the name check and joins; then the old member comes back. It must leave at its first
+    # quorum, with a message, while the others go on and never commit a step that counts site1 twice.
+    url = f"http://{lighthouse.address}"
+    names = ["site0", "site1"]
+    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "400") for name in names}
+    old = trees["site1"]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        _signal_tree(old, signal.SIGSTOP)
+        while any(r.alive for r in heard_replicas(url) if r.site == "site1"):  # the lighthouse drops it
+            assert time.monotonic() < deadline, "the lighthouse never dropped the stopped member"
+            time.sleep(0.1)
+        (tmp_path / "site1.progress").unlink()
+        trees["site1"] = _site("site1", 1, 2, lighthouse.address, tmp_path, "--steps", "400")
+        while _progress(tmp_path, "site1") < _progress(tmp_path, "site0") - 1 or _progress(tmp_path, "site1") == 0:
+            assert time.monotonic() < deadline and trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+            time.sleep(0.05)
+        back_at = _progress(tmp_path, "site0")
+        _signal_tree(old, signal.SIGCONT)
+        code, _ = old.wait(max(1.0, deadline - time.monotonic()))
+        log = (tmp_path / "site1.0.log").read_text()
+        assert code != 0, log[-3000:]
+        assert re.search(r"site 'site1' left the job at step \d+: its quorum also holds site1:\S+, another member "
+                         r"of this site that stays", log), log[-3000:]
+        finish_all(trees, tmp_path, deadline - time.monotonic())
+    finally:
+        _signal_tree(old, signal.SIGCONT)
+        for tree in [*trees.values(), old]:
+            tree.kill()
+    survivor, replacement = (torch.load(tmp_path / f"{name}_rank0.pt") for name in names)
+    assert survivor["final_step"] == replacement["final_step"] > back_at
+    assert not [e for e in survivor["log"] + replacement["log"] if e["twice"]]
+    for key, value in survivor["params"].items():
+        assert torch.equal(value, replacement["params"][key]), key
 
 
 def test_the_lighthouse_status_tells_a_live_member_from_one_that_stopped_heartbeating():
