@@ -208,6 +208,24 @@ def test_a_quorum_change_names_the_sites_that_joined_and_left(before, after, exp
     assert quorum_change(before, after) == expected
 
 
+@pytest.mark.parametrize("ids,me,at_step,expected", [
+    (("a:1", "b:2"), 1, (0, 1), None),  # one member per site
+    (("a:1", "b:2", "b:3"), 2, (0, 1), (["b:2"], True)),  # behind the job's step: it leaves
+    (("a:1", "b:2", "b:3"), 1, (0, 1), (["b:3"], False)),  # at the step, the other behind: it stays
+    (("a:1", "b:2", "b:3"), 1, (0, 1, 2), (["b:3"], False)),  # all at the step: the lowest id stays
+    (("a:1", "b:2", "b:3"), 2, (0, 1, 2), (["b:2"], True)),  # ... and the others leave
+])
+def test_of_two_members_of_a_site_in_one_quorum_the_one_behind_or_else_the_higher_id_leaves(ids, me, at_step,
+                                                                                          expected):
+    from types import SimpleNamespace
+
+    from multidc.hierarchical.elastic.members import in_quorum_twice
+
+    quorum = SimpleNamespace(replica_ids=list(ids), replica_rank=me, max_world_size=len(at_step),
+                             max_replica_rank=at_step.index(me) if me in at_step else None)
+    assert in_quorum_twice(quorum) == expected
+
+
 @pytest.mark.parametrize("value,expected", [(None, "warn"), ("INFO", "info"), ("warning", "warn"),
                                             ("debug", "debug"), ("loud", ValueError)])
 def test_torchft_log_level_comes_from_its_variable(monkeypatch, value, expected):
