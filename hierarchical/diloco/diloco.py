@@ -170,15 +170,7 @@ class DiLoCo:
                 loop raises at the same inner step, with the sites' parameters still equal; a rank that called it
                 alone would leave the others waiting in the next sync until ``WanConfig.timeout_s``.
         """
-        if self._hook is not None and not self._hook_stepping:
-            raise RuntimeError(
-                "DiLoCo.step() was called, but this DiLoCo was built with an inner optimizer, whose step post-hook "
-                "already runs step() after every optimizer.step(): a second call would count each inner step twice "
-                "(syncs every sync_every/2 steps). Remove the diloco.step() call, or build DiLoCo(model, None, "
-                "topology, ...) to call step() yourself."
-            )
-        self.stats.inner_steps += 1
-        t = self.stats.inner_steps
+        t = self._count_inner_step()
         started = time.perf_counter()
         synced = False
         if self._in_flight is not None and self._in_flight.merge_at <= t:
@@ -192,6 +184,19 @@ class DiLoCo:
             synced = True
         if synced:
             self.stats.exposed_s += time.perf_counter() - started
+
+    def _count_inner_step(self) -> int:
+        """Count the inner step ``step()`` was called for and return its number; refuse a call that does not come
+        from the inner optimizer's hook when there is one (see ``step``), before anything is counted."""
+        if self._hook is not None and not self._hook_stepping:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() was called, but it was built with an inner optimizer, whose step "
+                "post-hook already runs step() after every optimizer.step(): a second call would count each inner "
+                "step twice (syncs every sync_every/2 steps). Remove the diloco.step() call (a DiLoCo to step by "
+                "hand is built without the optimizer: DiLoCo(model, None, topology, ...))."
+            )
+        self.stats.inner_steps += 1
+        return self.stats.inner_steps
 
     def _due(self, t: int) -> int | None:
         """The fragment whose sync starts at inner step ``t``, or None (at most one: ``fragments <= sync_every``

@@ -217,13 +217,13 @@ class ElasticDiLoCo(DiLoCo):
         ``overlap_steps`` later) the round ends: the site's ranks vote, a committed round steps the fragment's
         outer optimizer, the fragment's local parameters take the global ones (merged with weight ``alpha`` under
         overlap), and the site joins the next quorum (with ``start_rounds=False`` the caller does that:
-        ``start_round()``). Every rank of the site."""
+        ``start_round()``). Every rank of the site. The inner optimizer's step post-hook calls it: calling it
+        yourself too raises a RuntimeError (it would count each inner step twice), as ``DiLoCo.step`` does."""
         if self.round_pending:
             raise RuntimeError("ElasticDiLoCo: start_round() must come before the first inner step (join=False) and, "
                                "with start_rounds=False, between a round's end and the next inner step.")
-        self.stats.inner_steps += 1
+        t = self._count_inner_step()
         self.synced = None
-        t = self.stats.inner_steps
         if self._in_flight is not None and self._in_flight.merge_at <= t:
             return self._end_round()
         due = self._due(t)

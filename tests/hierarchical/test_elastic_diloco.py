@@ -11,6 +11,7 @@ discarded rounds and the state a restarted site received."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,40 @@ def test_overlap_that_reaches_the_next_sync_is_refused_before_connecting(sync_ev
     config = DiLoCoConfig(sync_every=sync_every, fragments=fragments, overlap_steps=overlap)
     with pytest.raises(ValueError, match=f"overlap_steps={overlap} must be below the smallest gap"):
         ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), config, site="a")
+
+
+def _step_twice_elastic(rank: int, world: int, lighthouse: str) -> dict:
+    """torchft's DiLoCo loop (``optimizer.step()`` then ``diloco.step()``) on a one-site elastic job: the optimizer's
+    hook steps ElasticDiLoCo already."""
+    import datetime
+    import os
+
+    # the replica group's store, which torchrun's agent serves for a site's job
+    store = torch.distributed.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True,  # noqa: F841
+                                       timeout=datetime.timedelta(seconds=30))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = ElasticDiLoCo(model, opt, DiLoCoConfig(sync_every=2), site="site0", lighthouse=lighthouse, sites=1)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        try:
+            diloco.step()
+            error = "no error"
+        except RuntimeError as exc:
+            error = str(exc)
+        return {"error": error, "inner_steps": diloco.stats.inner_steps, "synced": diloco.synced}
+    finally:
+        diloco.close()
+
+
+def test_a_second_step_of_elastic_diloco_for_the_same_inner_step_raises(lighthouse):
+    from multidc.hierarchical.tools.ranks import run_ranks
+
+    with socket.socket() as probe:  # torchft's manager finds its store at MASTER_ADDR:MASTER_PORT
+        probe.bind(("127.0.0.1", 0))
+        env = {0: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(probe.getsockname()[1])}}
+    (result,) = run_ranks(_step_twice_elastic, 1, lighthouse.address, env=env, timeout=120)
+    assert result["error"].startswith("ElasticDiLoCo.step() was called, but it was built with an inner optimizer"), \
+        result
+    assert result["inner_steps"] == 1 and result["synced"] is None  # sync_every=2: counted twice, it would sync
