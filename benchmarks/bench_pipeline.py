@@ -68,8 +68,8 @@ def _rank(rank: int, world: int, init: str, configs: list, fwd_s: float, repeats
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from multidc.strategies.parallel.layout import ParallelLayout
-    from multidc.strategies.parallel.pipeline import PipelineConfig, build_pipeline, stage_modules
+    from multidc.hierarchical.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.pipeline import PipelineConfig, build_pipeline, stage_modules
 
     mesh = ParallelLayout(pipeline_parallel_size=world, world_size=world).build_mesh()
     rows = []

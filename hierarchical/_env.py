@@ -47,7 +47,7 @@ def read_float(name: str) -> float | None:
         raise ValueError(f"{name}={value!r} is not a number; set it to a number or unset it.") from None
 
 
-# Parallel layout (multidc.strategies.ParallelLayout) and pipeline settings.
+# Parallel layout (multidc.hierarchical.parallel.ParallelLayout) and pipeline settings.
 DP_REPLICATE = "MULTIDC_DP_REPLICATE"
 DP_SHARD = "MULTIDC_DP_SHARD"
 PP_SIZE = "MULTIDC_PP_SIZE"

@@ -118,7 +118,7 @@ class GradientSync:
 
     def adopt_diloco(self, diloco: DiLoCo) -> DiLoCo:
         """DiLoCo mode under a parallel layout: take over ``diloco`` (built over the layout by
-        ``multidc.strategies.parallel.build_diloco``); its topology becomes this sync's (``metrics``, ``close``)."""
+        ``multidc.hierarchical.parallel.build_diloco``); its topology becomes this sync's (``metrics``, ``close``)."""
         self.close_diloco()
         self.topology, self.diloco = diloco.topology, diloco
         return diloco

@@ -1,4 +1,4 @@
-"""The Lightning strategies, and the framework-free parallel layout they build on (``multidc.strategies.parallel``).
+"""The Lightning strategies (Trainer and Fabric).
 
 * ``HierarchicalDDPStrategy`` (``"hierarchical_ddp"``, ``"hierarchical_ddp_spawn"``) and its Fabric twin
   ``HierarchicalDDPFabricStrategy``: Lightning's DDP with every gradient bucket reduced inside its site first,
@@ -6,19 +6,19 @@
 * ``DiLoCoStrategy`` (``"diloco"``, ``"diloco_spawn"``): DDP inside each site, DiLoCo / streaming DiLoCo across
   sites (low-bandwidth WANs).
 * ``Parallel3DStrategy`` (``"parallel_3d"``): Lightning's ``ModelParallelStrategy`` extended to site x data x
-  pipeline x tensor parallelism.
-* The layout itself (``ParallelLayout``, ``parallelize``, ...), re-exported from ``multidc.strategies.parallel``.
+  pipeline x tensor parallelism, over the framework-free layout of ``multidc.hierarchical.parallel`` (whose names,
+  ``ParallelLayout``, ``parallelize``, ..., are re-exported here).
 
 Importing this package registers the multidc strategy names with Lightning's ``StrategyRegistry`` and Fabric's
-registry when Lightning is installed. Without Lightning the package still imports (the parallel layout works) and
-using a Lightning strategy class raises an ImportError that says what to install.
+registry when Lightning is installed (it imports Lightning). Without Lightning the package still imports and using
+a strategy class raises an ImportError that says what to install.
 """
 
 import importlib
 
-from multidc.strategies import parallel as _parallel
-from multidc.strategies._registry import register_when_lightning_loads
-from multidc.strategies.parallel import *  # noqa: F403  (re-exports its __all__)
+from multidc.hierarchical import parallel as _parallel
+from multidc.hierarchical.parallel import *  # noqa: F403  (re-exports its __all__)
+from multidc.strategies._registry import register_if_installed
 
 # Public names that need Lightning -> the module defining them (without Lightning, __getattr__ raises its error).
 _LIGHTNING_EXPORTS = {
@@ -38,4 +38,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)  # without Lightning: its clear ImportError
 
 
-register_when_lightning_loads()  # Trainer(strategy="hierarchical_ddp") etc. work once multidc.strategies is imported
+register_if_installed()  # Trainer(strategy="hierarchical_ddp") etc. work once multidc.strategies is imported

@@ -1,16 +1,14 @@
 """The multidc strategy names in Lightning's ``StrategyRegistry`` (Trainer) and Fabric's ``STRATEGY_REGISTRY``.
 
-Registered in one place: :func:`register_all`. Importing ``multidc.strategies`` calls
-:func:`register_when_lightning_loads`: at once when Lightning is already imported, else right after Lightning's
-first import, so that importing the framework-free ``multidc.strategies.parallel`` (the Accelerate plugin does)
-never imports Lightning itself. Each strategy class lists its own names in a ``register_strategies`` classmethod,
-as Lightning's do.
+Registered in one place: :func:`register_all`, which importing ``multidc.strategies`` calls when Lightning is
+installed (``multidc.strategies`` is the Lightning package; the framework-free layout lives in
+``multidc.hierarchical.parallel``). Each strategy class lists its own names in a ``register_strategies``
+classmethod, as Lightning's do.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 from typing import Any
@@ -70,33 +68,8 @@ def _qualified(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def register_when_lightning_loads() -> None:
-    """``register_all`` now if ``lightning.pytorch`` is imported, else once its import finishes (``import lightning``
-    and ``import lightning.fabric`` import it too); nothing when Lightning is not installed."""
-    if "lightning.pytorch" in sys.modules:
+def register_if_installed() -> None:
+    """``register_all`` when Lightning is installed; nothing without it (the strategy classes then raise their
+    ImportError, which says what to install, when used)."""
+    if importlib.util.find_spec("lightning") is not None:
         register_all()
-    elif importlib.util.find_spec("lightning") is not None and not any(
-        isinstance(finder, _AfterLightning) for finder in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _AfterLightning())
-
-
-class _AfterLightning(importlib.abc.MetaPathFinder):
-    """Finds ``lightning.pytorch`` through the other finders and runs ``register_all`` after its module executed;
-    removes itself on first use."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "lightning.pytorch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            execute(module)
-            register_all()
-
-        spec.loader.exec_module = exec_module
-        return spec

@@ -13,7 +13,7 @@ What a LightningModule does with it:
   replicas hierarchically (``data_parallel_within_sites``); ``fsdp_across_sites=True`` keeps it across sites,
   flat, with a warning.
 * ``pipeline_blocks(self) -> list[nn.Module]``: the model's ordered blocks
-  (see ``multidc.strategies.parallel.pipeline``).
+  (see ``multidc.hierarchical.parallel.pipeline``).
   Required with ``pipeline_parallel_size > 1``; otherwise used as FSDP units when defined.
 * ``training_step``: with pipeline parallelism, ``self(x)`` is not available on any one rank. Instead write
   ``loss = self.trainer.strategy.pipeline_step(x, y, loss_fn)``: it runs the schedule (forward and backward of
@@ -27,7 +27,7 @@ What a LightningModule does with it:
 
 Slow WAN: ``Parallel3DStrategy(..., cross_site="diloco", diloco=DiLoCoConfig(sync_every=50))`` trains each site
 alone (FSDP2 / pipeline / tensor parallelism inside it, nothing crosses the WAN on a step) and syncs the sites with
-DiLoCo every ``sync_every`` optimizer steps; see ``multidc.strategies.parallel.diloco``.
+DiLoCo every ``sync_every`` optimizer steps; see ``multidc.hierarchical.parallel.diloco``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
 from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical._gradient_sync import GradientSync
 from multidc.hierarchical.diloco.config import refuse_loss_scaling, resolve_cross_site
-from multidc.strategies.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
-from multidc.strategies.parallel.diloco import DiLoCoShardState, build_diloco
-from multidc.strategies.parallel.layout import ParallelLayout, submesh
-from multidc.strategies.parallel.parallelize import ParallelModel, adopt_sharded, layout_of, parallelize
-from multidc.strategies.parallel.pipeline import PipelineConfig
+from multidc.hierarchical.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
+from multidc.hierarchical.parallel.diloco import DiLoCoShardState, build_diloco
+from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
+from multidc.hierarchical.parallel.parallelize import ParallelModel, adopt_sharded, layout_of, parallelize
+from multidc.hierarchical.parallel.pipeline import PipelineConfig
 
 try:
     import lightning.pytorch as pl
@@ -98,7 +98,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         cross_site: ``"allreduce"`` (default; env ``MULTIDC_CROSS_SITE``): the replicas' gradients are averaged
             across sites every step. ``"diloco"``: each site trains alone (replicas averaged inside the site only,
             gradient clipping by the site's own norm), and ``multidc.hierarchical.DiLoCo`` syncs the sites every
-            ``sync_every`` optimizer steps, each rank its own shard (see ``multidc.strategies.parallel.diloco``).
+            ``sync_every`` optimizer steps, each rank its own shard (see ``multidc.hierarchical.parallel.diloco``).
             ``configure_optimizers`` must then return one optimizer (DiLoCo's inner one); ``wan_metrics()`` are
             DiLoCo's (``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s``); checkpoints hold each site's
             model and optimizer states under ``site_<k>`` and the DiLoCo state per shard (resume with the same
@@ -369,7 +369,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        from multidc.strategies.parallel.grad_clip import clip_grad_norm_
+        from multidc.hierarchical.parallel.grad_clip import clip_grad_norm_
 
         clip_grad_norm_(params, clip_val, self.device_mesh, per_site=self.parallel.site_groups)
 

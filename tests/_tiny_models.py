@@ -132,9 +132,9 @@ def parallel_run(rank: int, world: int, case: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from multidc.hierarchical import WanConfig
-    from multidc.strategies.parallel.layout import ParallelLayout
-    from multidc.strategies.parallel.parallelize import data_parallel_coordinate, parallelize, prepare_parallel
-    from multidc.strategies.parallel.pipeline import PipelineConfig
+    from multidc.hierarchical.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.parallelize import data_parallel_coordinate, parallelize, prepare_parallel
+    from multidc.hierarchical.parallel.pipeline import PipelineConfig
 
     mesh = ParallelLayout(**case["layout"]).build_mesh()
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def _memory_case(mesh, pipeline) -> tuple[int, int]:
     """(bytes of parameters this rank stores, bytes of the full model) for ``UniformMLP`` in this layout."""
     from torch.distributed.tensor import DTensor
 
-    from multidc.strategies.parallel.parallelize import parallelize
+    from multidc.hierarchical.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
     model = UniformMLP()

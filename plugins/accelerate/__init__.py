@@ -2,7 +2,7 @@
 
 Needs the ``accelerate`` extra (``pip install 'multidc[accelerate]'``); importing this package without it raises an
 ImportError that says so. ``accelerator`` is the ``Accelerator`` subclass; ``plugin`` its validated settings;
-``parallel`` the launch / data-loader / scheduler glue of a parallel layout (``multidc.strategies.parallel``);
+``parallel`` the launch / data-loader / scheduler glue of a parallel layout (``multidc.hierarchical.parallel``);
 ``state`` ``save_state`` / ``load_state`` through the checkpoint engine (``multidc.plugins.checkpoint``).
 """
 

@@ -10,8 +10,9 @@ An ordinary Accelerate loop trains across sites by swapping ``Accelerator`` for 
         accelerator.log(accelerator.wan_metrics(), step=step)
 
 With parallel sizes (``dp_shard``, ``pipeline_parallel_size``, ``tensor_parallel_size``; env ``MULTIDC_DP_SHARD``,
-``MULTIDC_PP_SIZE``, ``MULTIDC_TP_SIZE``) ``prepare`` places the model into a ``multidc.strategies.ParallelLayout``
-(site x pipeline x FSDP2 x tensor) instead of DDP; see ``MultiDCAccelerator``.
+``MULTIDC_PP_SIZE``, ``MULTIDC_TP_SIZE``) ``prepare`` places the model into a
+``multidc.hierarchical.parallel.ParallelLayout`` (site x pipeline x FSDP2 x tensor) instead of DDP; see
+``MultiDCAccelerator``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from multidc.plugins.accelerate.elastic import ElasticSteps, build_elastic_diloc
 from multidc.plugins.accelerate.plugin import MultiDCPlugin
 from multidc.plugins.accelerate.state import StateMixin
 
-if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
-    from multidc.strategies.parallel import ParallelLayout, ParallelModel
+if TYPE_CHECKING:  # the layout imports FSDP2, tensor and pipeline parallelism: only layout code pays
+    from multidc.hierarchical.parallel import ParallelLayout, ParallelModel
 
 class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     """An ``Accelerator`` that trains across sites: DDP with a hierarchical gradient hook, or a parallel layout.
@@ -54,10 +55,11 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     **Parallel layout** (plugin sizes with pipeline, tensor or FSDP shard degree > 1). The constructor builds the
     mesh (``device_mesh``; axes ``site, pp, dp_replicate, dp_shard, tp`` and aliases ``data_parallel``,
     ``tensor_parallel``, ``pipeline_parallel``, ``replicate``). ``prepare(model, optimizer, loader, scheduler,
-    blocks=[...])`` puts the one model into the layout (``multidc.strategies.prepare_parallel``: TP, pipeline split,
-    FSDP2 with the hierarchical cross-site reduction) and rebinds its optimizers to the parallelized parameters,
-    also those prepared in an earlier or a later ``prepare`` call (they must not have stepped); ``blocks`` are the
-    model's ordered blocks (required with pipeline parallelism; default ``model.pipeline_blocks()`` when defined).
+    blocks=[...])`` puts the one model into the layout (``multidc.hierarchical.parallel.prepare_parallel``: TP,
+    pipeline split, FSDP2 with the hierarchical cross-site reduction) and rebinds its optimizers to the parallelized
+    parameters, also those prepared in an earlier or a later ``prepare`` call (they must not have stepped);
+    ``blocks`` are the model's ordered blocks (required with pipeline parallelism; default
+    ``model.pipeline_blocks()`` when defined).
     Data loaders are sharded by data-parallel replica, so TP/PP peers see the same batches; LR schedulers step once
     per replica.
     What changes in the loop:
@@ -195,7 +197,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         return prepared
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
-        from multidc.strategies.parallel import prepare_parallel
+        from multidc.hierarchical.parallel import prepare_parallel
 
         plugin = self.multidc_plugin
         if blocks is None and callable(getattr(model, "pipeline_blocks", None)):
@@ -228,7 +230,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                     f"MultiDCPlugin(cross_site='diloco') steps DiLoCo after the inner optimizer, so it needs exactly "
                     f"one optimizer; prepare got {len(optimizers)}. Put every parameter group in one optimizer."
                 )
-            from multidc.strategies.parallel import build_diloco
+            from multidc.hierarchical.parallel import build_diloco
 
             sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
             return
@@ -302,7 +304,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if self.device_mesh is None or getattr(data_loader, "_is_accelerate_prepared", False):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        from multidc.strategies.parallel import data_parallel_coordinate
+        from multidc.hierarchical.parallel import data_parallel_coordinate
 
         index, size = data_parallel_coordinate(self.device_mesh)
         placement = self.device_placement if device_placement is None else device_placement
@@ -365,11 +367,11 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's ``clip_grad_norm_``; with a layout, by the global norm over every TP/FSDP shard and pipeline
-        stage (``multidc.strategies.clip_grad_norm_``), identical on every rank (under DiLoCo: the site's own norm,
-        identical in the site). Every rank must call it."""
+        stage (``multidc.hierarchical.parallel.clip_grad_norm_``), identical on every rank (under DiLoCo: the site's
+        own norm, identical in the site). Every rank must call it."""
         if self.device_mesh is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        from multidc.strategies.parallel import clip_grad_norm_
+        from multidc.hierarchical.parallel import clip_grad_norm_
 
         self.unscale_gradients()
         per_site = self.parallel.site_groups if self.parallel is not None else None  # DiLoCo: the site's own norm

@@ -13,8 +13,8 @@ from multidc.hierarchical import _env
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, resolve_cross_site
 
-if TYPE_CHECKING:  # multidc.strategies (parent of .parallel) imports Lightning when installed: only layout code pays
-    from multidc.strategies.parallel import ParallelLayout, PipelineConfig
+if TYPE_CHECKING:  # the layout imports FSDP2, tensor and pipeline parallelism: only layout code pays
+    from multidc.hierarchical.parallel import ParallelLayout, PipelineConfig
 
 _SIZE_ENV = {"dp_replicate": _env.DP_REPLICATE, "dp_shard": _env.DP_SHARD,
              "pipeline_parallel_size": _env.PP_SIZE, "tensor_parallel_size": _env.TP_SIZE}
@@ -56,7 +56,7 @@ class MultiDCPlugin:
     ``"diloco"`` (DDP inside each site; DiLoCo across sites every ``diloco.sync_every`` optimizer steps, see
     ``multidc.hierarchical.DiLoCo``). Env ``MULTIDC_CROSS_SITE``. With a parallel layout each site trains alone
     under FSDP2 / pipeline / tensor parallelism and each rank syncs its own shard
-    (``multidc.strategies.parallel.build_diloco``); ``load_state`` then needs the layout that saved."""
+    (``multidc.hierarchical.parallel.build_diloco``); ``load_state`` then needs the layout that saved."""
 
     diloco: DiLoCoConfig | None = field(default=None, metadata={"help": "DiLoCo settings (env MULTIDC_DILOCO_*)."})
     """DiLoCo settings with ``cross_site="diloco"``; default ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``,
@@ -78,7 +78,7 @@ class MultiDCPlugin:
     """Block indices where stages ``1..n-1`` start; default balanced by block count."""
     tensor_parallel: str | Callable | None = field(default=None, metadata={"help": "None | 'transformer' | fn."})
     """``None`` (tp = 1 or applied by you before ``prepare``), ``"transformer"`` (the common block plan on the
-    blocks, see ``multidc.strategies.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
+    blocks, see ``multidc.hierarchical.parallel.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
 
     storage_options: dict | None = field(default=None, metadata={"help": "fsspec/s3fs options for save_state."})
     """fsspec / s3fs options for ``save_state`` / ``load_state`` URLs (``endpoint_url``, ...); credentials
@@ -146,7 +146,7 @@ class MultiDCPlugin:
                     f"(or {_env.PP_SIZE}) > 1."
                 )
             return  # plain data parallelism: DDP + hierarchical hook, any site sizes
-        from multidc.strategies.parallel import ParallelLayout, PipelineConfig
+        from multidc.hierarchical.parallel import ParallelLayout, PipelineConfig
 
         if self.elastic:
             raise ValueError(

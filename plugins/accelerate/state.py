@@ -193,7 +193,7 @@ class StateMixin:
                 site = self.device_mesh.get_local_rank("site")
             state = {site_key(site): StatefulDict(models)}
             if sync.diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
-                from multidc.strategies.parallel import DiLoCoShardState
+                from multidc.hierarchical.parallel import DiLoCoShardState
 
                 state["diloco"] = DiLoCoShardState(sync.diloco, self.device_mesh)
             elif sync.diloco is not None:

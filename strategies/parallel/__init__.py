@@ -1,48 +1,26 @@
-"""The parallel layout, framework-free: site x data (FSDP2 / replicated) x pipeline x tensor parallelism.
-
-Uses only ``torch`` and ``multidc.hierarchical``; never Lightning or Accelerate. The Lightning strategy
-(``multidc.strategies.Parallel3DStrategy``) and the Accelerate plugin (``multidc.plugins.MultiDCAccelerator``) are
-thin adapters over it.
-
-* ``layout``: ``ParallelLayout``, the sizes and the one ``DeviceMesh`` with axes
-  ``("site", "pp", "dp_replicate", "dp_shard", "tp")``.
-* ``parallelize``: put a model into a layout (tensor -> pipeline split -> data parallel) and run its steps.
-* ``tensor_parallel``, ``pipeline``, ``data_parallel``: one parallel dimension each.
-* ``grad_clip``: clipping by the global norm over every shard and stage.
-* ``diloco``: DiLoCo across sites (``parallelize(..., cross_site="diloco")``, then ``build_diloco``).
+"""Deprecated: the parallel layout moved to ``multidc.hierarchical.parallel`` (framework-free, beside the rest of
+the core). This alias of it and of its modules (``multidc.strategies.parallel.layout`` ...) goes in the next release.
 """
 
-from multidc.strategies.parallel.data_parallel import apply_data_parallel, replicate_topology
-from multidc.strategies.parallel.diloco import DiLoCoShardState, build_diloco
-from multidc.strategies.parallel.grad_clip import clip_grad_norm_
-from multidc.strategies.parallel.layout import ParallelLayout
-from multidc.strategies.parallel.parallelize import (
-    ParallelModel,
-    RemoteBlock,
-    adopt_sharded,
-    data_parallel_coordinate,
-    parallelize,
-    prepare_parallel,
-)
-from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, split_blocks
-from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel, transformer_block_plan
+import sys
+import warnings
 
-__all__ = [
-    "DiLoCoShardState",
-    "ParallelLayout",
-    "ParallelModel",
-    "Pipeline",
-    "PipelineConfig",
-    "RemoteBlock",
-    "adopt_sharded",
-    "apply_data_parallel",
-    "apply_tensor_parallel",
-    "build_diloco",
-    "clip_grad_norm_",
-    "data_parallel_coordinate",
-    "parallelize",
-    "prepare_parallel",
-    "replicate_topology",
-    "split_blocks",
-    "transformer_block_plan",
-]
+from multidc.hierarchical import parallel as _moved
+from multidc.hierarchical.parallel import *  # noqa: F403  (re-exports its __all__)
+from multidc.hierarchical.parallel import (
+    data_parallel,
+    diloco,
+    grad_clip,
+    layout,
+    parallelize,
+    pipeline,
+    tensor_parallel,
+)
+
+__all__ = list(_moved.__all__)
+
+for _module in (data_parallel, diloco, grad_clip, layout, parallelize, pipeline, tensor_parallel):
+    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+
+warnings.warn("multidc.strategies.parallel moved to multidc.hierarchical.parallel; import it from there (this "
+              "alias goes in the next release).", DeprecationWarning, stacklevel=2)

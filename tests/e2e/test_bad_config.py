@@ -2,7 +2,7 @@
 error whose message says what is wrong. The cases that involve ranks run on 4 real gloo ranks and check that every
 rank raises, quickly (before any collective that could hang). Plus hypothesis properties of site resolution
 (chunk planning and ParallelLayout arithmetic have theirs in hierarchical/test_layout.py and
-strategies/test_parallel_layout.py)."""
+hierarchical/test_parallel_layout.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multidc.hierarchical import WanConfig, all_reduce, plan_chunks, resolve_sites
+from multidc.hierarchical.parallel.layout import ParallelLayout
+from multidc.hierarchical.parallel.pipeline import PipelineConfig
 from multidc.hierarchical.tools import cli
 from multidc.hierarchical.tools.lab import Lab, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
@@ -29,8 +31,6 @@ from multidc.plugins import (
     RetryPolicy,
 )
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
-from multidc.strategies.parallel.layout import ParallelLayout
-from multidc.strategies.parallel.pipeline import PipelineConfig
 
 
 def _saved(tmp, state) -> Checkpointer:

@@ -85,24 +85,12 @@ def test_wheel_metadata_requires_torch_and_offers_the_extras(wheel):
     assert {"lightning", "accelerate", "s3", "test", "all"} <= extras
 
 
-# Folder -> module prefixes its modules may never import, also inside functions. The training-job core of
-# hierarchical never reaches the tools; the parallel layout and the checkpoint engine never reach a framework;
-# plugins reach strategies only through the framework-free layout, so the two packages form no cycle.
-_FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate")
-_FORBIDDEN = {
-    "hierarchical": (*_FRAMEWORKS, "multidc.hierarchical.tools", "multidc.strategies", "multidc.plugins"),
-    "strategies/parallel": (*_FRAMEWORKS, "multidc.hierarchical.tools", "multidc.plugins",
-                            "multidc.strategies.hierarchical_ddp", "multidc.strategies.parallel_3d",
-                            "multidc.strategies._checkpointing", "multidc.strategies._wan_metrics"),
-    "strategies": ("multidc.hierarchical.tools", "multidc.plugins.accelerate"),
-    "plugins/checkpoint": (*_FRAMEWORKS, "multidc.hierarchical.tools", "multidc.strategies",
-                           "multidc.plugins.accelerate", "multidc.plugins.lightning_checkpoint_io"),
-    "plugins/accelerate": ("lightning", "pytorch_lightning", "multidc.hierarchical.tools",
-                           "multidc.strategies.hierarchical_ddp", "multidc.strategies.parallel_3d",
-                           "multidc.strategies._checkpointing", "multidc.strategies._wan_metrics"),
-    "plugins": ("multidc.hierarchical.tools", "multidc.strategies.hierarchical_ddp", "multidc.strategies.parallel_3d",
-                "multidc.strategies._checkpointing", "multidc.strategies._wan_metrics"),
-}
+# The one import rule: multidc.hierarchical <- multidc.plugins <- multidc.strategies. A module imports multidc's
+# layers at or below its own only (also inside functions), and a framework only where it is driven: the training
+# job's core never reaches the tools (the CLI, lab, benchmarks) that drive it.
+_LAYERS = ("hierarchical", "plugins", "strategies")
+_DRIVERS = {"lightning": ("strategies/", "plugins/lightning_checkpoint_io.py"), "pytorch_lightning": (),
+            "accelerate": ("plugins/accelerate/",), "multidc.hierarchical.tools": ("hierarchical/tools/",)}
 
 
 def _imports(path: Path) -> set[str]:
@@ -117,14 +105,22 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("folder", sorted(_FORBIDDEN))
-def test_no_module_imports_what_its_layer_must_not_reach(folder):
-    forbidden = _FORBIDDEN[folder]
+def _reaches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("layer", _LAYERS)
+def test_every_module_imports_only_its_layer_and_those_below_and_frameworks_only_where_driven(layer):
+    above = _LAYERS[_LAYERS.index(layer) + 1:]
     found = []
-    for path in sorted((ROOT / folder).glob("*.py")):  # this folder's own modules; subfolders have their own rule
-        for name in _imports(path):
-            if any(name == f or name.startswith(f + ".") for f in forbidden):
-                found.append(f"{path.relative_to(ROOT)} imports {name}")
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        for name in sorted(_imports(path)):
+            if any(_reaches(name, f"multidc.{upper}") for upper in above):
+                found.append(f"{where} imports {name}, a layer above {layer}")
+            for driven, drivers in _DRIVERS.items():
+                if _reaches(name, driven) and not where.startswith(drivers):
+                    found.append(f"{where} imports {name}, which only {drivers or 'nothing'} may")
     assert not found, found
 
 
@@ -150,28 +146,47 @@ def test_parallel_layout_and_checkpoint_engine_import_without_lightning_or_accel
         "import sys\n"
         "for name in ('lightning', 'pytorch_lightning', 'accelerate'):\n"
         "    sys.modules[name] = None  # any import of them raises ImportError\n"
-        "import multidc.strategies.parallel, multidc.plugins.checkpoint\n"
-        "from multidc.strategies.parallel import ParallelLayout, parallelize\n"
+        "import multidc.hierarchical.parallel, multidc.plugins.checkpoint\n"
+        "from multidc.hierarchical.parallel import ParallelLayout, parallelize\n"
         "from multidc.plugins.checkpoint import Checkpointer, ObjectStore\n"
         "print(sorted(m for m in sys.modules if m.startswith('multidc.')))",
         tmp_path,
     )
-    assert "multidc.strategies.parallel.parallelize" in loaded and "multidc.plugins.checkpoint.checkpointer" in loaded
-    assert "multidc.plugins.accelerate" not in loaded and "multidc.strategies.hierarchical_ddp" not in loaded
+    assert "multidc.hierarchical.parallel.parallelize" in loaded and "multidc.plugins.checkpoint.checkpointer" in loaded
+    assert "multidc.plugins.accelerate" not in loaded and "multidc.strategies" not in loaded
 
 
-def test_the_accelerate_plugins_layout_path_leaves_lightning_unimported_and_unpatched(tmp_path):
-    """Lightning installed but not imported: the parallel layout the Accelerate plugin uses must not import it (nor
-    patch ``ModelCheckpoint``); the strategy names register once Lightning is imported later."""
+def test_the_accelerate_plugins_layout_path_leaves_lightning_and_the_strategies_unimported(tmp_path):
+    """Lightning installed but not imported: the Accelerate plugin's layout path imports neither it nor the
+    strategies (nor patches ``ModelCheckpoint``); importing ``multidc.strategies`` registers the names."""
     out = _fresh_python(
         "import sys\n"
         "from multidc.plugins.accelerate.plugin import MultiDCPlugin\n"
-        "import multidc.strategies.parallel\n"
+        "import multidc.hierarchical.parallel\n"
         "MultiDCPlugin(tensor_parallel_size=2)\n"
-        "print('loaded', sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))))\n"
+        "print('loaded', sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', "
+        "'multidc.strategies'))))\n"
+        "import multidc.strategies\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "print('registered', sorted(n for n in StrategyRegistry if n in ('hierarchical_ddp', 'parallel_3d')))\n",
         tmp_path,
     )
     assert "loaded []" in out, out
     assert "registered ['hierarchical_ddp', 'parallel_3d']" in out, out
+
+
+def test_the_layouts_old_import_path_still_works_for_a_release_with_a_deprecation_warning(tmp_path):
+    out = _fresh_python(
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from multidc.strategies.parallel import ParallelLayout\n"
+        "    from multidc.strategies.parallel.diloco import build_diloco\n"
+        "import multidc.hierarchical.parallel as moved\n"
+        "print(ParallelLayout is moved.ParallelLayout, build_diloco is moved.build_diloco)\n"
+        "print([str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and 'moved' in "
+        "str(w.message)])\n",
+        tmp_path,
+    )
+    assert "True True" in out, out
+    assert "multidc.strategies.parallel moved to multidc.hierarchical.parallel" in out, out

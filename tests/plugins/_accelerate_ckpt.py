@@ -46,7 +46,7 @@ def prepared(accelerator, steps: range):
     """Model, optimizer, scheduler and a loader over the global batches of ``steps``, prepared."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from multidc.strategies import data_parallel_coordinate
+    from multidc.hierarchical.parallel import data_parallel_coordinate
 
     torch.manual_seed(0)
     model = TinyGPT(2)

@@ -55,7 +55,7 @@ def main() -> None:
         first = accelerator.diloco.stats.inner_steps + 1
     site, local = accelerator.topology.site, accelerator.topology.local_rank_in_site
     if layout:
-        from multidc.strategies.parallel import data_parallel_coordinate
+        from multidc.hierarchical.parallel import data_parallel_coordinate
 
         index, size = data_parallel_coordinate(accelerator.device_mesh)
         site, local = divmod(index, size // accelerator.topology.num_sites)

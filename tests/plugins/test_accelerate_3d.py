@@ -73,7 +73,7 @@ def _train(accelerator, case: dict) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, TensorDataset
 
-    from multidc.strategies import data_parallel_coordinate
+    from multidc.hierarchical.parallel import data_parallel_coordinate
 
     torch.manual_seed(0)
     model = TinyGPT(2)

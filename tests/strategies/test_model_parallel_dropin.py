@@ -34,7 +34,7 @@ STEPS = 3  # tests/strategies/_model_parallel_script.STEPS; not imported: import
     (dict(num_sites=2, data_parallel_size="auto", tensor_parallel_size=2, world_size=8), (2, 1, 1, 2, 2)),
 ])
 def test_data_parallel_size_is_the_total_over_sites(sizes, shape):
-    from multidc.strategies.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.layout import ParallelLayout
 
     layout = ParallelLayout(**sizes)
     assert layout.shape == shape
@@ -56,7 +56,7 @@ def test_data_parallel_size_is_the_total_over_sites(sizes, shape):
     (dict(data_parallel_size=0), r"data_parallel_size=0 must be a positive int, -1 or 'auto'"),
 ])
 def test_data_parallel_size_that_the_sizes_cannot_make_names_them_and_the_fix(sizes, message):
-    from multidc.strategies.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.layout import ParallelLayout
 
     with pytest.raises(ValueError, match=message):
         ParallelLayout(**sizes)
@@ -92,7 +92,7 @@ def test_data_parallel_size_that_does_not_fit_the_world_fails_at_trainer_before_
 
 
 def _resolve_with_site_names(rank, world, data_parallel_size):
-    from multidc.strategies.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.layout import ParallelLayout
 
     try:
         return ParallelLayout(data_parallel_size=data_parallel_size, tensor_parallel_size=2).resolve_job().shape
@@ -116,9 +116,9 @@ def _hooked_units(rank, world):
     unit sharded over the whole "data_parallel" mesh (FSDP reduces it across sites itself) does not."""
     from torch.distributed.fsdp import fully_shard
 
-    from multidc.strategies.parallel.data_parallel import add_replica_reduction, replicate_topology
-    from multidc.strategies.parallel.layout import ParallelLayout, submesh
-    from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel
+    from multidc.hierarchical.parallel.data_parallel import add_replica_reduction, replicate_topology
+    from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
+    from multidc.hierarchical.parallel.tensor_parallel import apply_tensor_parallel
     from tests._tiny_models import TinyGPT
 
     counts = []

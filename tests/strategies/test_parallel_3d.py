@@ -57,9 +57,9 @@ def _flat_fsdp_is_detected(rank, world):
     """A ModelParallelStrategy-style configure_model (fully_shard over "data_parallel") crosses sites; ours not."""
     from torch.distributed.fsdp import fully_shard
 
-    from multidc.strategies.parallel.data_parallel import fsdp_mesh_crosses_sites
-    from multidc.strategies.parallel.layout import ParallelLayout, submesh
-    from multidc.strategies.parallel.parallelize import parallelize
+    from multidc.hierarchical.parallel.data_parallel import fsdp_mesh_crosses_sites
+    from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
+    from multidc.hierarchical.parallel.parallelize import parallelize
     from tests._tiny_models import TinyGPT
 
     mesh = ParallelLayout(num_sites=2).build_mesh()

@@ -123,9 +123,9 @@ class CrossSiteCalls:
 
 def _train_case(rank: int, world: int, case: dict) -> dict:
     from multidc.hierarchical import DiLoCoConfig, WanConfig
-    from multidc.strategies.parallel import build_diloco, data_parallel_coordinate, parallelize
-    from multidc.strategies.parallel.layout import ParallelLayout
-    from multidc.strategies.parallel.pipeline import PipelineConfig
+    from multidc.hierarchical.parallel import build_diloco, data_parallel_coordinate, parallelize
+    from multidc.hierarchical.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.pipeline import PipelineConfig
 
     mesh = ParallelLayout(**case["layout"]).build_mesh()
     net, wan = model(), WanConfig(chunk_mb=0.001, streams=2)
@@ -168,9 +168,9 @@ def _self_sharded(net, mesh, wan):
     (kept inside each site by ``data_parallel_within_sites``), then ``adopt_sharded``, as Parallel3DStrategy does."""
     from torch.distributed.fsdp import fully_shard
 
-    from multidc.strategies.parallel import adopt_sharded
-    from multidc.strategies.parallel.data_parallel import data_parallel_within_sites
-    from multidc.strategies.parallel.layout import submesh
+    from multidc.hierarchical.parallel import adopt_sharded
+    from multidc.hierarchical.parallel.data_parallel import data_parallel_within_sites
+    from multidc.hierarchical.parallel.layout import submesh
 
     with data_parallel_within_sites(mesh):
         for block in net.blocks():
@@ -193,9 +193,9 @@ def _all_cases(rank: int, world: int, names: list[str]) -> dict:
 def _bad_settings(rank: int) -> list[str]:
     """What build_diloco raises, on every rank alike, for settings that cannot work."""
     from multidc.hierarchical import DiLoCoConfig
-    from multidc.strategies.parallel import build_diloco, parallelize
-    from multidc.strategies.parallel.layout import ParallelLayout
-    from multidc.strategies.parallel.pipeline import PipelineConfig
+    from multidc.hierarchical.parallel import build_diloco, parallelize
+    from multidc.hierarchical.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.pipeline import PipelineConfig
 
     mesh = ParallelLayout(num_sites=2, pipeline_parallel_size=2, dp_shard=1).build_mesh()
     messages = []
@@ -273,7 +273,7 @@ def test_bad_settings_raise_the_same_clear_error_on_every_rank(framework_free):
 
 
 def test_parallelize_takes_allreduce_or_diloco_only():
-    from multidc.strategies.parallel.diloco import check_cross_site
+    from multidc.hierarchical.parallel.diloco import check_cross_site
 
     assert [check_cross_site(v) for v in ("allreduce", "diloco")] == ["allreduce", "diloco"]
     for bad in ("DiLoCo", None, "ring"):

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from multidc.strategies.parallel.layout import ALIASES, MESH_AXES
+from multidc.hierarchical.parallel.layout import ALIASES, MESH_AXES
 
 if TYPE_CHECKING:
-    from multidc.strategies.parallel.diloco import SiteGroups
+    from multidc.hierarchical.parallel.diloco import SiteGroups
 
 
 @torch.no_grad()

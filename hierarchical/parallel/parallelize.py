@@ -4,7 +4,7 @@ agnostic. The Lightning strategy and the Accelerate plugin are thin adapters ove
 Order, as in torchtitan: tensor parallelism on the blocks, then the pipeline split (this rank keeps its stages;
 other stages' blocks are replaced by ``RemoteBlock`` placeholders that hold no parameters), then FSDP2 per block
 and per stage with the hierarchical cross-site reduction (or, with ``cross_site="diloco"``, a reduction inside
-each site only: see ``multidc.strategies.parallel.diloco``), then the schedule.
+each site only: see ``multidc.hierarchical.parallel.diloco``), then the schedule.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ import torch
 from torch import nn
 
 from multidc.hierarchical import Topology, WanConfig
-from multidc.strategies.parallel.data_parallel import (
+from multidc.hierarchical.parallel.data_parallel import (
     add_replica_reduction,
     add_site_replica_reduction,
     apply_data_parallel,
     replicate_topology,
     set_requires_gradient_sync,
 )
-from multidc.strategies.parallel.diloco import SiteGroups, check_cross_site, diloco_topology, site_groups
-from multidc.strategies.parallel.grad_clip import clip_grad_norm_
-from multidc.strategies.parallel.layout import MESH_AXES, ParallelLayout, submesh
-from multidc.strategies.parallel.pipeline import Pipeline, PipelineConfig, build_pipeline, split_blocks, stage_modules
-from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel
+from multidc.hierarchical.parallel.diloco import SiteGroups, check_cross_site, diloco_topology, site_groups
+from multidc.hierarchical.parallel.grad_clip import clip_grad_norm_
+from multidc.hierarchical.parallel.layout import MESH_AXES, ParallelLayout, submesh
+from multidc.hierarchical.parallel.pipeline import Pipeline, PipelineConfig, build_pipeline, split_blocks, stage_modules
+from multidc.hierarchical.parallel.tensor_parallel import apply_tensor_parallel
 
 
 class RemoteBlock(nn.Module):

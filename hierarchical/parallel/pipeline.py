@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical import _env
-from multidc.strategies.parallel.layout import submesh
+from multidc.hierarchical.parallel.layout import submesh
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

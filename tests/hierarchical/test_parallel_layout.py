@@ -9,8 +9,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from multidc.hierarchical.parallel.layout import ALIASES, MESH_AXES, ParallelLayout
 from multidc.hierarchical.tools.ranks import run_ranks
-from multidc.strategies.parallel.layout import ALIASES, MESH_AXES, ParallelLayout
 
 SIZE_FIELDS = ("num_sites", "dp_replicate", "dp_shard", "pipeline_parallel_size", "tensor_parallel_size")
 

@@ -30,7 +30,7 @@ from torch import nn
 from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
 from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
 from multidc.hierarchical.all_reduce import submit
-from multidc.strategies.parallel.layout import submesh
+from multidc.hierarchical.parallel.layout import submesh
 
 
 class _MeshTopology(Topology):

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multidc.strategies.parallel.layout import MESH_AXES, ParallelLayout
-from multidc.strategies.parallel.parallelize import _check_ties_within_stages, parallelize
-from multidc.strategies.parallel.pipeline import PipelineConfig, split_blocks
-from multidc.strategies.parallel.tensor_parallel import apply_tensor_parallel, transformer_block_plan
+from multidc.hierarchical.parallel.layout import MESH_AXES, ParallelLayout
+from multidc.hierarchical.parallel.parallelize import _check_ties_within_stages, parallelize
+from multidc.hierarchical.parallel.pipeline import PipelineConfig, split_blocks
+from multidc.hierarchical.parallel.tensor_parallel import apply_tensor_parallel, transformer_block_plan
 from tests._tiny_models import HIDDEN, TinyGPT, _optimizer, batch, loss_fn
 
 
@@ -94,7 +94,7 @@ def test_tensor_parallel_helper_refuses_blocks_without_any_known_projection():
 
 
 def test_tensor_parallel_helper_never_splits_a_part_or_a_holder_of_a_split_block_again():
-    from multidc.strategies.parallel.tensor_parallel import _mark
+    from multidc.hierarchical.parallel.tensor_parallel import _mark
 
     block = _Block(_Attention())
     _mark(block, 2)  # what a finished split leaves behind
@@ -120,7 +120,7 @@ def test_transformer_plan_splits_colwise_then_rowwise():
 def test_clip_accumulates_the_norm_on_the_mesh_device_also_without_gradients(monkeypatch):
     """No host copy per gradient, and a rank with no gradients all-reduces on the mesh's device (NCCL refuses CPU
     tensors). "meta" stands in for a GPU: a .cpu() of a meta tensor raises."""
-    from multidc.strategies.parallel.grad_clip import clip_grad_norm_
+    from multidc.hierarchical.parallel.grad_clip import clip_grad_norm_
 
     reduced = []
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: reduced.append(tensor.device))

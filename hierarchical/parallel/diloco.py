@@ -51,11 +51,11 @@ from torch import nn
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, WanConfig
 from multidc.hierarchical.diloco.config import CROSS_SITE_MODES, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import split_fragments
-from multidc.strategies.parallel.data_parallel import _MeshTopology
-from multidc.strategies.parallel.layout import submesh
+from multidc.hierarchical.parallel.data_parallel import _MeshTopology
+from multidc.hierarchical.parallel.layout import submesh
 
 if TYPE_CHECKING:
-    from multidc.strategies.parallel.parallelize import ParallelModel
+    from multidc.hierarchical.parallel.parallelize import ParallelModel
 
 
 def check_cross_site(cross_site: str) -> str:
@@ -154,7 +154,7 @@ def _check_fragments(parallel: ParallelModel, fragments: int, blocks: list[nn.Mo
     except ValueError as exc:
         if parallel.pipeline is None or blocks is None:
             raise
-        from multidc.strategies.parallel.parallelize import RemoteBlock
+        from multidc.hierarchical.parallel.parallelize import RemoteBlock
 
         here = [i for i, block in enumerate(blocks) if not isinstance(block, RemoteBlock)]
         raise ValueError(

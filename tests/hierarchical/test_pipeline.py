@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from multidc.hierarchical.parallel.pipeline import PipelineConfig, local_stage_indices, split_blocks
 from multidc.hierarchical.tools.ranks import run_ranks
-from multidc.strategies.parallel.pipeline import PipelineConfig, local_stage_indices, split_blocks
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
 
