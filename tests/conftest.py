@@ -119,7 +119,7 @@ _FIXTURES = {"s3_server", "s3_auth_server", "s3_bucket"}
 def lighthouse():
     """A torchft lighthouse in this process on a free loopback port (tests/hierarchical/test_elastic.py's
     ``Lighthouse``: ``.address``, ``.restart(down_s)``); shut down after the test."""
-    from tests.hierarchical.test_elastic import Lighthouse
+    from tests._elastic import Lighthouse
 
     server = Lighthouse()
     try:

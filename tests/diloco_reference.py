@@ -12,6 +12,22 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+ROWS, LR = 4, 0.05
+
+
+def model() -> nn.Sequential:
+    """The DiLoCo tests' model: three Tanh blocks and a head, seeded 0 (the same on every rank)."""
+    torch.manual_seed(0)
+    block = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.Tanh())  # noqa: E731
+    return nn.Sequential(block(8, 16), block(16, 16), block(16, 16), nn.Linear(16, 4))
+
+
+def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``local`` rank of ``site`` at ``step``: each site its own target (non-IID)."""
+    g = torch.Generator().manual_seed(1000 * site + 100 * local + step)
+    x = torch.randn(ROWS, 8, generator=g)
+    return x, torch.sin(x[:, :4] * (1 + site)) + 0.1 * torch.randn(ROWS, 4, generator=g)
+
 
 def run_reference(
     model: nn.Module,

@@ -7,8 +7,10 @@ has stopped heartbeating (crashed) leaves after the lighthouse's heartbeat timeo
 
 A member that the check cannot stop (a site cut off from the lighthouse until its replacement joined, then back;
 two processes of one site started within a poll of each other) shows up in a quorum beside another member of its
-name. Then one of them leaves before that quorum's step trains (``in_quorum_twice``): the step is discarded where
-its WAN transfers expected the leaver, and no committed step counts a site twice.
+name. Then the one behind the job's step leaves before that quorum's step trains (``in_quorum_twice``), and the step
+is discarded where its WAN transfers expected the leaver. torchft's quorum answer tells a member its own step only,
+so two cases stay open: both members behind (the old one back before its replacement finished healing) both leave,
+and two at the job's step while another site heals both stay, that step counting the site twice (each logs it).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def in_quorum_twice(quorum) -> tuple[list[str], bool] | None:
 
     The member behind the job's step leaves (the quorum would heal it: a member back from a cut-off after its
     replacement joined); when every member of the quorum is at the job's step (two processes started together), all
-    but the lowest replica id leave. Every member of the site decides alike from the same answer, and one member of
-    the name stays, unless two of them are at the job's step while another site heals (then both stay, each logging
-    the other)."""
+    but the lowest replica id leave. Every rank of a member decides alike from the same answer. The answer holds this
+    member's step only, so members of one name decide without each other's: two behind both leave, and two at the
+    job's step while another site heals both stay (see the module's docstring)."""
     ids = list(quorum.replica_ids)  # sorted by replica id; replica_rank indexes them (torchft 0.2)
     me = ids[quorum.replica_rank]
     same = sorted(rid for rid in ids if _site_of(rid) == _site_of(me))

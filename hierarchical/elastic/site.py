@@ -54,6 +54,9 @@ from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology
 
 _log = logging.getLogger("multidc.hierarchical.elastic")
+# The longest the name check waits for a dead member to be dropped: well under the site group's timeout (30 min),
+# in which the site's other ranks wait meanwhile, and far above any lighthouse heartbeat timeout.
+_NAME_WAIT_S = 300.0
 
 
 class ElasticTopology(Topology):
@@ -241,8 +244,9 @@ class ElasticSite:
         self._members = tuple(quorum.replica_ids)
         self._twice = in_quorum_twice(quorum)
         if self._twice is not None and not self._twice[1] and change is not None and dist.get_rank() == 0:
-            _log.warning("site %r, step %d: another member of this site, %s, is in the quorum; it leaves (one "
-                         "member holds a site's name)", self.name, quorum.max_step, ", ".join(self._twice[0]))
+            _log.warning("site %r, step %d: another member of this site, %s, is in the quorum: it leaves if it is "
+                         "behind the job's step, else this step counts the site twice; run one member per site",
+                         self.name, quorum.max_step, ", ".join(self._twice[0]))
 
     def _claim(self, state: dict) -> dict:
         """What a joining site must share with the live ones: the site size, the WAN settings, tensor shapes."""
@@ -345,26 +349,34 @@ class ElasticSite:
 
     def _leave_twice(self, step: int) -> None:
         """Leave the job, on every rank of the site (they all read the same quorum answer): its quorum holds another
-        member of this site's name, which stays (see ``members.in_quorum_twice``). The rails close first, so the
-        others' transfers of this step fail at once (they discard it) instead of waiting ``wan.timeout_s``."""
+        member of this site's name (see ``members.in_quorum_twice``). The manager and rails are shut down here; the
+        others' transfers of this step fail when this process's connections close (at its exit at the latest, else
+        after ``wan.timeout_s``), and they discard the step."""
         others = ", ".join(self._twice[0])
         self.close()
         raise RuntimeError(
             f"site {self.name!r} left the job at step {step}: its quorum also holds {others}, another member of this "
-            f"site that stays (this one is behind, or started at the same moment). A site's name is held by one "
-            f"member at a time: this process was cut off long enough for the lighthouse to drop it and another was "
-            f"started in its place, or two were started at once. Nothing is lost; start one member per site, under "
-            f"another name ({_env.SITE} or site=) if you meant a new site."
+            f"site (this one is behind the job's step, or started at the same moment with a higher id). A site's name "
+            f"is held by one member at a time: this process was cut off long enough for the lighthouse to drop it and "
+            f"another was started in its place, or two were started at once. Check that one member of the site "
+            f"trains on; start another under its own name ({_env.SITE} or site=) if you meant a new site."
         )
 
     def _wait_for_name(self) -> None:
         """Wait until no live member of the job holds this site's name, else raise on every rank of the site
         (collective; rank 0 asks the lighthouse, see ``multidc.hierarchical.elastic.members``)."""
-        verdict = [None]
+        verdict, error = [None], None
         if dist.get_rank() == 0:
-            verdict[0] = wait_for_site_name(self._manager_options["lighthouse_addr"], self.name,
-                                            timeout_s=self._quorum_timeout_s)
+            try:  # the other ranks wait in the broadcast (the site's group: its timeout) for whatever happens here
+                verdict[0] = wait_for_site_name(self._manager_options["lighthouse_addr"], self.name,
+                                                timeout_s=min(self._quorum_timeout_s, _NAME_WAIT_S))
+            except Exception as exc:  # raised below, here as it is and on the others as its text
+                error = exc
+                verdict[0] = f"site {self.name!r}: checking that no other member holds its name failed on rank 0: " \
+                             f"{type(exc).__name__}: {exc}"
         dist.broadcast_object_list(verdict, src=0, group=self._votes)
+        if error is not None:
+            raise error
         if verdict[0] is not None:
             raise RuntimeError(verdict[0])
 

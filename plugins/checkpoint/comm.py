@@ -195,10 +195,15 @@ class Comm:
         opening = cls(None, 0, len(ranks), timeout_s=timeout_s, topology=topology)  # its errors, before the group
         with opening._collective(what):
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-            # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being retried);
-            # liveness comes from the heartbeat on ``group``, so this one only reaps abandoned operations.
-            data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT)) if data \
-                else None
+            try:
+                # gloo's own timeout must not end a healthy transfer that waits for a slow peer (a GET being
+                # retried); liveness comes from the heartbeat on ``group``, so this one only reaps abandoned ones.
+                data_group = dist.new_group(ranks=ranks, backend="gloo", timeout=max(timeout, _DATA_TIMEOUT)) \
+                    if data else None
+            except BaseException:
+                if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                    dist.destroy_process_group(group)
+                raise
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this rank is not in the checkpoint's process_group; only its members may use it.")
         return cls(group, dist.get_rank(group), len(ranks), timeout_s=timeout_s, data_group=data_group,

@@ -190,3 +190,14 @@ def test_the_layouts_old_import_path_still_works_for_a_release_with_a_deprecatio
     )
     assert "True True" in out, out
     assert "multidc.strategies.parallel moved to multidc.hierarchical.parallel" in out, out
+
+
+def test_the_tests_share_helpers_through_helper_modules_only():
+    """A module of the tests imports helpers from ``tests/_*.py`` (or a script's or reference's module), never from
+    a test module: importing one would collect, and run the module-level set-up of, another test file."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for name in sorted(_imports(path)):
+            if name.startswith("tests.") and any(part.startswith("test_") for part in name.split(".")[1:]):
+                found.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not found, found

@@ -19,8 +19,8 @@ from tests._resources import require_torchft
 
 require_torchft()
 
+from tests._elastic import KILL_AT, STEPS, free_port, progress, site_logs, start_site  # noqa: E402
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
-from tests.hierarchical.test_elastic import KILL_AT, STEPS, _free_port, _logs, _progress, _site  # noqa: E402
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"no lab WAN here: {lab_available()}")
 TIMEOUT_S, CUT_S = 300, 8.0
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 def _lighthouse(lab: Lab, out) -> tuple[ProcessTree, str]:
-    address = f"{lab.hub_ip}:{_free_port()}"
+    address = f"{lab.hub_ip}:{free_port()}"
     argv = lab.wrap_hub([sys.executable, "-m", "multidc.hierarchical.tools.cli", "lighthouse", "--bind", address,
                          "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "1000"])
     log_path = out / "lighthouse.log"
@@ -46,24 +46,24 @@ def test_a_site_whose_link_is_cut_leaves_the_others_training_and_rejoins(tmp_pat
     extra = ("--timeout-s", "5")
     with Lab(3, "100mbit") as lab:
         lighthouse, address = _lighthouse(lab, tmp_path)
-        trees = {name: _site(name, 1, 3, address, tmp_path, *extra, lab=lab) for name in names}
+        trees = {name: start_site(name, 1, 3, address, tmp_path, *extra, lab=lab) for name in names}
         try:
             deadline = time.monotonic() + TIMEOUT_S
-            while _progress(tmp_path, "site2") < KILL_AT:
+            while progress(tmp_path, "site2") < KILL_AT:
                 assert time.monotonic() < deadline, "the job never reached the cut step"
-                assert trees["site2"].process.poll() is None, _logs(tmp_path, "site2")
+                assert trees["site2"].process.poll() is None, site_logs(tmp_path, "site2")
                 time.sleep(0.05)
             lab.set_link(2, up=False)
-            cut_at = _progress(tmp_path, "site2")
-            before = {n: _progress(tmp_path, n) for n in names[:2]}
+            cut_at = progress(tmp_path, "site2")
+            before = {n: progress(tmp_path, n) for n in names[:2]}
             time.sleep(CUT_S)  # then until the others made a few steps without site2 (a slow 2-core machine)
-            while min(_progress(tmp_path, n) - before[n] for n in before) < 5 and time.monotonic() < deadline:
+            while min(progress(tmp_path, n) - before[n] for n in before) < 5 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            went_on = {n: _progress(tmp_path, n) - before[n] for n in before}
+            went_on = {n: progress(tmp_path, n) - before[n] for n in before}
             lab.set_link(2, up=True)
             for name, tree in trees.items():  # the cut site was not restarted: it rejoins on its own
                 code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-                assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
+                assert code == 0, f"{name}:\n{site_logs(tmp_path, name)}"
         finally:
             for tree in trees.values():
                 tree.kill()

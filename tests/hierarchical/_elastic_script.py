@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.hierarchical.elastic.site import ElasticSite  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows, wait_for_file  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--discard-at", type=int, default=-1, help="this site discards that step (a local error)")
     parser.add_argument("--hold-s", type=float, default=0.0, help="wait this long between building the site and "
                         "its first step (a framework's setup); rank 0 writes DIR/<site>.built before")
+    parser.add_argument("--hold-until", help="before ending, wait until this file exists (at most 120 s)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -83,6 +84,8 @@ def main() -> None:
             leads["quorum"].append(step)
         # the end: every site took part in the last committed step (a site that just received the state included)
         if (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps:
+            if args.hold_until:
+                wait_for_file(args.hold_until)
             break
         if joined_at is None:  # the state this rank starts from (a site joining late receives it in start_step)
             joined_at, initial = step, {n: p.detach().clone() for n, p in net.named_parameters()}

@@ -3,6 +3,9 @@ inject (a failure) or record (the checkpoints they write)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 
@@ -150,3 +153,10 @@ def _train(net: nn.Module, site: int, steps: range, per_site: int, scheduled: bo
             x, y = rows(site, local, t)
             (nn.functional.mse_loss(net(x), y) / per_site).backward()
         inner.step()
+
+
+def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
+    """Wait until ``path`` exists (a test tells a site's script it may go on), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)

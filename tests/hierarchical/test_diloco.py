@@ -13,24 +13,11 @@ from torch.nn.parallel import DistributedDataParallel
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, all_reduce, get_codec, register_site_ddp_hook
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
-from tests.diloco_reference import run_reference
+from tests.diloco_reference import LR, run_reference
+from tests.diloco_reference import model as _model
+from tests.diloco_reference import rows as _rows
 
 LAYOUTS = {"2x2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1], "one site": [0, 0]}
-ROWS, LR = 4, 0.05
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    block = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.Tanh())  # noqa: E731
-    return nn.Sequential(block(8, 16), block(16, 16), block(16, 16), nn.Linear(16, 4))
-
-
-def _rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * site + 100 * local + step)
-    x = torch.randn(ROWS, 8, generator=g)
-    return x, torch.sin(x[:, :4] * (1 + site)) + 0.1 * torch.randn(ROWS, 4, generator=g)
-
-
 def _site_batch(layout: list[int], site: int, step: int):
     rows = [_rows(site, local, step) for local in range(layout.count(site))]
     return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from multidc.hierarchical.tools import cli
 from multidc.hierarchical.tools.lab import lab_available
-from tests._launch import run_script
+from tests._launch import run_doctor
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
-MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
-
-
-def _doctor(tmp_path, *lab_args: str, env: dict | None = None, sites: int = 2, per_site: int = 2):
-    out = tmp_path / "doctor.json"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_")}
-    argv = [*MULTIDC, "lab", "run", "--sites", str(sites), "--ranks-per-site", str(per_site), "--timeout-s", "90",
-            *lab_args, "--", *MULTIDC, "doctor", "--size-mb", "1", "--repeats", "2", "--json", str(out)]
-    # Every rank the lab launcher starts is killed with it (ProcessTree); stdout and stderr come back together.
-    code, output = run_script(argv, {**clean, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=120)
-    proc = subprocess.CompletedProcess(argv, code, stdout=output, stderr=output)
-    return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
 def _check_report(report: dict, printed: str) -> None:
@@ -42,7 +25,7 @@ def _check_report(report: dict, printed: str) -> None:
 
 
 def test_doctor_on_loopback_prints_sites_ports_and_bandwidths(tmp_path):
-    proc, report = _doctor(tmp_path, "--loopback")
+    proc, report = run_doctor(tmp_path, "--loopback")
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_report(report, proc.stdout)
     assert {r["address"] for r in report["ranks"]} == {"127.0.0.1"}
@@ -50,7 +33,7 @@ def test_doctor_on_loopback_prints_sites_ports_and_bandwidths(tmp_path):
 
 @needs_lab
 def test_doctor_in_lab_measures_the_shaped_wan_below_the_site_links(tmp_path):
-    proc, report = _doctor(tmp_path, "--wan-rate", "100mbit")
+    proc, report = run_doctor(tmp_path, "--wan-rate", "100mbit")
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_report(report, proc.stdout)
     assert [s["addresses"] for s in report["sites"]] == [["10.213.0.10"], ["10.213.0.11"]]
@@ -63,7 +46,7 @@ def test_doctor_in_lab_measures_the_shaped_wan_below_the_site_links(tmp_path):
 
 
 def test_doctor_reports_a_layout_that_cannot_split_the_ranks(tmp_path):
-    proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_NUM_SITES": "3"})
+    proc, report = run_doctor(tmp_path, "--loopback", env={"MULTIDC_NUM_SITES": "3"})
     assert proc.returncode != 0 and report is None
     assert "have no ranks (of 3 sites, num_sites=3 from num_sites / MULTIDC_NUM_SITES)" in proc.stderr
 

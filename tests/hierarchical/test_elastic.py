@@ -10,157 +10,48 @@ fails alone, saying what differs, while the live sites go on."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from multidc.hierarchical.tools.processes import ProcessTree
 from tests._resources import require_torchft
 
 require_torchft()
 
 from multidc.hierarchical.elastic import start_lighthouse  # noqa: E402
+from tests._elastic import (  # noqa: E402
+    KILL_AT,
+    STEPS,
+    TIMEOUT_S,
+    check_odd_site_fails_alone,
+    check_rejoined,
+    finish_all,
+    first_quorum_beside_an_idle_site,
+    free_port,
+    progress,
+    run_with_a_kill,
+    site_logs,
+    start_site,
+)
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_script.py")
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-STEPS, KILL_AT, TIMEOUT_S = 30, 8, 240
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-class Lighthouse:
-    """A torchft lighthouse in this process, on a free loopback port; ``restart`` brings it back on the same port."""
-
-    def __init__(self) -> None:
-        self.server = self._start("127.0.0.1:0")
-        self.address = f"127.0.0.1:{self.server.address().rsplit(':', 1)[1]}"
-
-    @staticmethod
-    def _start(bind: str):
-        return start_lighthouse(bind, min_sites=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000)
-
-    def restart(self, down_s: float) -> None:
-        self.server.shutdown()
-        time.sleep(down_s)
-        self.server = self._start(self.address)
 
 
-def _site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
-          script: str = SCRIPT, lab=None, accelerate: list[str] | None = None,
-          env: dict[str, str] | None = None) -> ProcessTree:
-    """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop);
-    with ``lab``, inside site ``name``'s namespace, advertising its WAN address; with ``accelerate`` (the
-    ``accelerate launch --config_file ...`` command), that instead of torchrun; ``env``: more variables."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
-    env = base | {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | (env or {})
-    host = "127.0.0.1"
-    if lab is not None:
-        host = lab.site_ip(int(name.removeprefix("site")))
-        env |= {"MULTIDC_ELASTIC_HOST": host, "GLOO_SOCKET_IFNAME": "wan0"}
-    launcher = [TORCHRUN, "--nproc-per-node", str(per_site), "--master-addr", host, "--master-port",
-                str(_free_port())]
-    if accelerate is not None:
-        env["HF_HOME"] = str(out / "hf")  # no accelerate config of this machine leaks in
-        launcher = [*accelerate, "--num_processes", str(per_site), "--main_process_ip", host, "--main_process_port",
-                    str(_free_port())]
-    argv = [*launcher, script, "--site", name, "--sites", str(sites), "--out", str(out), *extra]
-    if script == SCRIPT:
-        argv += ["--steps", str(STEPS)] if "--steps" not in extra else []
-    if lab is not None:
-        argv = lab.wrap(int(name.removeprefix("site")), argv)
-    log = open(out / f"{name}.{len(list(out.glob(f'{name}.*.log')))}.log", "w")  # the tree owns it until it ends
-    return ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def _progress(out: Path, name: str) -> int:
-    try:
-        return int((out / f"{name}.progress").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
-def _run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str,
-                     script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None) -> dict:
-    """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it with the same command
-    once the others committed a step without it (3 s at least, 23 s at most); every site must end cleanly. Returns
-    each rank's results and whether the others went on meanwhile."""
-    names = [f"site{i}" for i in range(sites)]
-    launch = {"script": script, "accelerate": accelerate}
-    trees = {name: _site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while _progress(tmp_path, names[victim]) < kill_at:
-            assert time.monotonic() < deadline, "the job never reached the kill step"
-            assert trees[names[victim]].process.poll() is None, trees[names[victim]].wait(5)[1][-3000:]
-            time.sleep(0.05)
-        trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
-        killed_at = _progress(tmp_path, names[victim])
-        before = {n: _progress(tmp_path, n) for n in names if n != names[victim]}
-        time.sleep(3)  # down for 3 s at least, and until the others committed a step (a round) without it: the
-        went_on = time.monotonic() + 20  # lighthouse drops it after its heartbeat timeout (2 s), then a quorum forms
-        while not (survivors_went_on := all(_progress(tmp_path, n) > before[n] for n in before)):
-            if time.monotonic() > went_on:
-                break
-            time.sleep(0.1)
-        (tmp_path / f"{names[victim]}.progress").unlink()
-        trees[names[victim]] = _site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
-                                     **launch)  # the same command
-        finish_all(trees, tmp_path, deadline - time.monotonic())
-    finally:
-        for tree in trees.values():
-            tree.kill()
-    ranks = {(name, r): torch.load(tmp_path / f"{name}_rank{r}.pt") for name in names for r in range(per_site)}
-    return {"ranks": ranks, "killed_at": killed_at, "survivors_went_on": survivors_went_on, "victim": victim}
 
 
-def run_alone(out: Path, lighthouse: str, *extra: str, script: str, accelerate: list[str] | None = None) -> dict:
-    """One run of site0 alone (one rank) in ``out`` (e.g. resuming from a checkpoint); it must end cleanly.
-    Returns its rank's results."""
-    out.mkdir()
-    tree = _site("site0", 1, 1, lighthouse, out, *extra, script=script, accelerate=accelerate)
-    try:
-        code, _ = tree.wait(TIMEOUT_S)
-    finally:
-        tree.kill()
-    assert code == 0, _logs(out, "site0")
-    return torch.load(out / "site0_rank0.pt")
 
 
-def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
-    """The checks of a ``_run_with_a_kill`` run (``step``: the job's steps, or rounds): the job ended with every
-    site at the same step (>= ``min_final``), every rank bitwise identical; each survivor committed every step
-    once; some step ran without the victim; the victim rejoined at the job's step and took part in every step
-    after. Returns the first rank's and the first survivor's results."""
-    ranks, victim = run["ranks"], run["victim"]
-    assert run["survivors_went_on"], "the surviving sites stopped while the victim was down"
-    first = next(iter(ranks.values()))
-    final = first["final_step"]
-    for key, rank in ranks.items():
-        assert rank["final_step"] == final >= min_final and rank["num_sites"] == sites, key
-        for name, value in rank["params"].items():
-            assert torch.equal(value, first["params"][name]), (key, name)
-    survivors = [rank for (name, _), rank in ranks.items() if name != f"site{victim}"]
-    for rank in survivors:  # none lost, none twice
-        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], final))
-    degraded = [e for e in survivors[0]["log"] if victim not in e["sites"]]
-    assert any(e["step"] >= run["killed_at"] for e in degraded), "no step ran without the killed site"
-    restarted = ranks[(f"site{victim}", 0)]
-    assert restarted["joined_at"] > run["killed_at"]  # it rejoined live, at the job's step, not from step 0
-    assert all(victim in e["sites"] for e in restarted["log"])
-    return first, survivors[0]
 
 
 @pytest.mark.parametrize("sites,per_site,extra,atol", [
@@ -169,7 +60,7 @@ def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
 ], ids=["3x1", "2x2-ddp-int8"])
 def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site, extra,
                                                                     atol):
-    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, *extra)
+    run = run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, *extra)
     first, survivor = check_rejoined(run, sites, STEPS)
     # from the state the survivor started with (received from a peer if it joined after step 0)
     expected = reference(survivor["log"], per_site, survivor["initial"])
@@ -179,10 +70,10 @@ def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lig
 
 def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
     names = ["site0", "site1"]
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path) for name in names}
+    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+        while min(progress(tmp_path, n) for n in names) < KILL_AT:
             assert time.monotonic() < deadline, "the job never reached the restart step"
             time.sleep(0.05)
         lighthouse.restart(down_s=2.0)
@@ -198,20 +89,8 @@ def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
-def finish_all(trees: dict, out: Path, timeout_s: float = TIMEOUT_S) -> None:
-    """Wait for every site's tree to end with exit code 0 (else fail with its log); kill every process after."""
-    try:
-        deadline = time.monotonic() + timeout_s
-        for name, tree in trees.items():
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(out, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
 
 
-def _logs(out: Path, name: str) -> str:
-    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob(f"{name}.*.log")))
 
 
 @pytest.mark.parametrize("per_site,extra,message", [
@@ -223,38 +102,11 @@ def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse,
                                [message])
 
 
-def check_odd_site_fails_alone(tmp_path: Path, lighthouse: str, live: list[str], per_site: int, odd: list[str],
-                               messages: list[str], script: str = SCRIPT) -> None:
-    """Two sites train (``live`` arguments: long enough to be there when the odd site comes); a third site with
-    ``odd`` arguments and ``per_site`` ranks must fail alone, its log saying it cannot join and ``messages``, while
-    the two go on, finish and end identical."""
-    names = ["site0", "site1"]
-    trees = {name: _site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
-        tree = _site("site2", per_site, 3, lighthouse, tmp_path, *odd, script=script)
-        code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-        assert code != 0
-        log = _logs(tmp_path, "site2")
-        assert "site 'site2' cannot join: it differs from site 'site" in log, log
-        assert all(message in log for message in messages), log
-        for name, tree in trees.items():  # the live sites went on without it and finished
-            code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"{name}:\n{_logs(tmp_path, name)}"
-    finally:
-        for tree in trees.values():
-            tree.kill()
-    ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in names]
-    for name, value in ranks[0]["params"].items():
-        assert torch.equal(value, ranks[1]["params"][name]), name
 
 
 def test_a_site_that_reaches_no_lighthouse_fails_on_every_rank_saying_so(tmp_path):
-    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    tree = _site("site0", 2, 1, address, tmp_path, "--quorum-timeout-s", "3")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tree = start_site("site0", 2, 1, address, tmp_path, "--quorum-timeout-s", "3")
     try:
         code, _ = tree.wait(TIMEOUT_S)
     finally:
@@ -269,7 +121,7 @@ def test_sites_that_start_from_different_weights_end_with_identical_ranks(tmp_pa
     # torchft's first quorum makes the sites equal rank index by rank index, from different source sites: the
     # ranks of one site must still end up holding one state (each site seeds its model differently here)
     names = ["site0", "site1"]
-    trees = {name: _site(name, 2, 2, lighthouse.address, tmp_path, "--seed-per-site", "--steps", "6")
+    trees = {name: start_site(name, 2, 2, lighthouse.address, tmp_path, "--seed-per-site", "--steps", "6")
              for name in names}
     finish_all(trees, tmp_path)
     ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt") for name in names for r in range(2)]
@@ -291,7 +143,7 @@ def test_a_step_its_quorums_first_site_discarded_is_saved_by_the_site_that_commi
     # quorum site1 is the one site that holds the job's state and leads; no step has two writers; save_once right
     # after each commit writes every step once, step 5 on site1 at the next quorum
     names, discard = ["site0", "site1"], 4
-    trees = {name: _site(name, per_site, 2, lighthouse.address, tmp_path, "--steps", "10",
+    trees = {name: start_site(name, per_site, 2, lighthouse.address, tmp_path, "--steps", "10",
                          *(["--discard-at", str(discard)] if name == "site0" else []))
              for name in names}
     finish_all(trees, tmp_path)
@@ -324,12 +176,12 @@ def test_steps_that_keep_failing_stop_every_site_with_the_last_failure(tmp_path)
     server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=10_000, join_timeout_ms=20_000)
     address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
     common = ("--timeout-s", "1", "--max-failed-steps", "3", "--steps", "50")
-    trees = {"site0": _site("site0", 1, 2, address, tmp_path, *common),
-             "site1": _site("site1", 1, 2, address, tmp_path, *common, "--stall-s", "3")}
+    trees = {"site0": start_site("site0", 1, 2, address, tmp_path, *common),
+             "site1": start_site("site1", 1, 2, address, tmp_path, *common, "--stall-s", "3")}
     try:
         for name, tree in trees.items():
             code, _ = tree.wait(TIMEOUT_S)
-            log = _logs(tmp_path, name)
+            log = site_logs(tmp_path, name)
             assert code != 0, log
             assert f"site '{name}': 3 steps in a row failed and were discarded (max_failed_steps=3)" in log, log
             assert "the last failure: " in log, log
@@ -348,29 +200,6 @@ def test_a_site_built_long_before_its_first_step_holds_up_no_quorum(tmp_path):
     assert site0["final_step"] == 3
 
 
-def first_quorum_beside_an_idle_site(tmp_path: Path, idle: list[str], run: list[str], script: str = SCRIPT) -> dict:
-    """site1 (``idle`` arguments) builds its site and then idles before its first step; once it has, site0, a job
-    of one site (``run`` arguments), must run to its end with its first quorum formed at once (< 10 s; the
-    lighthouse's join timeout is 30 s, its quorum timeout 120 s). Returns site0's results."""
-    server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=5_000, join_timeout_ms=30_000)
-    address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    trees = {"site1": _site("site1", 1, 2, address, tmp_path, *idle, script=script)}
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (tmp_path / "site1.built").exists():
-            assert time.monotonic() < deadline and trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
-            time.sleep(0.05)
-        time.sleep(2)  # a heartbeat (every 100 ms) would have reached the lighthouse by now
-        trees["site0"] = _site("site0", 1, 1, address, tmp_path, *run, script=script)
-        code, _ = trees["site0"].wait(TIMEOUT_S)
-        assert code == 0, _logs(tmp_path, "site0")
-    finally:
-        for tree in trees.values():
-            tree.kill()
-        server.shutdown()
-    site0 = torch.load(tmp_path / "site0_rank0.pt")
-    assert site0["first_quorum_s"] < 10, f"the first quorum waited {site0['first_quorum_s']:.1f} s for site1"
-    return site0
 
 
 class _Answers:
@@ -546,7 +375,6 @@ def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_h
     after wait_s idle) and give up on unacknowledged data after wait_s + 5 s."""
     import datetime
     import http.client
-    import socket
 
     from multidc.hierarchical.elastic.transport import _dead_peer_timeout, state_server
 

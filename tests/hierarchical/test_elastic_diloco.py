@@ -23,15 +23,15 @@ require_torchft()
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
-from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
-from tests.hierarchical.test_elastic import (  # noqa: E402
+from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
-    _run_with_a_kill,
     check_odd_site_fails_alone,
     check_rejoined,
     run_alone,
+    run_with_a_kill,
 )
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_diloco_script.py")
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site,
                                                                      fragments, overlap):
     victim = sites - 1
-    run = _run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
+    run = run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
                            "--sleep", "0.3", "--fragments", str(fragments), "--overlap", str(overlap),
                            script=SCRIPT, kill_at=KILL_AT)
     first, survivor = check_rejoined(run, sites, ROUNDS)  # every rank's global parameters bitwise identical

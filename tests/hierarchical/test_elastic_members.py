@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,56 +28,24 @@ require_torchft()
 from multidc.hierarchical.elastic import start_lighthouse  # noqa: E402
 from multidc.hierarchical.elastic.lighthouse import heard_replicas, torchft_log_level  # noqa: E402
 from multidc.hierarchical.elastic.members import quorum_change, wait_for_site_name  # noqa: E402
-from tests.hierarchical.test_elastic import (  # noqa: E402
+from tests._elastic import (  # noqa: E402
     KILL_AT,
-    SCRIPT,
     TIMEOUT_S,
-    _logs,
-    _progress,
-    _site,
+    check_second_member_refused,
     finish_all,
+    progress,
+    site_logs,
+    start_site,
 )
 
 MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-def check_second_member_refused(tmp_path: Path, lighthouse: str, live: list[str], script: str = SCRIPT) -> dict:
-    """site0 and site1 train (``live`` arguments: long enough to be there when the second process comes); a second
-    process of site1 (the same command) must fail, its log naming the site and the live member's manager, while
-    both go on and finish as if it had not come: no step discarded, every step committed once, no quorum with a
-    site twice, both identical. Returns each site's rank-0 results."""
-    names = ["site0", "site1"]
-    trees = {name: _site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            assert all(tree.process.poll() is None for tree in trees.values()), _logs(tmp_path, "site1")
-            time.sleep(0.05)
-        second = _site("site1", 1, 2, lighthouse, tmp_path, *live, script=script)
-        code, _ = second.wait(max(1.0, deadline - time.monotonic()))
-        log = (tmp_path / "site1.1.log").read_text()
-        assert code != 0, log[-3000:]
-        assert re.search(r"site 'site1' is already in the job: its member site1:\S+ \(its torchft manager at "
-                         r"http://\S+:\d+\) still heartbeats", log), log[-3000:]
-        assert all(tree.process.poll() is None for tree in trees.values()), "the job ended before the refusal"
-        finish_all(trees, tmp_path, deadline - time.monotonic())
-    finally:
-        for tree in trees.values():
-            tree.kill()
-    ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
-    for name, rank in ranks.items():
-        assert rank["discarded"] == 0, name
-        assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], rank["final_step"])), name
-        assert not [e for e in rank["log"] if e["twice"]], name  # the quorums never held site1 twice
-    for key, value in ranks["site0"]["params"].items():
-        assert torch.equal(value, ranks["site1"]["params"][key]), key
-    return ranks
 
 
 def test_a_second_process_of_a_live_site_is_refused_and_the_job_goes_on(tmp_path, lighthouse):
-    check_second_member_refused(tmp_path, lighthouse.address, ["--steps", "250"])
+    check_second_member_refused(tmp_path, lighthouse.address, ["--steps", "40"])
 
 
 def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_it_then_rejoins(tmp_path):
@@ -87,24 +54,24 @@ def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_i
     server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=12_000, join_timeout_ms=1000)
     address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
     names = ["site0", "site1"]
-    trees = {name: _site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
+    trees = {name: start_site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while _progress(tmp_path, "site1") < KILL_AT:
+        while progress(tmp_path, "site1") < KILL_AT:
             assert time.monotonic() < deadline, "the job never reached the kill step"
-            assert trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+            assert trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
             time.sleep(0.05)
         trees["site1"].kill()  # every process of the site
-        killed_at = _progress(tmp_path, "site1")
+        killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()
-        trees["site1"] = _site("site1", 1, 2, address, tmp_path, "--steps", "40")  # at once, the same command
+        trees["site1"] = start_site("site1", 1, 2, address, tmp_path, "--steps", "40")  # at once, the same command
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():
             tree.kill()
         server.shutdown()
     assert re.search(r"site 'site1' waits for its member site1:\S+ \(heard \d+\.\d s ago\) to leave the job",
-                     (tmp_path / "site1.1.log").read_text()), _logs(tmp_path, "site1")
+                     (tmp_path / "site1.1.log").read_text()), site_logs(tmp_path, "site1")
     survivor, restarted = (torch.load(tmp_path / f"{name}_rank0.pt") for name in names)
     assert restarted["joined_at"] > killed_at and restarted["final_step"] == survivor["final_step"] >= 40
     assert [e["step"] for e in survivor["log"]] == list(range(survivor["joined_at"], survivor["final_step"]))
@@ -125,11 +92,11 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
     # quorum, with a message, while the others go on and never commit a step that counts site1 twice.
     url = f"http://{lighthouse.address}"
     names = ["site0", "site1"]
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "400") for name in names}
+    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "400") for name in names}
     old = trees["site1"]
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(_progress(tmp_path, n) for n in names) < KILL_AT:
+        while min(progress(tmp_path, n) for n in names) < KILL_AT:
             assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.05)
         _signal_tree(old, signal.SIGSTOP)
@@ -137,17 +104,17 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
             assert time.monotonic() < deadline, "the lighthouse never dropped the stopped member"
             time.sleep(0.1)
         (tmp_path / "site1.progress").unlink()
-        trees["site1"] = _site("site1", 1, 2, lighthouse.address, tmp_path, "--steps", "400")
-        while _progress(tmp_path, "site1") < _progress(tmp_path, "site0") - 1 or _progress(tmp_path, "site1") == 0:
-            assert time.monotonic() < deadline and trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+        trees["site1"] = start_site("site1", 1, 2, lighthouse.address, tmp_path, "--steps", "400")
+        while progress(tmp_path, "site1") < progress(tmp_path, "site0") - 1 or progress(tmp_path, "site1") == 0:
+            assert time.monotonic() < deadline and trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
             time.sleep(0.05)
-        back_at = _progress(tmp_path, "site0")
+        back_at = progress(tmp_path, "site0")
         _signal_tree(old, signal.SIGCONT)
         code, _ = old.wait(max(1.0, deadline - time.monotonic()))
         log = (tmp_path / "site1.0.log").read_text()
         assert code != 0, log[-3000:]
         assert re.search(r"site 'site1' left the job at step \d+: its quorum also holds site1:\S+, another member "
-                         r"of this site that stays", log), log[-3000:]
+                         r"of this site \(this one is behind", log), log[-3000:]
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         _signal_tree(old, signal.SIGCONT)
@@ -256,7 +223,7 @@ def test_torchft_logs_warnings_only_unless_asked_and_each_site_logs_each_quorum_
         while not (match := re.search(r"listening on (127\.0\.0\.1:\d+)", output.read_text())):
             assert time.monotonic() < deadline and lighthouse.process.poll() is None, output.read_text()
             time.sleep(0.05)
-        trees = {name: _site(name, 1, 2, match.group(1), tmp_path, "--steps", "20", env=env) for name in names}
+        trees = {name: start_site(name, 1, 2, match.group(1), tmp_path, "--steps", "20", env=env) for name in names}
         finish_all(trees, tmp_path)
     finally:
         for tree in [*trees.values(), lighthouse]:

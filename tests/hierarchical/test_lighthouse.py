@@ -25,7 +25,7 @@ from multidc.hierarchical.elastic import (  # noqa: E402
     lighthouse_url,
     start_lighthouse,
 )
-from tests.hierarchical.test_doctor import _doctor  # noqa: E402
+from tests._launch import run_doctor  # noqa: E402
 
 MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
 
@@ -115,7 +115,7 @@ def test_bad_lighthouse_settings_are_refused(kwargs, message):
 
 def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse_cli, tmp_path):
     address, _ = lighthouse_cli
-    proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
+    proc, report = run_doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["lighthouse"] == {"url": f"http://{address}", "unreachable_from": [], "error": None}
     assert f"torchft lighthouse http://{address}: reached from every rank" in proc.stdout
@@ -123,7 +123,7 @@ def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse_cli, tmp_pat
 
 def test_doctor_fails_when_the_lighthouse_is_not_there(tmp_path):
     address = f"127.0.0.1:{_free_port()}"
-    proc, report = _doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
+    proc, report = run_doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
     assert proc.returncode != 0
     assert report["lighthouse"]["unreachable_from"] == [0, 1, 2, 3]
     assert f"UNREACHABLE from ranks 0,1,2,3: no torchft lighthouse answers at http://{address}" in proc.stdout

@@ -27,7 +27,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import DiLoCoConfig
 from multidc.plugins import MultiDCAccelerator, MultiDCPlugin
-from tests.hierarchical.test_diloco import LR, _model, _rows
+from tests.diloco_reference import LR
+from tests.diloco_reference import model as _model
+from tests.diloco_reference import rows as _rows
 
 
 def main() -> None:

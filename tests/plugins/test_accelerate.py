@@ -27,30 +27,12 @@ require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
-from tests._launch import finish  # noqa: E402
+from tests._launch import LAUNCH_TIMEOUT_S, ROOT, finish, launch  # noqa: E402
 
-# Cold start, measured in the first run after `make clean` on 2 cores (2026-11-23): the 3 batches of two 4-rank
-# launches took 43 s together, about 14 s a batch. 150 s per launch is a 10x margin for a slower, loaded machine.
-# The module fixture runs its 3 batches inside the first test's timeout.
-LAUNCH_TIMEOUT_S = 150
 pytestmark = pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 120)
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 SCRIPT = os.path.join(ROOT, "tests", "plugins", "_accelerate_script.py")
 EXIT_SCRIPT = os.path.join(ROOT, "tests", "plugins", "_exit_script.py")
 EXAMPLE = os.path.join(ROOT, "examples", "accelerate_hierarchical.py")
-CONFIG = os.path.join(ROOT, "examples", "accelerate_config.yaml")
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
-_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
-                "ACCELERATE_USE_CPU")
-
-
-def launch(args: list[str], env: dict[str, str], tmp_path) -> ProcessTree:
-    """Start ``accelerate launch --config_file CONFIG ARGS`` with a clean environment, as a ``ProcessTree``."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "ACCELERATE_"))
-             and k not in _LAUNCH_VARS}
-    # HF_HOME: no default accelerate config of this machine may leak into the run.
-    env = {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HOME": str(tmp_path / "hf"), **env}
-    return ProcessTree([ACCELERATE, "launch", "--config_file", CONFIG, *args], env=env)
 
 
 def read_run(out_dir) -> dict:

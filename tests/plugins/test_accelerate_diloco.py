@@ -18,10 +18,15 @@ require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import MultiDCPlugin  # noqa: E402
-from tests._launch import finish  # noqa: E402
-from tests.diloco_reference import run_reference  # noqa: E402
-from tests.hierarchical.test_diloco import LR, _model, _rows  # noqa: E402
-from tests.plugins.test_accelerate import LAUNCH_TIMEOUT_S, ROOT, launch  # noqa: E402
+from tests._launch import (  # noqa: E402
+    LAUNCH_TIMEOUT_S,
+    ROOT,
+    finish,  # noqa: E402
+    launch,
+)
+from tests.diloco_reference import LR, run_reference  # noqa: E402
+from tests.diloco_reference import model as _model  # noqa: E402
+from tests.diloco_reference import rows as _rows  # noqa: E402
 
 pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)
 SCRIPT = f"{ROOT}/tests/plugins/_accelerate_diloco_script.py"

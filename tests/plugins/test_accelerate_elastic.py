@@ -21,16 +21,16 @@ require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import Checkpointer, MultiDCPlugin, RNGState, list_checkpoints  # noqa: E402
-from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import (  # noqa: E402
+from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
-    _run_with_a_kill,
-    _site,
     check_rejoined,
     finish_all,
     run_alone,
+    run_with_a_kill,
+    start_site,
 )
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "plugins" / "_accelerate_elastic_script.py")
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--steps", "30", "--sleep", "0.05",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--steps", "30", "--sleep", "0.05",
                            script=SCRIPT, kill_at=8, accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 30)
     assert survivor["lr"] == run["ranks"][("site1", 0)]["lr"]  # the LR schedule followed the committed steps
@@ -51,7 +51,7 @@ def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
 
 @pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 0), (2, 1)], ids=["plain", "streaming", "overlap"])
 def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse, fragments, overlap):
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--fragments", str(fragments),
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--fragments", str(fragments),
                            "--overlap", str(overlap), "--steps", "8", "--sleep", "0.1", script=SCRIPT, kill_at=3,
                            accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 8)  # the global parameters bitwise identical on every rank
@@ -76,7 +76,7 @@ def test_elastic_checkpoints_are_saved_once_by_the_sites_present_and_resume_the_
     every = 2 * SYNC_EVERY if diloco else 4  # job steps: inner steps under DiLoCo
     ckpts = tmp_path / "ckpts"
     extra = ["--diloco", "--steps", "10", "--sleep", "0.1"] if diloco else ["--steps", "30", "--sleep", "0.05"]
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, *extra, "--ckpt-dir", str(ckpts), "--ckpt-every",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, *extra, "--ckpt-dir", str(ckpts), "--ckpt-every",
                            str(every), script=SCRIPT, kill_at=3 if diloco else 8, accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 10 if diloco else 30)
     ends = {e["t0"] + SYNC_EVERY if diloco else e["step"] + 1: e for e in survivor["log"]}  # job step after each
@@ -107,7 +107,7 @@ def test_a_save_before_the_quorum_of_a_step_its_first_site_discarded_is_written_
     # written at the next quorum (zero_grad) by site1, the others by site0, each once; step 8's loads as the replay's
     ckpts = tmp_path / "ckpts"
     common = ["--steps", "12", "--sleep", "0.02", "--ckpt-dir", str(ckpts), "--save-before-quorum"]
-    trees = {name: _site(name, 1, 2, lighthouse.address, tmp_path, *common, *extra, script=SCRIPT,
+    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path, *common, *extra, script=SCRIPT,
                          accelerate=ACCELERATE)
              for name, extra in (("site0", ["--discard-at", "7"]), ("site1", []))}
     finish_all(trees, tmp_path)

@@ -29,7 +29,9 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import DiLoCoConfig
 from multidc.strategies import DiLoCoStrategy
-from tests.hierarchical.test_diloco import LR, _model, _rows
+from tests.diloco_reference import LR
+from tests.diloco_reference import model as _model
+from tests.diloco_reference import rows as _rows
 
 
 class Net(pl.LightningModule):

@@ -32,6 +32,7 @@ from tests.hierarchical.elastic_reference import (  # noqa: E402
     model,
     record_writes,
     rows,
+    wait_for_file,
 )
 
 
@@ -42,7 +43,7 @@ class Net(pl.LightningModule):
         self.interval, self.stall, self.discarded = interval, stall, 0
         self.log_steps, self.initial, self.joined_at = [], None, None
         self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
-        self.discard_at, self.rng_at_save = -1, {}
+        self.discard_at, self.rng_at_save, self.hold_until = -1, {}, None
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
@@ -87,6 +88,8 @@ class Net(pl.LightningModule):
         if self.global_rank == 0:
             with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
                 f.write(str(self.trainer.global_step))
+        if self.hold_until and self.trainer.global_step >= self.trainer.max_steps - 1:
+            wait_for_file(self.hold_until)
         time.sleep(self.sleep)
 
     def configure_optimizers(self):
@@ -125,12 +128,13 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu", help="gpu: each rank on a GPU, NCCL inside the site")
     parser.add_argument("--discard-at", type=int, default=-1, help="the job step this site discards, once, after its "
                         "transfers completed (the other sites commit it)")
+    parser.add_argument("--hold-until", help="before the last step, wait until this file exists (at most 120 s)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
     module = Net(index, args.sleep, args.out, args.site, args.interval, (args.stall_at, args.stall_s))
-    module.setup_s, module.discard_at = args.setup_s, args.discard_at
+    module.setup_s, module.discard_at, module.hold_until = args.setup_s, args.discard_at, args.hold_until
     module.written = record_writes()
     trainer = pl.Trainer(
         strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,

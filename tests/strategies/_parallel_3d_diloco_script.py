@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 from multidc.hierarchical import DiLoCoConfig
 from multidc.hierarchical.parallel import data_parallel_coordinate
 from multidc.strategies import Parallel3DStrategy, apply_tensor_parallel
+from tests._gpt_diloco import LR, full, model, rows
 from tests._tiny_models import loss_fn
-from tests.strategies.test_parallel_3d_diloco import LR, full, model, rows
 
 
 class Net(pl.LightningModule):

@@ -24,8 +24,9 @@ from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 import tests.strategies._diloco_script as script  # noqa: E402
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.strategies import DiLoCoStrategy  # noqa: E402
-from tests.diloco_reference import run_reference  # noqa: E402
-from tests.hierarchical.test_diloco import LR, _model, _rows  # noqa: E402
+from tests.diloco_reference import LR, run_reference  # noqa: E402
+from tests.diloco_reference import model as _model  # noqa: E402
+from tests.diloco_reference import rows as _rows  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}

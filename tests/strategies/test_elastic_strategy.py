@@ -20,20 +20,20 @@ require_module("lightning", "lightning")
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import Checkpointer, RNGState, list_checkpoints  # noqa: E402
 from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy  # noqa: E402
-from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
-from tests.hierarchical.test_elastic import (  # noqa: E402
+from tests._elastic import (  # noqa: E402
     KILL_AT,
     TIMEOUT_S,
-    _logs,
-    _progress,
-    _run_with_a_kill,
-    _site,
+    check_second_member_refused,  # noqa: E402
     finish_all,
     first_quorum_beside_an_idle_site,
+    progress,
     run_alone,
+    run_with_a_kill,
+    site_logs,
+    start_site,
 )
-from tests.hierarchical.test_elastic_members import check_second_member_refused  # noqa: E402
+from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
+from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_lightning_script.py")
 DILOCO_SCRIPT = str(Path(__file__).resolve().parent / "_elastic_diloco_lightning_script.py")
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 def _trainer_site(name: str, address: str, out: Path, accelerator: str = "cpu"):
-    return _site(name, 1, 2, address, out, "--max-steps", str(MAX_STEPS), "--sleep", "0.08", "--accelerator",
+    return start_site(name, 1, 2, address, out, "--max-steps", str(MAX_STEPS), "--sleep", "0.08", "--accelerator",
                  accelerator, script=SCRIPT)
 
 
@@ -56,12 +56,12 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse, accele
     trees = {name: _trainer_site(name, lighthouse.address, tmp_path, accelerator) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while _progress(tmp_path, "site1") < KILL_AT:
+        while progress(tmp_path, "site1") < KILL_AT:
             assert time.monotonic() < deadline, "the fit never reached the kill step"
-            assert trees["site1"].process.poll() is None, _logs(tmp_path, "site1")
+            assert trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
             time.sleep(0.05)
         trees["site1"].kill()
-        killed_at = _progress(tmp_path, "site1")
+        killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()
         time.sleep(2)
         trees["site1"] = _trainer_site("site1", lighthouse.address, tmp_path, accelerator)
@@ -87,7 +87,7 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse, accele
 def test_a_second_process_of_a_live_site_is_refused_by_a_lightning_fit(tmp_path, lighthouse):
     # the check is ElasticSite's, before the first quorum: under a Trainer the second process fails in the
     # strategy's first step, and the fit of both sites goes on as if it had not come
-    check_second_member_refused(tmp_path, lighthouse.address, ["--max-steps", "400", "--sleep", "0.05"], script=SCRIPT)
+    check_second_member_refused(tmp_path, lighthouse.address, ["--max-steps", "40", "--sleep", "0.05"], script=SCRIPT)
 
 
 def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, lighthouse):
@@ -95,7 +95,7 @@ def test_checkpoints_are_saved_once_by_the_sites_present_and_load(tmp_path, ligh
     # each once and committed; the job's checkpoint of such a step loads into a new elastic fit, which continues
     # the job's step count from there, its weights those of a replay of the committed steps
     ckpts = tmp_path / "ckpts"
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "150", "--sleep", "0.08",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "150", "--sleep", "0.08",
                            "--ckpt-dir", str(ckpts), script=SCRIPT, kill_at=12)
     survivor, restarted = run["ranks"][("site1", 0)], run["ranks"][("site0", 0)]
     assert survivor["final_step"] == restarted["final_step"] == 150
@@ -124,8 +124,9 @@ def test_a_step_its_first_site_discards_is_saved_once_by_a_site_that_committed_i
         require_cuda()
     ckpts = tmp_path / "ckpts"
     common = ("--max-steps", "30", "--sleep", "0.02", "--ckpt-dir", str(ckpts), "--accelerator", accelerator)
-    trees = {"site0": _site("site0", 1, 2, lighthouse.address, tmp_path, *common, "--discard-at", "19", script=SCRIPT),
-             "site1": _site("site1", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT)}
+    trees = {"site0": start_site("site0", 1, 2, lighthouse.address, tmp_path, *common, "--discard-at", "19",
+                                 script=SCRIPT),
+             "site1": start_site("site1", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT)}
     finish_all(trees, tmp_path)
     first, other = (torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1"))
     assert (first["discarded"], other["discarded"]) == (1, 0)
@@ -155,8 +156,8 @@ def test_a_discarded_step_leaves_the_weights_and_the_lr_schedule_alone(tmp_path,
     # site1 stalls inside step 5 longer than the WAN timeout: that step fails and is discarded; the LR schedule
     # still follows the committed steps only (a replay with the schedule of the committed steps matches)
     common = ("--max-steps", "20", "--sleep", "0.02", "--timeout-s", "2")
-    trees = {"site0": _site("site0", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT),
-             "site1": _site("site1", 1, 2, lighthouse.address, tmp_path, *common, "--stall-at", "5", "--stall-s",
+    trees = {"site0": start_site("site0", 1, 2, lighthouse.address, tmp_path, *common, script=SCRIPT),
+             "site1": start_site("site1", 1, 2, lighthouse.address, tmp_path, *common, "--stall-at", "5", "--stall-s",
                             "5", script=SCRIPT)}
     finish_all(trees, tmp_path)
     ranks = [torch.load(tmp_path / f"{name}_rank0.pt") for name in ("site0", "site1")]
@@ -181,7 +182,7 @@ def test_a_killed_site_rejoins_an_elastic_diloco_fit_live(tmp_path, lighthouse, 
     # the survivor must still train when the killed site is back (a site that finds no live one to join waits):
     # a GPU machine runs the 200 steps in under 20 s, about as long as the restart takes there
     max_steps = 200 if accelerator == "cpu" else 600
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--max-steps", str(max_steps), "--sleep", "0.08",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--max-steps", str(max_steps), "--sleep", "0.08",
                            "--fragments", str(fragments), "--overlap", str(overlap), "--accelerator", accelerator,
                            script=DILOCO_SCRIPT, kill_at=40)
     survivor, restarted = run["ranks"][("site0", 0)], run["ranks"][("site1", 0)]
@@ -213,7 +214,7 @@ def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resu
     # SIGKILLed: site1 alone saves the rounds in between, each once; such a checkpoint resumes a new elastic fit at
     # the job's round, and its rounds continue the replay of the committed ones (outer momentum included)
     ckpts, every = tmp_path / "ckpts", 2 * SYNC_EVERY
-    run = _run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "200", "--sleep", "0.08",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 0, "--max-steps", "200", "--sleep", "0.08",
                            "--ckpt-dir", str(ckpts), script=DILOCO_SCRIPT, kill_at=40)
     survivor, restarted = run["ranks"][("site1", 0)], run["ranks"][("site0", 0)]
     assert survivor["final_step"] == restarted["final_step"] == 200
@@ -242,12 +243,12 @@ def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resu
                               "interval='epoch'"),
 ], ids=["loss-scaling", "epoch-scheduler"])
 def test_a_fit_that_elastic_mode_cannot_follow_is_refused_before_training(tmp_path, lighthouse, extra, message):
-    tree = _site("site0", 1, 1, lighthouse.address, tmp_path, "--max-steps", "5", *extra, script=SCRIPT)
+    tree = start_site("site0", 1, 1, lighthouse.address, tmp_path, "--max-steps", "5", *extra, script=SCRIPT)
     try:
         code, _ = tree.wait(TIMEOUT_S)
     finally:
         tree.kill()
-    log = _logs(tmp_path, "site0")
+    log = site_logs(tmp_path, "site0")
     assert code != 0 and message in log, log
     assert not (tmp_path / "site0.progress").exists()  # no step ran
 

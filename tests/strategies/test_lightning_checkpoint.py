@@ -466,7 +466,7 @@ def _fit_with_a_stuck_rank(rank, root, *, stuck_rank, phase, ckpt_path=None) -> 
     """One ``hierarchical_ddp`` fit (2 sites x 2 ranks, checkpoints every 2 steps) in which ``stuck_rank`` hangs
     in user code: ``"save"``: its ``on_save_checkpoint`` callback of the step-4 save; ``"load"``: its
     ``configure_optimizers`` while the others load ``ckpt_path``. Returns what ``fit`` raised here and how long
-    after this rank reached the checkpoint (or, stuck, was released)."""
+    after this rank went on to the checkpoint (the stuck one: once released)."""
     import time
 
     from lightning.pytorch.callbacks import Callback
@@ -478,16 +478,17 @@ def _fit_with_a_stuck_rank(rank, root, *, stuck_rank, phase, ckpt_path=None) -> 
 
     class StuckSave(Callback):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-            clock.setdefault("at", time.monotonic())
-            if phase == "save" and rank == stuck_rank and checkpoint["global_step"] == 4:
-                _stuck_until_released(release, clock)
-                clock["at"] = time.monotonic()
+            if phase == "save" and checkpoint["global_step"] == 4:
+                if rank == stuck_rank:
+                    _stuck_until_released(release, clock)
+                clock["at"] = time.monotonic()  # this rank goes on to the save
 
     class Model(script.Regressor):
         def configure_optimizers(self):
-            if phase == "load" and rank == stuck_rank:
-                _stuck_until_released(release, clock)
-            clock["at"] = time.monotonic()
+            if phase == "load":
+                if rank == stuck_rank:
+                    _stuck_until_released(release, clock)
+                clock["at"] = time.monotonic()  # this rank goes on to the load
             return super().configure_optimizers()
 
     strategy = HierarchicalDDPStrategy(num_sites=2, wan=WanConfig(timeout_s=WAN_TIMEOUT_S))

@@ -13,15 +13,18 @@ from __future__ import annotations
 import inspect
 import json
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
 from multidc.hierarchical.tools.ranks import run_ranks
+from tests._launch import run_training_script
 from tests._resources import require_module
-from tests.strategies.test_parallel_3d import MODEL_PARALLEL_SCRIPT, _run_script
 
 STEPS = 3  # tests/strategies/_model_parallel_script.STEPS; not imported: importing the script needs Lightning
+
+SCRIPT = str(Path(__file__).with_name("_model_parallel_script.py"))
 
 
 # ------------------------------------------------------------------------------------ data_parallel_size, no ranks
@@ -156,7 +159,7 @@ def runs(tmp_path_factory):
     results = {}
     for name, args in RUNS.items():
         out = tmp_path_factory.mktemp(name)
-        log = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(out), "--clip", "0", *args], timeout=240)
+        log = run_training_script(SCRIPT, ["--out", str(out), "--clip", "0", *args], timeout=240)
         with open(out / "run.json") as f:
             losses = json.load(f)["losses"]
         weights = [torch.load(out / f"weights_rank{rank}.pt") for rank in range(4)]

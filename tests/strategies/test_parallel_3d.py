@@ -11,13 +11,12 @@ import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
 
 from multidc.hierarchical.tools.ranks import run_ranks
-from tests import _launch
+from tests._launch import run_training_script
 from tests._resources import require_module
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
@@ -160,19 +159,9 @@ def _load_example():
     return module
 
 
-def _run_script(script: str, args: list[str], env: dict | None = None, timeout: float = 300) -> str:
-    """Run a training script that launches its own ranks; afterwards (also on timeout) kill every rank it started."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in ("RANK", "WORLD_SIZE",
-             "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
-    code, out = _launch.run_script([sys.executable, script, *args], {**clean, "OMP_NUM_THREADS": "1", **(env or {})},
-                                   timeout)
-    assert code == 0, out[-6000:]
-    return out
-
-
 def _run_example(out_dir, a: dict) -> str:
     args = [f"--{k.replace('_', '-')}={v}" for k, v in a.items()]
-    return _run_script(EXAMPLE, [*args, "--out", str(out_dir)])
+    return run_training_script(EXAMPLE, [*args, "--out", str(out_dir)])
 
 
 def _merged_weights(out_dir, ranks: int) -> dict:
@@ -248,7 +237,7 @@ def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_th
     from tests._tiny_models import TinyGPT, loss_fn
 
     env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"}
-    out = _run_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], env)
+    out = run_training_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], env)
     assert "cross the WAN flat" not in out
     with open(tmp_path / "bytes_rank0.json") as f:
         sent = json.load(f)

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from multidc.hierarchical.tools.ranks import run_ranks
 from tests import _launch
+from tests._gpt_diloco import LR, full, model, rows
 from tests._resources import require_module
-from tests._tiny_models import TinyGPT, loss_fn
+from tests._tiny_models import loss_fn
 from tests.diloco_reference import run_reference
 
-LR, ROWS, SEQ_TOKENS, VOCAB = 0.1, 4, 4, 32
 CASES = {
     "sites2xdp_shard2": dict(layout=dict(num_sites=2, dp_shard=2), config=dict(sync_every=4), meter=True),
     "sites2xtp2": dict(layout=dict(num_sites=2, dp_shard=1, tensor_parallel_size=2), tp="transformer",
@@ -45,16 +45,8 @@ CASES = {
 STEPS = 10  # syncs at 4 and 8 (fragments: 2, 4, 6, 8, 10); local and global differ at the end
 
 
-def model() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(2)
 
 
-def rows(site: int, local: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows data-parallel replica ``local`` of ``site`` trains on at inner step ``step`` (1-based)."""
-    g = torch.Generator().manual_seed(10_000 * site + 100 * local + step)
-    tokens = torch.randint(0, VOCAB, (ROWS, SEQ_TOKENS + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def site_batch(replicas: int, site: int, step: int):
@@ -70,9 +62,6 @@ def reference(replicas: int, steps: int, config: dict) -> dict:
     )
 
 
-def full(named) -> dict[str, torch.Tensor]:
-    """Full values of (possibly DTensor) tensors; collective over their meshes (inside the site)."""
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in named}
 
 
 class CrossSiteCalls:
