@@ -13,9 +13,8 @@ site, and every optimizer step is one step of the elastic job:
 The Trainer's ``global_step`` follows the job's committed steps, so ``max_steps`` ends every site at the same step
 and a rejoined site continues the job's count. Checkpoints (``ModelCheckpoint`` on every site, as usual) are written
 by one site, also in a degraded quorum, so each save happens once: saves come at the batch end, after the commit,
-and the site that committed the step as the first of its quorum writes (``ElasticSite.is_leader``); should that site
-have discarded the step while others committed it, the first of those writes at the next step's quorum, before
-that step trains (``ElasticSite.save_once``). ``fit(ckpt_path=...)`` on one site or all resumes the
+through ``ElasticSite.save_once`` (who writes: ``multidc.hierarchical.elastic.writer``). ``fit(ckpt_path=...)`` on
+one site or all resumes the
 job at the checkpoint's step (the first quorum gives that state to sites that start without one). A ``monitor``-ed
 top-k follows the leader's metrics. Refused, with a clear error: gradient accumulation (a site receiving the live
 state mid-accumulation would mix gradients of two models), fp16 loss scaling (the scale is not
@@ -114,8 +113,8 @@ class ElasticMixin:
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Elastic: one site writes (one copy of the identical state; collective over that site's ranks), so every
-        site may run the same ``ModelCheckpoint``: the first site of the step's quorum if it committed the step,
-        else the first of the sites that did, at the next optimizer step's quorum (``ElasticSite.save_once``)."""
+        site may run the same ``ModelCheckpoint`` (``ElasticSite.save_once``; who writes:
+        ``multidc.hierarchical.elastic.writer``)."""
         site = self._elastic_site_now()
         if site is None:  # not fitting: as the last step's leader decided (trainer.save_checkpoint after fit)
             if self._elastic_leader():

@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
 from multidc.hierarchical.elastic.members import in_quorum_twice, quorum_change, wait_for_site_name
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
+from multidc.hierarchical.elastic.writer import CheckpointWriter, run_all
 from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology
@@ -178,11 +180,9 @@ class ElasticSite:
         if max_failed_steps is not None and (not isinstance(max_failed_steps, int) or max_failed_steps < 1):
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
-        self._leads = False  # see is_leader
+        self.writer = CheckpointWriter()  # who saves the job's checkpoints (is_leader, save_once)
         self._members: tuple[str, ...] = ()  # the replica ids (name:uuid) of this rank's last quorum
         self._twice: tuple[list[str], bool] | None = None  # see members.in_quorum_twice: of the last quorum
-        self._undecided: tuple[str, int] | None = None  # see save_once: (the step's first site, the step)
-        self._deferred: list[Callable[[], object]] = []
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
         self._votes = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -237,7 +237,7 @@ class ElasticSite:
         """Each quorum answer (every rank): whether it makes this rank a source of the live state, and whether this
         site holds the job's latest state as the first of the sites that hold it (``is_leader``)."""
         self._transport.expect(quorum)
-        self._leads = leads_after_quorum(quorum)
+        self.writer.quorum(quorum)
         change = quorum_change(self._members, tuple(quorum.replica_ids))
         if change is not None and dist.get_rank() == 0:  # once per change and site, not per step
             _log.info("site %r, step %d: the quorum has %s", self.name, quorum.max_step, change)
@@ -268,7 +268,7 @@ class ElasticSite:
                   for path in mine["tensors"].keys() & theirs["tensors"].keys()
                   if mine["tensors"][path] != theirs["tensors"][path]]
         problems += [f"tensor shapes differ: {', '.join(sorted(shapes)[:5])}"] if shapes else []
-        self._leads = False  # the state it saves would be the live one's, whose first site saves it
+        self.writer.healing()
         try:
             if not problems:
                 self._load_state_dict(received["user"])
@@ -313,16 +313,13 @@ class ElasticSite:
                 self._leave_twice(manager.current_step())
             # trained with the job before, received the live state, or the job starts with every site
             ready = self._joined or manager.current_step() > 0 or manager.num_participants() >= self.start_sites
-            undecided = self._undecided
-            # a deferred save: the step's first site is still in the quorum (the same process) and, as this site
-            # leads, no longer at the latest step: it discarded the step, so it wrote nothing (see save_once)
-            write = undecided is not None and undecided[0] in self._members and undecided[1] == manager.current_step()
-            votes = _site_votes((ready, time.monotonic() > deadline, manager.current_step(), self._leads, write),
-                                self._votes)
-            steps = {vote[2] for vote in votes}
-            ready, late = all(vote[0] for vote in votes) and len(steps) == 1, any(vote[1] for vote in votes)
-            self._leads = all(vote[3] for vote in votes) and len(steps) == 1  # the site leads as one
-            write = self._leads and all(vote[4] for vote in votes)
+            step = manager.current_step()
+            votes = _site_votes(_Vote(ready=ready, late=time.monotonic() > deadline, step=step,
+                                      leads=self.writer.leads, write=self.writer.proposes_to_write(step)), self._votes)
+            steps = {vote.step for vote in votes}
+            ready, late = all(vote.ready for vote in votes) and len(steps) == 1, any(vote.late for vote in votes)
+            self.writer.leads = all(vote.leads for vote in votes) and len(steps) == 1  # the site leads as one
+            write = self.writer.leads and all(vote.write for vote in votes)
             if len(steps) > 1:  # a rank failed to heal: the whole site registers as behind, and heals next quorum
                 manager.load_state_dict({"step": min(steps), "batches_committed": manager.batches_committed()})
             if ready:
@@ -334,17 +331,17 @@ class ElasticSite:
                     f"the other sites, or check that they reach the lighthouse (multidc doctor)."
                 )
             time.sleep(0.1)
-        deferred, self._deferred, self._undecided = self._deferred, [], None
+        deferred = self.writer.settle(write)
         # the same on every rank of the site: one step everywhere, one quorum
         if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
         self._joined = True
         self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
                                         self.intra_group)
-        if write:
+        if deferred:
             _log.info("site %r writes the checkpoint of step %d: the first site of that step's quorum discarded it",
                       self.name, manager.current_step())
-            _run_all(deferred)
+            run_all(deferred)
         return self.topology
 
     def _leave_twice(self, step: int) -> None:
@@ -419,43 +416,24 @@ class ElasticSite:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this site saves the job's checkpoints now. At most one site per committed step, the same answer
-        on every rank of the site (the sites that commit a step hold identical states, so one copy is the job's):
-
-        * after a commit, the site that committed the step as the first site of that step's quorum;
-        * after a quorum, the first site (in the quorum's order) of those that hold the job's latest step, unless
-          it received the live state in it. This also names a writer for a step that its quorum's first site
-          discarded while another site committed it, and for sites resumed from a checkpoint.
-
-        Every site saves at the same point of its loop, so one rule applies to a save on every site. A checkpoint
-        saved by the leader of a degraded quorum is as complete as any. No site leads at step 0, nor, before the
-        next quorum, after a step that its quorum's first site discarded: ``save_once`` covers that case."""
-        return self._leads
+        """Whether this site saves the job's checkpoints now: at most one site per committed step, the same answer
+        on every rank of the site. The rule: ``multidc.hierarchical.elastic.writer``."""
+        return self.writer.leads
 
     def save_once(self, save: Callable[[], object]) -> None:
         """Run ``save`` (a checkpoint of the job's current state; every rank of the site calls this alike, on every
-        site) on exactly one site of the job:
-
-        * on the leader (``is_leader``), now;
-        * right after a commit, on a site that committed the step but was not the first site of its quorum, the
-          first site may have discarded the step (a failure it alone saw) and then writes nothing. Such a site
-          keeps ``save`` until the next ``start_step()``: if that quorum shows the step's first site, the same
-          process, no longer at the latest step, the first of the sites that committed it runs ``save`` there,
-          after the quorum and before returning (its errors raise from ``start_step``); otherwise it drops it (the
-          first site committed and saved it, or left the job, when whether it saved is unknown).
+        site) on exactly one site of the job: now on the leader, or, when the step's quorum's first site may have
+        discarded the step, on the first of the sites that committed it at the next ``start_step()`` (its errors
+        raise there). The rule: ``multidc.hierarchical.elastic.writer``.
 
         A deferred ``save`` reads the state when it runs: take what may change before the next ``start_step()``
         (random streams, counters, the data position) at the call, as the Lightning strategies and
         ``MultiDCAccelerator.save_state`` do; the weights and the optimizer state do not change before it (the next
         optimizer step comes after it). It runs while the other sites wait in the step's first WAN transfer: a
         synchronous save that takes longer than ``wan.timeout_s`` fails that step everywhere (save asynchronously:
-        the upload then goes on in the background). A save of the job's last step is never deferred to a quorum
-        that does not come: the sites that keep it when they close drop it (logged); the last step's checkpoint is
-        written only if the first site of its quorum committed it."""
-        if self._leads:
-            save()
-        elif self._undecided is not None:
-            self._deferred.append(save)
+        the upload then goes on in the background). The job's last step has no next quorum: its save is written
+        only if the first site of its quorum committed it (the others drop theirs, logged)."""
+        self.writer.save_once(save)
 
     def resume(self, step: int) -> None:
         """This site's state was loaded from a checkpoint of the job's step ``step``: call before the first
@@ -506,11 +484,8 @@ class ElasticSite:
             RuntimeError: ``max_failed_steps`` steps in a row were discarded because of a failure.
         """
         committed = self.manager.should_commit()
-        self._leads = committed and self.topology is not None and self.topology.site == 0
-        self._deferred = []  # saves left from before the step's quorum were decided there
-        # committed, but not as the step's first site, which may have discarded it: save_once defers to the next quorum
-        first = min(self._members) if committed and not self._leads and self._members else None
-        self._undecided = (first, self.manager.current_step()) if first is not None else None
+        first_site = self.topology is not None and self.topology.site == 0
+        self.writer.commit(committed, first_site, self.manager.current_step())
         # the site's vote and quorum are the same on every rank: its ranks count (and raise) together
         failed = not committed and self.manager.num_participants() >= self._min_sites
         self._failed_steps = self._failed_steps + 1 if failed else 0
@@ -526,11 +501,7 @@ class ElasticSite:
 
     def close(self) -> None:
         """Stop the site's manager (its server on rank 0) and the topology's worker."""
-        if self._deferred:
-            _log.info("site %r leaves %d checkpoint save(s) of step %d to the first site of that step's quorum: no "
-                      "later quorum showed whether that site discarded the step", self.name, len(self._deferred),
-                      self.step)
-            self._deferred = []
+        self.writer.drop(self.name, self.step)
         if self.topology is not None:
             self.topology.close()
         if self._manager is not None:
@@ -548,30 +519,26 @@ def advertised_host(host: str | None = None) -> str:
     return host or _env.read(_env.ELASTIC_HOST) or socket.gethostname()
 
 
-def leads_after_quorum(quorum) -> bool:
-    """``is_leader`` from a torchft quorum answer: this site is the first (``max_replica_rank`` 0) of the sites at
-    the job's latest step, past step 0, and does not heal in this quorum (torchft also makes sites at step 0
-    other than its primary heal)."""
-    return quorum.max_replica_rank == 0 and quorum.max_step > 0 and not quorum.heal
+class _Vote(NamedTuple):
+    """A rank's vote after a quorum; the site decides from every rank's."""
+
+    ready: bool
+    """Trained with the job before, received the live state, or the job starts with every site."""
+    late: bool
+    """Waited past ``quorum_timeout_s`` for that."""
+    step: int
+    """The job's step this rank is at (a rank that failed to heal is behind)."""
+    leads: bool
+    """This site leads after the quorum (``CheckpointWriter.leads``)."""
+    write: bool
+    """The saves this site kept are its to write (``CheckpointWriter.proposes_to_write``)."""
 
 
-def _run_all(calls: list[Callable[[], object]]) -> None:
-    """Run every call, then raise the first error (a failed save does not skip the ones after it)."""
-    first = None
-    for call in calls:
-        try:
-            call()
-        except Exception as exc:  # raised below, after the others ran
-            first = first or exc
-    if first is not None:
-        raise first
-
-
-def _site_votes(vote: tuple, group) -> list[tuple]:
+def _site_votes(vote: _Vote, group) -> list[_Vote]:
     """Every rank's ``vote``, so that the site's ranks decide alike (collective over the site)."""
     votes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(votes, vote, group=group)
-    return votes
+    dist.all_gather_object(votes, tuple(vote), group=group)
+    return [_Vote(*v) for v in votes]
 
 
 def _to_cpu(value, *, copy: bool = False):

@@ -407,7 +407,7 @@ def test_state_transfers_notice_a_vanished_peer_within_the_wan_timeout_not_the_h
 
 def test_every_deferred_save_runs_before_the_first_error_is_raised():
     # ElasticSite.start_step runs the saves it kept for the quorum: one that fails does not skip the next
-    from multidc.hierarchical.elastic.site import _run_all
+    from multidc.hierarchical.elastic.writer import run_all
 
     ran = []
 
@@ -416,5 +416,5 @@ def test_every_deferred_save_runs_before_the_first_error_is_raised():
         raise OSError("the store refused the upload")
 
     with pytest.raises(OSError, match="refused the upload"):
-        _run_all([fail, lambda: ran.append("second")])
+        run_all([fail, lambda: ran.append("second")])
     assert ran == ["first", "second"]
