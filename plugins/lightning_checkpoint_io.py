@@ -6,9 +6,9 @@ checkpoint path (``.../epoch=0-step=100.ckpt``) becomes a folder in the multidc 
 :mod:`multidc.plugins.checkpoint`): tensors as raw bytes with CRC-32, parallel multipart upload, an atomic
 ``COMMIT.json`` written last, optional async upload (training blocks only for the host copy), and safe loading.
 Lightning's ``ModelCheckpoint`` keeps deciding names and ``save_top_k``; ``trainer.fit(ckpt_path="last")`` resolves
-to the newest committed checkpoint under its directory (importing this module wraps
-``ModelCheckpoint._find_last_checkpoints`` for Trainers whose strategy writes multidc checkpoints, see
-:func:`install_last_resolution`; Lightning's own rule cannot list ``s3://`` directories).
+to the newest committed checkpoint under its directory (building an ``ObjectStoreCheckpointIO`` or a multidc
+strategy wraps ``ModelCheckpoint._find_last_checkpoints`` for Trainers whose strategy writes multidc checkpoints,
+see :func:`install_last_resolution`; Lightning's own rule cannot list ``s3://`` directories).
 
 The checkpoint dict's structure (everything but tensors: loop state, callback state, hyper-parameters) is stored
 as one ``torch.save`` blob and read back with ``weights_only=True`` unless Lightning asks for
@@ -45,6 +45,9 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     raise ImportError("ObjectStoreCheckpointIO needs Lightning: pip install 'multidc[lightning]'") from None
 
+from multidc.plugins._lightning_patches import checkpoint_dir  # noqa: E402  (needs Lightning, checked above)
+from multidc.plugins._lightning_patches import install_last_resolution as install_last_resolution_patch  # noqa: E402
+
 _TENSOR = "__multidc_tensor__"
 
 
@@ -64,6 +67,7 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         self.storage_options, self.async_save = storage_options, async_save
         self.retry, self.part_size_mb = retry, part_size_mb
         self._pending: Checkpointer | None = None  # the one whose async save may still be uploading
+        install_last_resolution()
 
     def _checkpointer(self, path) -> tuple[Checkpointer, str]:
         """A Checkpointer of this process alone (Lightning calls a CheckpointIO on rank 0 only) over the folder
@@ -181,14 +185,6 @@ def _step(directory: ObjectStore, key: str) -> int:
     return step if step is not None else decode_commit(directory.get(key), directory.where(key)).step
 
 
-def _checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:
-    """The directory ``ModelCheckpoint`` saves into (its ``dirpath``, else derived from loggers / root dir)."""
-    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own rule when present
-    if resolve is not None:
-        return str(resolve(trainer))
-    return str(callback.dirpath or f"{trainer.default_root_dir}/checkpoints")
-
-
 def _last_finder(strategy):
     """What answers ``find_last(dirpath)`` for this strategy: a multidc strategy's checkpoint writer, an
     ``ObjectStoreCheckpointIO``, or ``None`` (Lightning's rule)."""
@@ -202,27 +198,15 @@ def _last_finder(strategy):
 def install_last_resolution() -> None:
     """Make ``ckpt_path="last"`` find committed multidc checkpoints when the Trainer writes them (a multidc
     strategy, or ``ObjectStoreCheckpointIO``): the newest commit under each ``ModelCheckpoint`` directory, any
-    name, never a half-written one. Other Trainers keep Lightning's rule (the original method runs). Idempotent.
-
-    Why a patch: Lightning 2.6 resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` by asking each
-    ``ModelCheckpoint`` for ``_find_last_checkpoints``, which lists the directory with ``os.path.normpath`` paths and
-    keeps ``last*.ckpt`` names: an ``s3://`` URL is mangled and a half-written folder would match. Neither the
-    strategy nor the ``CheckpointIO`` is consulted, so there is no hook to answer instead; the wrapper decides per
-    Trainer (``_last_finder``) and changes nothing for Trainers without a multidc strategy or checkpoint IO."""
-    current = ModelCheckpoint._find_last_checkpoints
-    original = getattr(current, "__multidc_original__", current)
-
-    def _find_last_checkpoints(self: ModelCheckpoint, trainer) -> set[str]:
-        finder = _last_finder(trainer.strategy)
-        if finder is None:
-            return original(self, trainer)
-        return finder.find_last(_checkpoint_dir(self, trainer))
-
-    _find_last_checkpoints.__multidc_original__ = original
-    _find_last_checkpoints.__doc__ = original.__doc__
-    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+    name, never a half-written one. Other Trainers keep Lightning's rule. Called when a multidc strategy or an
+    ``ObjectStoreCheckpointIO`` is built; idempotent (see ``multidc.plugins._lightning_patches``)."""
+    install_last_resolution_patch(_find_last_for)
 
 
-install_last_resolution()
+def _find_last_for(callback: ModelCheckpoint, trainer) -> set[str] | None:
+    """The newest committed multidc checkpoint under ``callback``'s directory, or None: Lightning's rule."""
+    finder = _last_finder(trainer.strategy)
+    return None if finder is None else finder.find_last(checkpoint_dir(callback, trainer))
+
 
 __all__ = ["ObjectStoreCheckpointIO"]

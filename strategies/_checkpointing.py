@@ -48,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
-from multidc.plugins.lightning_checkpoint_io import find_last  # needs Lightning, checked above
+from multidc.plugins.lightning_checkpoint_io import find_last, install_last_resolution  # needs Lightning (above)
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _DILOCO = "diloco"
@@ -277,6 +277,7 @@ class CheckpointingMixin:
     ``_sharded_checkpoints()`` ``False`` falls back to the base class's checkpointing."""
 
     def _init_checkpointing(self, checkpoint_async: bool, checkpoint_storage_options: dict | None) -> None:
+        install_last_resolution()  # ckpt_path="last": the newest committed multidc checkpoint
         self._multidc_checkpoints = LightningCheckpoints(
             async_save=checkpoint_async, storage_options=checkpoint_storage_options
         )

@@ -25,6 +25,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from multidc.plugins._lightning_patches import (
+    set_optimizer_steps,
+    unwrap_lr_scheduler_updates,
+    wrap_lr_scheduler_updates,
+)
+
 
 class ElasticMixin:
     """Mixed into a DDP strategy before it: ``optimizer_step`` runs the elastic step when ``elastic``."""
@@ -61,14 +67,11 @@ class ElasticMixin:
                 f"that receives the live state mid-accumulation would mix two models' gradients. Use a larger batch."
             )
 
-        loop = trainer.fit_loop.epoch_loop
-        original = loop.update_lr_schedulers
-
-        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        def update_lr_schedulers(original, interval: str, update_plateau_schedulers: bool) -> None:
             if self.elastic_committed:  # a discarded step leaves the schedulers (and their progress) as they are
                 original(interval, update_plateau_schedulers)
 
-        loop.update_lr_schedulers = update_lr_schedulers  # on Lightning's loop, not the module; undone in teardown
+        wrap_lr_scheduler_updates(trainer, update_lr_schedulers)  # undone in teardown
 
         self._elastic_started = False
         self.elastic_site = ElasticSite(
@@ -144,15 +147,12 @@ class ElasticMixin:
 
     def _follow_job_step(self, step: int) -> None:
         """Make the Trainer's ``global_step`` the job's ``step``."""
-        progress = self.lightning_module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
-        total = progress.optimizer.step.total
-        total.completed = step
-        total.ready = step + 1
+        set_optimizer_steps(self.lightning_module.trainer, step)
 
     def _teardown_elastic(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and "update_lr_schedulers" in vars(trainer.fit_loop.epoch_loop):
-            del trainer.fit_loop.epoch_loop.update_lr_schedulers
+        if trainer is not None:
+            unwrap_lr_scheduler_updates(trainer)
         current = self._elastic_site_now()
         if current is not None:
             self._was_leader = current.is_leader

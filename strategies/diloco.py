@@ -13,6 +13,7 @@ from typing import Any
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
 from multidc.hierarchical.diloco.config import refuse_loss_scaling
+from multidc.plugins._lightning_patches import wrap_lr_scheduler_updates
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
@@ -124,17 +125,14 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         """Elastic DiLoCo has its quorum per outer round (``ElasticDiLoCo``, built once the optimizer exists). A
         round's quorum starts between two steps, once the LR schedulers stepped: a live site's state then is what
         a joining site holds between steps (its schedulers included)."""
-        loop = trainer.fit_loop.epoch_loop
-        original = loop.update_lr_schedulers
-
-        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        def update_lr_schedulers(original, interval: str, update_plateau_schedulers: bool) -> None:
             original(interval, update_plateau_schedulers)
             diloco = self.diloco
             if interval == "step" and diloco is not None and diloco.round_pending:
                 diloco.start_round()  # a site behind heals here, its count with it
                 self._follow_job_step(diloco.inner_steps)
 
-        loop.update_lr_schedulers = update_lr_schedulers  # on Lightning's loop; undone in teardown
+        wrap_lr_scheduler_updates(trainer, update_lr_schedulers)  # undone in teardown
 
     def _start_elastic_diloco(self, optimizers: list) -> None:
         from multidc.hierarchical.elastic import ElasticDiLoCo

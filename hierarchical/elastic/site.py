@@ -47,6 +47,7 @@ import torch.distributed as dist
 from multidc.hierarchical import _env
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.elastic._patches import wrap_quorum_client
 from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
 from multidc.hierarchical.elastic.members import in_quorum_twice, quorum_change, wait_for_site_name
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
@@ -227,7 +228,7 @@ class ElasticSite:
         one-site job's first quorum, until its quorum timeout)."""
         if self._manager is None:
             manager = import_torchft().Manager(**self._manager_options)
-            manager._client = QuorumIdentity(manager._client, on_quorum=self._on_quorum)
+            wrap_quorum_client(manager, lambda client: QuorumIdentity(client, on_quorum=self._on_quorum))
             if self._resumed_at:
                 manager.load_state_dict({"step": self._resumed_at, "batches_committed": manager.batches_committed()})
             self._manager = manager

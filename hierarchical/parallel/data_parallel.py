@@ -30,6 +30,7 @@ from torch import nn
 from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
 from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
 from multidc.hierarchical.all_reduce import submit
+from multidc.hierarchical.parallel._patches import fsdp_mesh_info, resolving_fsdp_meshes_with
 from multidc.hierarchical.parallel.layout import submesh
 
 
@@ -274,14 +275,10 @@ def data_parallel_within_sites(mesh) -> Generator[bool, None, None]:
     dp_replicate`` times the memory they would take sharded over all of ``"data_parallel"``.
 
     torch has no public way to pick the mesh behind a caller's back, so this swaps ``fully_shard``'s private mesh
-    resolution (``_get_mesh_info``, torch 2.13) for the duration of the block, and restores it on exit. Yields
+    resolution for the duration of the block (``multidc.hierarchical.parallel._patches``). Yields
     ``False`` and changes nothing when the mesh has one site, or when this torch lacks that function.
     """
-    try:
-        from torch.distributed.fsdp._fully_shard import _fully_shard as fsdp_impl
-    except ImportError:  # pragma: no cover - torch moved its FSDP2 internals
-        fsdp_impl = None
-    original = getattr(fsdp_impl, "_get_mesh_info", None)
+    original = fsdp_mesh_info()
     if original is None or submesh(mesh, "site").size() == 1:
         yield False
         return
@@ -292,8 +289,5 @@ def data_parallel_within_sites(mesh) -> Generator[bool, None, None]:
             return original(shard, None)
         return original(user_mesh, dp_mesh_dims)
 
-    fsdp_impl._get_mesh_info = get_mesh_info
-    try:
+    with resolving_fsdp_meshes_with(get_mesh_info):
         yield True
-    finally:
-        fsdp_impl._get_mesh_info = original

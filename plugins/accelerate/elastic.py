@@ -31,6 +31,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from multidc.plugins.accelerate._patches import mark_step_skipped
+
 
 class ElasticSteps:
     """The quorum per optimizer step of one ``MultiDCAccelerator`` (``cross_site="allreduce"``): wraps the one
@@ -123,7 +125,7 @@ class ElasticSteps:
         self.committed = self.site.commit()
         if self.committed:
             self._step(closure)
-        self.optimizer._is_overflow = not self.committed  # step_was_skipped: the prepared schedulers skip it too
+        mark_step_skipped(self.optimizer, not self.committed)  # the prepared schedulers skip it too
         return None
 
     def zero_grad(self, set_to_none=None) -> None:

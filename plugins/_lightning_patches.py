@@ -1,0 +1,76 @@
+"""Every use of a private Lightning API in multidc, in one place; checked against Lightning ``CHECKED_AGAINST``.
+
+``tests/e2e/test_patches.py`` fails when one of these attributes disappears or changes its signature. Nothing here
+runs at import: importing multidc changes nothing in Lightning for a Trainer that uses no multidc strategy.
+
+* ``install_last_resolution``: ``ModelCheckpoint._find_last_checkpoints``, so ``ckpt_path="last"`` finds committed
+  multidc checkpoints (installed when a multidc strategy or ``ObjectStoreCheckpointIO`` is built; the original runs
+  for every other Trainer). ``checkpoint_dir`` reads ``ModelCheckpoint``'s private directory rule.
+* ``wrap_lr_scheduler_updates`` / ``unwrap_lr_scheduler_updates``: one Trainer's epoch loop
+  ``update_lr_schedulers`` (elastic: the schedulers step on committed steps only; elastic DiLoCo: a round's quorum
+  once they stepped).
+* ``set_optimizer_steps``: the automatic optimization's step counter behind ``global_step`` (elastic: the job's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+CHECKED_AGAINST = "lightning 2.6"
+
+
+def install_last_resolution(find: Callable[[ModelCheckpoint, object], set[str] | None]) -> None:
+    """Make ``ModelCheckpoint._find_last_checkpoints(trainer)`` return ``find(callback, trainer)`` unless that is
+    ``None`` (then Lightning's own rule runs). Idempotent: installing again replaces ``find``.
+
+    Why a patch: Lightning 2.6 resolves ``"last"`` in ``_CheckpointConnector._parse_ckpt_path`` by asking each
+    ``ModelCheckpoint`` for ``_find_last_checkpoints``, which lists the directory with ``os.path.normpath`` paths and
+    keeps ``last*.ckpt`` names: an ``s3://`` URL is mangled and a half-written folder would match. Neither the
+    strategy nor the ``CheckpointIO`` is consulted, so there is no hook to answer instead."""
+    current = ModelCheckpoint._find_last_checkpoints
+    original = getattr(current, "__multidc_original__", current)
+
+    def _find_last_checkpoints(self: ModelCheckpoint, trainer) -> set[str]:
+        found = find(self, trainer)
+        return original(self, trainer) if found is None else found
+
+    _find_last_checkpoints.__multidc_original__ = original
+    _find_last_checkpoints.__doc__ = original.__doc__
+    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+
+
+def checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:
+    """The directory ``ModelCheckpoint`` saves into (its ``dirpath``, else derived from loggers / root dir)."""
+    resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own rule when present
+    if resolve is not None:
+        return str(resolve(trainer))
+    return str(callback.dirpath or f"{trainer.default_root_dir}/checkpoints")
+
+
+def wrap_lr_scheduler_updates(trainer, wrap: Callable[[Callable[[str, bool], None], str, bool], None]) -> None:
+    """Route this Trainer's ``fit_loop.epoch_loop.update_lr_schedulers(interval, update_plateau_schedulers)``
+    through ``wrap(original, interval, update_plateau_schedulers)``; on this loop only, until
+    ``unwrap_lr_scheduler_updates``."""
+    loop = trainer.fit_loop.epoch_loop
+    original = loop.update_lr_schedulers
+
+    def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        wrap(original, interval, update_plateau_schedulers)
+
+    loop.update_lr_schedulers = update_lr_schedulers
+
+
+def unwrap_lr_scheduler_updates(trainer) -> None:
+    """Undo ``wrap_lr_scheduler_updates`` (nothing if it was not done)."""
+    loop = trainer.fit_loop.epoch_loop
+    if "update_lr_schedulers" in vars(loop):
+        del loop.update_lr_schedulers
+
+
+def set_optimizer_steps(trainer, step: int) -> None:
+    """Make ``trainer.global_step`` ``step`` (automatic optimization: the optimizer steps counted)."""
+    total = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    total.completed = step
+    total.ready = step + 1
