@@ -96,10 +96,7 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, 
     trees = {name: start_site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while progress(tmp_path, names[victim]) < kill_at:
-            assert time.monotonic() < deadline, "the job never reached the kill step"
-            assert trees[names[victim]].process.poll() is None, trees[names[victim]].wait(5)[1][-3000:]
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, {names[victim]: trees[names[victim]]}, kill_at, deadline)
         trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
         killed_at = progress(tmp_path, names[victim])
         before = {n: progress(tmp_path, n) for n in names if n != names[victim]}
@@ -157,6 +154,16 @@ def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
     return first, survivors[0]
 
 
+def wait_for_steps(out: Path, trees: dict[str, ProcessTree], steps: int, deadline: float) -> None:
+    """Wait until each site of ``trees`` committed ``steps`` steps (its ``<name>.progress``); fail with the log of a
+    site that ended meanwhile, or at ``deadline`` (``time.monotonic()``)."""
+    while behind := [name for name in trees if progress(out, name) < steps]:
+        assert time.monotonic() < deadline, f"{behind} never committed {steps} steps"
+        ended = [name for name, tree in trees.items() if tree.process.poll() is not None]
+        assert not ended, site_logs(out, ended[0])
+        time.sleep(0.05)
+
+
 def finish_all(trees: dict, out: Path, timeout_s: float = TIMEOUT_S) -> None:
     """Wait for every site's tree to end with exit code 0 (else fail with its log); kill every process after."""
     try:
@@ -182,9 +189,7 @@ def check_odd_site_fails_alone(tmp_path: Path, lighthouse: str, live: list[str],
     trees = {name: start_site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, trees, KILL_AT, deadline)
         tree = start_site("site2", per_site, 3, lighthouse, tmp_path, *odd, script=script)
         code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
         assert code != 0
@@ -237,10 +242,7 @@ def check_second_member_refused(tmp_path: Path, lighthouse: str, live: list[str]
              for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            assert all(tree.process.poll() is None for tree in trees.values()), site_logs(tmp_path, "site1")
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, trees, KILL_AT, deadline)
         second = start_site("site1", 1, 2, lighthouse, tmp_path, *live, script=script)
         code, _ = second.wait(max(1.0, deadline - time.monotonic()))
         log = (tmp_path / "site1.1.log").read_text()

@@ -104,3 +104,14 @@ def _fragments(model: nn.Module, fragments: int, blocks) -> dict[str, int]:
         for p in block.parameters():
             owner.setdefault(id(p), index % fragments)
     return {n: owner.get(id(p), 0) for n, p in model.named_parameters()}
+
+
+def second_step_error(optimizer, diloco) -> str:
+    """torchft's DiLoCo loop, ``optimizer.step()`` then ``diloco.step()``, on a DiLoCo built with ``optimizer`` (whose
+    hook steps it already): what the manual ``step()`` raised, or ``"no error"``."""
+    optimizer.step()
+    try:
+        diloco.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

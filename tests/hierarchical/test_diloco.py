@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, all_reduce, get_codec, register_site_ddp_hook
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
-from tests.diloco_reference import LR, run_reference
+from tests.diloco_reference import LR, run_reference, second_step_error
 from tests.diloco_reference import model as _model
 from tests.diloco_reference import rows as _rows
 
@@ -176,12 +176,7 @@ def _step_twice(rank: int, world: int) -> dict:
     _, ddp, opt, diloco = _setup(topo, {"config": {"sync_every": 2}})
     x, y = _rows(topo.site, 0, 1)
     nn.functional.mse_loss(ddp(x), y).backward()
-    opt.step()
-    try:
-        diloco.step()
-        error = "no error"
-    except RuntimeError as exc:
-        error = str(exc)
+    error = second_step_error(opt, diloco)
     state = diloco.state_dict()
     diloco.close()
     return {"error": error, "inner_steps": diloco.stats.inner_steps, "outer_syncs": diloco.stats.outer_syncs,

@@ -30,10 +30,10 @@ from tests._elastic import (  # noqa: E402
     finish_all,
     first_quorum_beside_an_idle_site,
     free_port,
-    progress,
     run_with_a_kill,
     site_logs,
     start_site,
+    wait_for_steps,
 )
 from tests.hierarchical.elastic_reference import reference  # noqa: E402
 
@@ -73,9 +73,7 @@ def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
     trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never reached the restart step"
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, trees, KILL_AT, deadline)
         lighthouse.restart(down_s=2.0)
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:

@@ -30,6 +30,7 @@ from tests._elastic import (  # noqa: E402
     run_alone,
     run_with_a_kill,
 )
+from tests.diloco_reference import second_step_error  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference  # noqa: E402
 
@@ -106,12 +107,7 @@ def _step_twice_elastic(rank: int, world: int, lighthouse: str) -> dict:
     diloco = ElasticDiLoCo(model, opt, DiLoCoConfig(sync_every=2), site="site0", lighthouse=lighthouse, sites=1)
     try:
         model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        try:
-            diloco.step()
-            error = "no error"
-        except RuntimeError as exc:
-            error = str(exc)
+        error = second_step_error(opt, diloco)
         return {"error": error, "inner_steps": diloco.stats.inner_steps, "synced": diloco.synced}
     finally:
         diloco.close()

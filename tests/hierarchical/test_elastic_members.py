@@ -36,6 +36,7 @@ from tests._elastic import (  # noqa: E402
     progress,
     site_logs,
     start_site,
+    wait_for_steps,
 )
 
 MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
@@ -57,10 +58,7 @@ def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_i
     trees = {name: start_site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while progress(tmp_path, "site1") < KILL_AT:
-            assert time.monotonic() < deadline, "the job never reached the kill step"
-            assert trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, {"site1": trees["site1"]}, KILL_AT, deadline)
         trees["site1"].kill()  # every process of the site
         killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()
@@ -96,9 +94,7 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
     old = trees["site1"]
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while min(progress(tmp_path, n) for n in names) < KILL_AT:
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, trees, KILL_AT, deadline)
         _signal_tree(old, signal.SIGSTOP)
         while any(r.alive for r in heard_replicas(url) if r.site == "site1"):  # the lighthouse drops it
             assert time.monotonic() < deadline, "the lighthouse never dropped the stopped member"

@@ -31,6 +31,7 @@ from tests._elastic import (  # noqa: E402
     run_with_a_kill,
     site_logs,
     start_site,
+    wait_for_steps,
 )
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
 from tests.hierarchical.elastic_reference import diloco_reference, reference  # noqa: E402
@@ -56,10 +57,7 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse, accele
     trees = {name: _trainer_site(name, lighthouse.address, tmp_path, accelerator) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while progress(tmp_path, "site1") < KILL_AT:
-            assert time.monotonic() < deadline, "the fit never reached the kill step"
-            assert trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, {"site1": trees["site1"]}, KILL_AT, deadline)
         trees["site1"].kill()
         killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()
