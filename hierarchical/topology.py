@@ -170,11 +170,52 @@ def _check_same_wan(claims: list[_Claim]) -> None:
         )
 
 
+def _create_groups(layout: SiteLayout, group, wan: WanConfig, members: list[int]) -> tuple[int, list, list]:
+    """``(this rank in group, the intra-site group of each site, per stream the group of each rail)``; every rank
+    of the default group must call it (torch creates groups collectively there), also those outside ``group``
+    (their rank is negative). ``members``: the default-group ranks of ``group``, in its rank order."""
+
+    def new_group(ranks, **kwargs):
+        return dist.new_group([members[r] for r in ranks], **kwargs)
+
+    intra = [new_group(ranks) for ranks in layout.site_ranks]
+    timeout = datetime.timedelta(seconds=wan.timeout_s)
+    rails = [[new_group(layout.rail_ranks(j), timeout=timeout) for j in range(layout.num_rails)]
+             for _ in range(wan.streams)]
+    return dist.get_rank(group), intra, rails
+
+
+class FailFast:
+    """The failure policy of a job whose sites train every step together: a failed WAN transfer raises
+    (``WanError``, on every rank of the collective)."""
+
+    def usable(self) -> bool:
+        """Whether an all-reduce starting now may send over the WAN. Always."""
+        return True
+
+    def tolerate(self, error: Exception) -> bool:
+        """Whether the all-reduce survives ``error`` (a failed WAN transfer). Never: it raises."""
+        return False
+
+
+FAIL_FAST = FailFast()
+
+
+def torch_rail_all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
+    """Start an all-gather of ``tensor`` into the flat ``output`` over a torch rail group (the compressed WAN hop)."""
+    return _compat.all_gather_single(output, tensor, group=group, async_op=True)
+
+
 class Topology:
     """Sites of the ranks of one process group, with the intra-site and inter-site ("rail") groups.
 
     Rail ``j`` joins the ranks with local index ``j`` in every site; only rails cross the WAN. With unequal
     sites there are ``min(site sizes)`` rails and the other ranks of larger sites stay inside their site.
+
+    One value, built by factories: ``Topology.build`` (the ranks of a process group; creates the groups),
+    ``multidc.hierarchical.parallel.replicate_topology`` (a parallel layout's replicas, the mesh's groups) and the
+    elastic site's quorum (``multidc.hierarchical.elastic.site.quorum_topology``: torchft's group, a policy that
+    discards a step instead of raising).
 
     Attributes:
         site: index of this process's site (sites are ordered by their lowest rank).
@@ -182,55 +223,32 @@ class Topology:
         num_sites: number of sites.
         site_size: ranks in this process's site.
         local_rank_in_site: this process's index inside its site.
+        rank: this process's rank in the topology (its group's rank order).
         layout: the full ``SiteLayout``, identical on every rank.
         group: the process group the topology spans (``None`` = the default group).
         intra_group: this site's group.
         rail_groups: one group per WAN stream for this rank's rail; empty for off-rail ranks.
+        rail_row: this rank's row in an all-gather over its rail (``None`` off the rails).
         wan: the ``WanConfig`` every rank agreed on at build time; the default of ``all_reduce`` and the hooks.
         streams: how many WAN streams were prepared (``WanConfig.streams`` at build time).
+        policy: what a failed WAN transfer does (``FAIL_FAST``: raise; an elastic step's: discard the step).
         wan_stats: bytes and seconds of this rank's WAN traffic, see ``WanStats``.
     """
 
-    def __init__(
-        self,
-        layout: SiteLayout,
-        group: dist.ProcessGroup | None,
-        wan: WanConfig,
-        members: list[int] | None = None,
-    ) -> None:
-        # Runs on every rank of the default group: torch creates groups collectively there. See ``build``.
-        self.layout = layout
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.wan = wan
-        self.streams = wan.streams
-        self.wan_stats = WanStats()
+    def __init__(self, *, layout: SiteLayout, site: int, local_rank_in_site: int, intra_group, rail_groups: list,
+                 rail_row: int | None, wan: WanConfig, group=None, rank: int | None = None, streams: int | None = None,
+                 policy=FAIL_FAST, rail_all_gather=torch_rail_all_gather, wan_stats: WanStats | None = None) -> None:
+        self.layout, self.group, self.wan = layout, group, wan
+        self.site, self.site_name = site, layout.site_names[site]
+        self.num_sites, self.site_size = layout.num_sites, len(layout.site_ranks[site])
+        self.local_rank_in_site = local_rank_in_site
+        self.rank = rank if rank is not None else layout.site_ranks[site][local_rank_in_site]
+        self.intra_group, self.rail_groups, self.rail_row = intra_group, rail_groups, rail_row
+        self.streams = streams if streams is not None else wan.streams
+        self.policy, self._rail_all_gather = policy, rail_all_gather
+        self.wan_stats = wan_stats if wan_stats is not None else WanStats()
         self._lock = threading.Lock()
         self._executor = None
-        # Default-group ranks of ``group``, in group-rank order. Passed in by ``build``: a rank outside ``group``
-        # cannot ask torch for them, yet must create the same subgroups.
-        if members is None and group is not None:
-            members = dist.get_process_group_ranks(group)
-        global_ranks = members
-
-        def new_group(ranks, **kwargs):
-            return dist.new_group([global_ranks[r] for r in ranks] if global_ranks else list(ranks), **kwargs)
-
-        intra = [new_group(ranks) for ranks in layout.site_ranks]
-        timeout = datetime.timedelta(seconds=wan.timeout_s)
-        rails = [
-            [new_group(layout.rail_ranks(j), timeout=timeout) for j in range(layout.num_rails)]
-            for _ in range(wan.streams)
-        ]
-        if self.rank < 0:  # outside ``group``: this rank only helped create the groups
-            return
-        self.site = layout.site_of(self.rank)
-        self.site_name = layout.site_names[self.site]
-        self.num_sites = layout.num_sites
-        self.site_size = len(layout.site_ranks[self.site])
-        self.local_rank_in_site = layout.site_ranks[self.site].index(self.rank)
-        self.intra_group = intra[self.site]
-        self.rail_groups = [per_stream[self.rail] for per_stream in rails] if self.rail is not None else []
 
     @classmethod
     def build(
@@ -275,8 +293,16 @@ class Topology:
         _check_same_wan([claims[r] for r in members])
         if not member:  # it only helps create the members' groups, so it takes their (agreed) settings
             wan = claims[members[0]].wan
-        topology = cls(layout, group, wan, members=members)
-        return topology if member else None
+        rank, intra, rails = _create_groups(layout, group, wan, members)
+        if not member:  # it only helped create the groups
+            return None
+        site = layout.site_of(rank)
+        local = layout.site_ranks[site].index(rank)
+        rail = local if local < layout.num_rails else None
+        rail_groups = [per_stream[rail] for per_stream in rails] if rail is not None else []
+        rail_row = dist.get_group_rank(rail_groups[0], dist.get_rank()) if rail_groups else None
+        return cls(layout=layout, site=site, local_rank_in_site=local, intra_group=intra[site], rail_groups=rail_groups,
+                   rail_row=rail_row, wan=wan, group=group, rank=rank)
 
     @property
     def num_rails(self) -> int:
@@ -292,25 +318,17 @@ class Topology:
         """This rank's rail index, or ``None`` for a rank that never talks over the WAN."""
         return self.local_rank_in_site if self.local_rank_in_site < self.num_rails else None
 
-    @property
-    def rail_row(self) -> int | None:
-        """This rank's row in an all-gather over its rail: torch orders a rail group by global rank, which is not
-        the site order when a higher site index holds lower ranks. ``None`` off the rails."""
-        return dist.get_group_rank(self.rail_groups[0], dist.get_rank()) if self.rail_groups else None
-
     def rail_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
         """Start an all-gather of ``tensor`` into the flat ``output`` over a rail group (the compressed WAN hop)."""
-        return _compat.all_gather_single(output, tensor, group=group, async_op=True)
+        return self._rail_all_gather(output, tensor, group)
 
     def wan_usable(self) -> bool:
-        """Whether an all-reduce starting now may send over the WAN (elastic sites: not once this step failed;
-        the site's ranks still do the intra-site stages together). Here: always."""
-        return True
+        """Whether an all-reduce starting now may send over the WAN (``policy``)."""
+        return self.policy.usable()
 
     def tolerate_wan_error(self, error: Exception) -> bool:
-        """Whether a failed WAN transfer may be survived (elastic sites: the step is then discarded by every
-        site, see ``multidc.hierarchical.elastic``). Here: no, the all-reduce raises it."""
-        return False
+        """Whether a failed WAN transfer is survived (``policy``); if not, the all-reduce raises it."""
+        return self.policy.tolerate(error)
 
     def executor(self):
         """The one worker thread that issues this topology's hierarchical collectives, in call order."""

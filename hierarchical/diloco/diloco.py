@@ -22,7 +22,7 @@ from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
-from multidc.hierarchical.topology import Topology
+from multidc.hierarchical.topology import FailFast, Topology
 
 
 @dataclass
@@ -111,10 +111,11 @@ class DiLoCo:
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a multidc.hierarchical.Topology, not {type(topology).__name__}.")
-        if type(topology).tolerate_wan_error is not Topology.tolerate_wan_error:
+        if not isinstance(topology.policy, FailFast):
             raise ValueError(
-                f"DiLoCo does not run over a {type(topology).__name__} yet: a tolerated WAN failure would leave the "
-                f"sites' global parameters apart. Use a Topology from Topology.build (elastic DiLoCo is not there)."
+                f"DiLoCo runs over a topology whose failed WAN transfers raise; this one's policy "
+                f"({type(topology.policy).__name__}) tolerates them, which would leave the sites' global parameters "
+                f"apart. Use a Topology from Topology.build, or ElasticDiLoCo for elastic sites."
             )
         self.topology = topology
         split, self.config, apart = _agree(model, topology, config, blocks)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from multidc.hierarchical._lazy import lazy_exports
 
 _LAZY = {  # name -> submodule, imported on first use: starting the lighthouse needs neither torch nor torchft's
-    "ElasticDiLoCo": "diloco", "ElasticSite": "site", "ElasticTopology": "site",  # Python side
+    "ElasticDiLoCo": "diloco", "ElasticSite": "site",  # Python side
     **{name: "lighthouse" for name in ("LighthouseUnreachable", "check_lighthouse", "import_torchft",
                                        "lighthouse_url", "refuse_elastic_env", "resolve_elastic", "start_lighthouse")},
 }
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         resolve_elastic,
         start_lighthouse,
     )
-    from multidc.hierarchical.elastic.site import ElasticSite, ElasticTopology
+    from multidc.hierarchical.elastic.site import ElasticSite
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
@@ -39,7 +39,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "ElasticDiLoCo",
     "ElasticSite",
-    "ElasticTopology",
     "LighthouseUnreachable",
     "check_lighthouse",
     "import_torchft",

@@ -167,7 +167,7 @@ class ElasticDiLoCo(DiLoCo):
         round) it is left out, so a resumed job never merges a half-reduced result."""
         state = {**super().state_dict(), "outer_steps": torch.tensor(self.outer_steps)}
         round_ = self._round
-        if self._in_flight is not None and round_ is not None and (round_.error is not None or
+        if self._in_flight is not None and round_ is not None and (round_.policy.error is not None or
                                                                    not round_.wan_usable()):
             state["in_flight_fragment"], state["in_flight_merge_at"] = torch.tensor(-1), torch.tensor(-1)
             state["in_flight_delta"].zero_()  # a new tensor of state_dict(), not the live one

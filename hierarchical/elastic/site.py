@@ -36,7 +36,6 @@ import dataclasses
 import datetime
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -52,7 +51,6 @@ from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_tor
 from multidc.hierarchical.elastic.members import in_quorum_twice, quorum_change, wait_for_site_name
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.elastic.writer import CheckpointWriter, run_all
-from multidc.hierarchical.errors import WanError
 from multidc.hierarchical.stats import WanStats
 from multidc.hierarchical.topology import SiteLayout, Topology
 
@@ -62,57 +60,54 @@ _log = logging.getLogger("multidc.hierarchical.elastic")
 _NAME_WAIT_S = 300.0
 
 
-class ElasticTopology(Topology):
-    """The sites of the current quorum, as the hierarchical all-reduce sees them. This site's job is the default
-    group; its one rail group is torchft's, reconfigured at each new quorum; the site index is the site's rank in
-    the quorum. A failed WAN transfer is reported to the manager instead of raised, so the step is discarded."""
+class DiscardStep:
+    """The failure policy of an elastic step: a failed WAN transfer is reported to the site's torchft manager instead
+    of raised, so the step is discarded (by every site that sees a failure: see ``ElasticSite.commit``).
 
-    def __init__(self, manager, rail, wan: WanConfig, site_name: str, stats: WanStats,  # noqa: D107
-                 intra_group=None) -> None:
-        num_sites, per_site = manager.num_participants(), dist.get_world_size()
-        self.layout = SiteLayout(
-            site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
-            site_names=tuple(str(s) for s in range(num_sites)),
-        )
-        self.group = None
-        self.wan = wan
-        self.streams = 1
-        self.wan_stats = stats
-        self._lock = threading.Lock()
-        self._executor = None
-        self._manager = manager
-        self.site = manager.participating_rank()
-        if self.site is None:  # torchft leaves a group out of a quorum it asked for only in modes we do not use
-            raise RuntimeError(f"site {site_name!r} is not in the quorum it joined; torchft's world-size mode must "
-                               f"be DYNAMIC (the default).")
-        self.site_name = site_name
-        self.num_sites = num_sites
-        self.site_size = per_site
-        self.local_rank_in_site = dist.get_rank()
-        self.rank = self.site * per_site + self.local_rank_in_site
-        self.intra_group = intra_group if intra_group is not None else dist.group.WORLD
-        self.rail_groups = [rail] if num_sites > 1 else []
-        self.error: WanError | None = None
+    Attributes:
+        error: the step's first failure (the later ones follow from it), or None.
+    """
 
-    @property
-    def rail_row(self) -> int | None:
-        return self.site if self.rail_groups else None
+    def __init__(self, manager, site_name: str) -> None:  # noqa: D107
+        self._manager, self._site_name = manager, site_name
+        self.error: Exception | None = None
 
-    def rail_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
-        # torchft's group is not in torch's group map (dist.* refuses it): call it directly
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        return group.allgather_into_tensor_coalesced([output], [tensor], AllgatherOptions())
-
-    def wan_usable(self) -> bool:
+    def usable(self) -> bool:
         return self._manager.errored() is None  # e.g. a failed recovery: peers time out and discard the step too
 
-    def tolerate_wan_error(self, error: Exception) -> bool:
-        if self.error is None:  # the first failure of the step says why; the later ones follow from it
-            _log.warning("site %r discards this step: %s", self.site_name, error)
+    def tolerate(self, error: Exception) -> bool:
+        if self.error is None:
+            _log.warning("site %r discards this step: %s", self._site_name, error)
             self.error = error
         self._manager.report_error(error)
         return True
+
+
+def torchft_rail_all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> dist.Work:
+    """The compressed WAN hop's all-gather over torchft's rail group, which is not in torch's group map (``dist.*``
+    refuses it): called on the group directly."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    return group.allgather_into_tensor_coalesced([output], [tensor], AllgatherOptions())
+
+
+def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanStats, intra_group=None) -> Topology:
+    """The sites of the current quorum, as the hierarchical all-reduce sees them: this site's job is the default
+    group (``intra_group``: another group of its ranks); its one rail group is torchft's, reconfigured at each new
+    quorum; the site index is the site's rank in the quorum; a failed WAN transfer discards the step
+    (``DiscardStep``, the topology's ``policy``)."""
+    num_sites, per_site = manager.num_participants(), dist.get_world_size()
+    site = manager.participating_rank()
+    if site is None:  # torchft leaves a group out of a quorum it asked for only in modes we do not use
+        raise RuntimeError(f"site {site_name!r} is not in the quorum it joined; torchft's world-size mode must be "
+                           f"DYNAMIC (the default).")
+    layout = SiteLayout(site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
+                        site_names=tuple(str(s) for s in range(num_sites)))
+    rails = [rail] if num_sites > 1 else []
+    return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(),
+                    intra_group=intra_group if intra_group is not None else dist.group.WORLD, rail_groups=rails,
+                    rail_row=site if rails else None, wan=wan, streams=1, policy=DiscardStep(manager, site_name),
+                    rail_all_gather=torchft_rail_all_gather, wan_stats=stats)
 
 
 class ElasticSite:
@@ -216,7 +211,7 @@ class ElasticSite:
         self.intra_group = None
         """The site's group for the intra-site stages of the WAN all-reduces; None: the default group. An
         all-reduce that runs while the site trains on (overlapped DiLoCo) needs one of its own, apart from DDP's."""
-        self.topology: ElasticTopology | None = None
+        self.topology: Topology | None = None
 
     @property
     def manager(self):
@@ -287,7 +282,7 @@ class ElasticSite:
         """Steps committed by the job so far (a rejoined site takes the live sites' count)."""
         return self._manager.current_step() if self._manager is not None else self._resumed_at
 
-    def start_step(self) -> ElasticTopology:
+    def start_step(self) -> Topology:
         """Join this step's quorum (collective over the site, blocks until the quorum forms); a site that needs
         the live state receives it here. Returns the topology of the sites present.
 
@@ -337,7 +332,7 @@ class ElasticSite:
         if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
             self._share_in_site()
         self._joined = True
-        self.topology = ElasticTopology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
+        self.topology = quorum_topology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
                                         self.intra_group)
         if deferred:
             _log.info("site %r writes the checkpoint of step %d: the first site of that step's quorum discarded it",
@@ -491,7 +486,7 @@ class ElasticSite:
         failed = not committed and self.manager.num_participants() >= self._min_sites
         self._failed_steps = self._failed_steps + 1 if failed else 0
         if self.max_failed_steps is not None and self._failed_steps >= self.max_failed_steps:
-            failure = (self.topology.error if self.topology is not None else None) or self.manager.errored()
+            failure = (self.topology.policy.error if self.topology is not None else None) or self.manager.errored()
             failure = failure or "on another rank of this site"
             raise RuntimeError(
                 f"site {self.name!r}: {self._failed_steps} steps in a row failed and were discarded (max_failed_steps="

@@ -18,7 +18,6 @@ non-sync micro-step sends nothing over the WAN.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -27,42 +26,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multidc.hierarchical import SiteLayout, Topology, WanConfig, WanStats
+from multidc.hierarchical import SiteLayout, Topology, WanConfig
 from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
 from multidc.hierarchical.all_reduce import submit
 from multidc.hierarchical.parallel._patches import fsdp_mesh_info, resolving_fsdp_meshes_with
 from multidc.hierarchical.parallel.layout import submesh
 
 
-class _MeshTopology(Topology):
-    """A ``Topology`` over this rank's ``"replicate"`` group of the mesh, reusing the mesh's groups.
+def mesh_topology(mesh, wan: WanConfig) -> Topology:
+    """The ``Topology`` of this rank's ``"replicate"`` group of the mesh, from the mesh's own groups.
 
     ``Topology.build`` would create every site and rail group again, collectively, for each of the
     ``world / replicate`` replicate groups. The mesh already has them: the intra-site group is the
-    ``"dp_replicate"`` axis and rail 0 is the ``"site"`` axis. Extra WAN streams get their own rail groups.
-    Sets exactly the attributes ``Topology.__init__`` sets, so every hierarchical collective accepts it.
+    ``"dp_replicate"`` axis and rail 0 is the ``"site"`` axis. Extra WAN streams get their own rail groups (every
+    rank must call it then).
     """
-
-    def __init__(self, mesh, wan: WanConfig) -> None:  # see class docstring
-        num_sites, per_site = submesh(mesh, "site").size(), submesh(mesh, "dp_replicate").size()
-        self.layout = SiteLayout(
-            site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
-            site_names=tuple(str(s) for s in range(num_sites)),
-        )
-        self.group = submesh(mesh, "replicate").get_group()
-        self.wan = wan
-        self.streams = wan.streams
-        self.wan_stats = WanStats()
-        self._lock = threading.Lock()
-        self._executor = None
-        self.site = mesh.get_local_rank("site")
-        self.site_name = self.layout.site_names[self.site]
-        self.num_sites = num_sites
-        self.site_size = per_site
-        self.local_rank_in_site = mesh.get_local_rank("dp_replicate")
-        self.rank = self.site * per_site + self.local_rank_in_site
-        self.intra_group = submesh(mesh, "dp_replicate").get_group()
-        self.rail_groups = [submesh(mesh, "site").get_group()] + _extra_rail_groups(mesh, wan.streams - 1)
+    num_sites, per_site = submesh(mesh, "site").size(), submesh(mesh, "dp_replicate").size()
+    layout = SiteLayout(site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
+                        site_names=tuple(str(s) for s in range(num_sites)))
+    rail_groups = [submesh(mesh, "site").get_group()] + _extra_rail_groups(mesh, wan.streams - 1)
+    return Topology(layout=layout, site=mesh.get_local_rank("site"),
+                    local_rank_in_site=mesh.get_local_rank("dp_replicate"),
+                    intra_group=submesh(mesh, "dp_replicate").get_group(), rail_groups=rail_groups,
+                    rail_row=dist.get_group_rank(rail_groups[0], dist.get_rank()), wan=wan,
+                    group=submesh(mesh, "replicate").get_group())
 
 
 def _extra_rail_groups(mesh, count: int) -> list:
@@ -86,7 +73,7 @@ def replicate_topology(mesh, wan: WanConfig | None = None) -> Topology | None:
     wan = wan if wan is not None else WanConfig()
     if submesh(mesh, "replicate").size() == 1:
         return None
-    return _MeshTopology(mesh, wan)
+    return mesh_topology(mesh, wan)
 
 
 def apply_data_parallel(

@@ -51,7 +51,7 @@ from torch import nn
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, WanConfig
 from multidc.hierarchical.diloco.config import CROSS_SITE_MODES, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import split_fragments
-from multidc.hierarchical.parallel.data_parallel import _MeshTopology
+from multidc.hierarchical.parallel.data_parallel import mesh_topology
 from multidc.hierarchical.parallel.layout import submesh
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def diloco_topology(mesh, wan: WanConfig | None = None) -> Topology:
     """DiLoCo's topology for this rank: its ``"replicate"`` mesh group (``site`` x ``dp_replicate``, the ranks
     holding the same stage and shards), also when that is this rank alone (one site: DiLoCo is local training plus
     the outer optimizer). Every rank must call it (extra WAN streams create groups collectively)."""
-    return _MeshTopology(mesh, wan if wan is not None else WanConfig())
+    return mesh_topology(mesh, wan if wan is not None else WanConfig())
 
 
 def build_diloco(

@@ -10,7 +10,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, all_reduce, get_codec, register_site_ddp_hook
+from multidc.hierarchical import (
+    DiLoCo,
+    DiLoCoConfig,
+    SiteLayout,
+    Topology,
+    WanConfig,
+    all_reduce,
+    get_codec,
+    register_site_ddp_hook,
+)
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
 from tests.diloco_reference import LR, run_reference, second_step_error
@@ -351,11 +360,12 @@ def test_fp16_loss_scaling_is_refused_with_the_reason():
         refuse_loss_scaling(torch.amp.GradScaler("cpu"))
 
 
-def test_an_elastic_topology_is_refused_before_any_collective():
+def test_a_topology_that_tolerates_wan_failures_is_refused_before_any_collective():
     pytest.importorskip("torchft")
-    from multidc.hierarchical.elastic import ElasticTopology
+    from multidc.hierarchical.elastic.site import DiscardStep
 
-    model = _model()
-    with pytest.raises(ValueError, match="DiLoCo does not run over a ElasticTopology yet"):
-        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), ElasticTopology.__new__(ElasticTopology),
-               DiLoCoConfig(sync_every=4))
+    model, layout = _model(), SiteLayout(site_ranks=((0,), (1,)), site_names=("0", "1"))
+    topology = Topology(layout=layout, site=0, local_rank_in_site=0, intra_group=None, rail_groups=[], rail_row=None,
+                        wan=WanConfig(), policy=DiscardStep(manager=None, site_name="0"))
+    with pytest.raises(ValueError, match=r"this one's policy \(DiscardStep\) tolerates them"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), topology, DiLoCoConfig(sync_every=4))
