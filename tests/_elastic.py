@@ -256,6 +256,11 @@ def check_second_member_refused(tmp_path: Path, lighthouse: str, live: list[str]
         for tree in trees.values():
             tree.kill()
     ranks = {name: torch.load(tmp_path / f"{name}_rank0.pt") for name in names}
+    for name in names:  # torchft at its default level (warnings); multidc's one line per change of the quorum
+        log = (tmp_path / f"{name}.0.log").read_text()
+        assert "[INFO] [torchft" not in log, log[-3000:]
+        changes = [line for line in log.splitlines() if f"site '{name}', step " in line and "the quorum has" in line]
+        assert 1 <= len(changes) <= 4 or script != SCRIPT, changes  # once per change, not per step (its INFO log)
     for name, rank in ranks.items():
         assert rank["discarded"] == 0, name
         assert [e["step"] for e in rank["log"]] == list(range(rank["joined_at"], rank["final_step"])), name

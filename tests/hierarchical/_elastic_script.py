@@ -27,6 +27,15 @@ from multidc.hierarchical.elastic.site import ElasticSite  # noqa: E402
 from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows, wait_for_file  # noqa: E402
 
 
+def job_end(path: str, otherwise: int) -> int:
+    """The step a test wrote into ``path`` (atomically: renamed into place), else ``otherwise``."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except FileNotFoundError:
+        return otherwise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
@@ -45,6 +54,8 @@ def main() -> None:
     parser.add_argument("--discard-at", type=int, default=-1, help="this site discards that step (a local error)")
     parser.add_argument("--hold-s", type=float, default=0.0, help="wait this long between building the site and "
                         "its first step (a framework's setup); rank 0 writes DIR/<site>.built before")
+    parser.add_argument("--until", help="the job ends at the step this file holds, once a test wrote it (a step "
+                        "ahead of every site); until then it goes on, to --max-steps at most")
     parser.add_argument("--hold-until", help="before ending, wait until this file exists (at most 120 s)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -83,7 +94,8 @@ def main() -> None:
         if site.is_leader:
             leads["quorum"].append(step)
         # the end: every site took part in the last committed step (a site that just received the state included)
-        if (step >= args.steps and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps:
+        last_step_of_job = args.steps if not args.until else job_end(args.until, args.max_steps)
+        if (step >= last_step_of_job and last_step == step - 1 and len(last) == args.sites) or step >= args.max_steps:
             if args.hold_until:
                 wait_for_file(args.hold_until)
             break

@@ -90,7 +90,9 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
     # quorum, with a message, while the others go on and never commit a step that counts site1 twice.
     url = f"http://{lighthouse.address}"
     names = ["site0", "site1"]
-    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path, "--steps", "400") for name in names}
+    end = tmp_path / "end-at"
+    live = ["--steps", "20", "--max-steps", "5000", "--until", str(end)]  # the job goes on until the test ends it
+    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path, *live) for name in names}
     old = trees["site1"]
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -100,7 +102,7 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
             assert time.monotonic() < deadline, "the lighthouse never dropped the stopped member"
             time.sleep(0.1)
         (tmp_path / "site1.progress").unlink()
-        trees["site1"] = start_site("site1", 1, 2, lighthouse.address, tmp_path, "--steps", "400")
+        trees["site1"] = start_site("site1", 1, 2, lighthouse.address, tmp_path, *live)
         while progress(tmp_path, "site1") < progress(tmp_path, "site0") - 1 or progress(tmp_path, "site1") == 0:
             assert time.monotonic() < deadline and trees["site1"].process.poll() is None, site_logs(tmp_path, "site1")
             time.sleep(0.05)
@@ -111,6 +113,8 @@ def test_a_member_back_after_its_replacement_joined_leaves_and_no_step_counts_th
         assert code != 0, log[-3000:]
         assert re.search(r"site 'site1' left the job at step \d+: its quorum also holds site1:\S+, another member "
                          r"of this site \(this one is behind", log), log[-3000:]
+        (tmp_path / "end-at.tmp").write_text(str(max(progress(tmp_path, n) for n in names) + 5))
+        (tmp_path / "end-at.tmp").rename(end)  # every site reads it before that step
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         _signal_tree(old, signal.SIGCONT)
@@ -204,33 +208,26 @@ def test_torchft_log_level_comes_from_its_variable(monkeypatch, value, expected)
 
 
 @pytest.mark.parametrize("level", [None, "info"])
-def test_torchft_logs_warnings_only_unless_asked_and_each_site_logs_each_quorum_change_once(tmp_path, level):
-    # torchft's native INFO lines (about six per step on a site's rank 0; the lighthouse's every quorum) only when
-    # MULTIDC_TORCHFT_LOG_LEVEL asks; multidc's own line per change of the quorum's members either way
+def test_torchft_logs_warnings_only_unless_asked(tmp_path, level):
+    # torchft's native INFO lines (about six per step on a site's rank 0, the lighthouse's every quorum) only when
+    # MULTIDC_TORCHFT_LOG_LEVEL asks: here the lighthouse's first quorum status; the sites' side is checked on the
+    # sites of check_second_member_refused (tests/_elastic.py)
     env = {"MULTIDC_TORCHFT_LOG_LEVEL": level} if level else {}
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "RUST_LOG"))}
     output = tmp_path / "lighthouse.log"
     with output.open("w") as out:
-        lighthouse = ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0", "--heartbeat-timeout-ms", "2000",
-                                  "--join-timeout-ms", "1000"], env=base | env, stdout=out, stderr=subprocess.STDOUT)
-    names, trees = ["site0", "site1"], {}
+        lighthouse = ProcessTree([*MULTIDC, "lighthouse", "--bind", "127.0.0.1:0", "--quorum-tick-ms", "10"],
+                                 env=base | env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while not (match := re.search(r"listening on (127\.0\.0\.1:\d+)", output.read_text())):
+        while "multidc lighthouse: listening on" not in output.read_text():
             assert time.monotonic() < deadline and lighthouse.process.poll() is None, output.read_text()
             time.sleep(0.05)
-        trees = {name: start_site(name, 1, 2, match.group(1), tmp_path, "--steps", "20", env=env) for name in names}
-        finish_all(trees, tmp_path)
+        quiet_until = time.monotonic() + 0.5  # 50 quorum ticks: at info, each logs the quorum's status
+        while "[INFO] [torchft::lighthouse]" not in output.read_text() and time.monotonic() < quiet_until + 10:
+            if level is None and time.monotonic() > quiet_until:
+                break
+            time.sleep(0.05)
     finally:
-        for tree in [*trees.values(), lighthouse]:
-            tree.kill()
-    logs = {name: (tmp_path / f"{name}.0.log").read_text() for name in names} | {"lighthouse": output.read_text()}
-    if level is None:
-        assert not [name for name, log in logs.items() if "[INFO] [torchft" in log], logs
-    else:
-        assert "[INFO] [torchft::lighthouse]" in logs["lighthouse"] and "[INFO] [torchft::manager]" in logs["site0"]
-    for name in names:
-        changes = [line for line in logs[name].splitlines() if f"site '{name}', step " in line]
-        assert 1 <= len(changes) <= 4, changes  # 20 steps: once per change, not per step
-        assert all("INFO multidc.hierarchical.elastic: " in line and "the quorum has" in line for line in changes)
-        assert any("the quorum has 2 site(s) (site0, site1); joined: " in line for line in changes), changes
+        lighthouse.kill()
+    assert ("[INFO] [torchft::lighthouse]" in output.read_text()) is (level == "info"), output.read_text()
