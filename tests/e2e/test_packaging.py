@@ -89,7 +89,8 @@ def test_wheel_metadata_requires_torch_and_offers_the_extras(wheel):
 # layers at or below its own only (also inside functions), and a framework only where it is driven: the training
 # job's core never reaches the tools (the CLI, lab, benchmarks) that drive it.
 _LAYERS = ("hierarchical", "plugins", "strategies")
-_DRIVERS = {"lightning": ("strategies/", "plugins/lightning_checkpoint_io.py"), "pytorch_lightning": (),
+_DRIVERS = {"lightning": ("strategies/", "plugins/lightning_checkpoint_io.py", "plugins/_lightning_patches.py"),
+            "pytorch_lightning": (),
             "accelerate": ("plugins/accelerate/",), "multidc.hierarchical.tools": ("hierarchical/tools/",)}
 
 
