@@ -17,7 +17,7 @@ import torch
 from multidc.hierarchical.elastic import start_lighthouse
 from multidc.hierarchical.tools.processes import ProcessTree
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 SCRIPT = str(ROOT / "tests" / "hierarchical" / "_elastic_script.py")
