@@ -213,13 +213,14 @@ class Topology:
     sites there are ``min(site sizes)`` rails and the other ranks of larger sites stay inside their site.
 
     One value, built by factories: ``Topology.build`` (the ranks of a process group; creates the groups),
-    ``multidc.hierarchical.parallel.replicate_topology`` (a parallel layout's replicas, the mesh's groups) and the
+    ``multidc.hierarchical.parallel.data_parallel.mesh_topology`` (a layout's replicas, the mesh's groups) and the
     elastic site's quorum (``multidc.hierarchical.elastic.site.quorum_topology``: torchft's group, a policy that
     discards a step instead of raising).
 
     Attributes:
         site: index of this process's site (sites are ordered by their lowest rank).
-        site_name: the site's name (its index as a string when sites were given by index or count).
+        site_name: the site's name (its index as a string when sites were given by index or count; an elastic
+            site's own name).
         num_sites: number of sites.
         site_size: ranks in this process's site.
         local_rank_in_site: this process's index inside its site.
@@ -237,9 +238,10 @@ class Topology:
 
     def __init__(self, *, layout: SiteLayout, site: int, local_rank_in_site: int, intra_group, rail_groups: list,
                  rail_row: int | None, wan: WanConfig, group=None, rank: int | None = None, streams: int | None = None,
-                 policy=FAIL_FAST, rail_all_gather=torch_rail_all_gather, wan_stats: WanStats | None = None) -> None:
+                 policy=FAIL_FAST, rail_all_gather=torch_rail_all_gather, wan_stats: WanStats | None = None,
+                 site_name: str | None = None) -> None:
         self.layout, self.group, self.wan = layout, group, wan
-        self.site, self.site_name = site, layout.site_names[site]
+        self.site, self.site_name = site, site_name if site_name is not None else layout.site_names[site]
         self.num_sites, self.site_size = layout.num_sites, len(layout.site_ranks[site])
         self.local_rank_in_site = local_rank_in_site
         self.rank = rank if rank is not None else layout.site_ranks[site][local_rank_in_site]

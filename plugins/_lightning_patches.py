@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+try:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
+    ) from exc
 
 CHECKED_AGAINST = "lightning 2.6"
 

@@ -69,6 +69,10 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         self._pending: Checkpointer | None = None  # the one whose async save may still be uploading
         install_last_resolution()
 
+    def __setstate__(self, state: dict) -> None:  # spawn launchers unpickle it in each rank, where "last" resolves
+        self.__dict__.update(state)
+        install_last_resolution()
+
     def _checkpointer(self, path) -> tuple[Checkpointer, str]:
         """A Checkpointer of this process alone (Lightning calls a CheckpointIO on rank 0 only) over the folder
         holding ``path``, and ``path``'s name in it."""

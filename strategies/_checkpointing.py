@@ -115,6 +115,10 @@ class LightningCheckpoints:
         return {**self.__dict__, "_open": OrderedDict(), "_pending": None, "_deferred": [], "topology": None,
                 "_paths": None}
 
+    def __setstate__(self, state: dict) -> None:  # a spawned rank resolves ckpt_path="last" too
+        self.__dict__.update(state)
+        install_last_resolution()
+
     def _agree(self, path, what: str) -> str:
         """Rank 0's ``path`` (``/``-stripped) on every rank. Collective; the first call opens the group, under the
         same bounded wait (an unresponsive rank fails the others within the timeout, naming it as a WAN failure

@@ -53,12 +53,13 @@ class Lighthouse:
 
 
 def start_site(name: str, per_site: int, sites: int, lighthouse: str, out: Path, *extra: str,
-          script: str = SCRIPT, lab=None, accelerate: list[str] | None = None,
-          env: dict[str, str] | None = None) -> ProcessTree:
+               script: str = SCRIPT, lab=None, accelerate: list[str] | None = None,
+               env: dict[str, str] | None = None) -> ProcessTree:
     """One site's ``torchrun`` (its own rendezvous) running ``script`` (default: the plain torch.distributed loop);
     with ``lab``, inside site ``name``'s namespace, advertising its WAN address; with ``accelerate`` (the
     ``accelerate launch --config_file ...`` command), that instead of torchrun; ``env``: more variables."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "TORCHFT_", "ACCELERATE_"))}
+    skip = ("MULTIDC_", "TORCHFT_", "ACCELERATE_", "RUST_LOG")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
     env = base | {"MULTIDC_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | (env or {})
     host = "127.0.0.1"
     if lab is not None:

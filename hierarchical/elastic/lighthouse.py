@@ -90,14 +90,15 @@ def torchft_logging():
     torchft 0.2's extension sets its Rust logger once, when it is imported, from ``RUST_LOG`` (unset or unknown:
     info, about six lines per step on a site's rank 0, and the lighthouse's every quorum with its members).
     ``RUST_LOG`` holds the level for that import only, so other Rust libraries keep the user's; a ``RUST_LOG`` the
-    user set is kept when ``MULTIDC_TORCHFT_LOG_LEVEL`` is not. torchft's Python loggers get the same level unless
-    the user set theirs or torchft gave them handlers (its OpenTelemetry export, ``TORCHFT_USE_OTEL``). A no-op once
-    the extension is loaded."""
+    user set is kept when ``MULTIDC_TORCHFT_LOG_LEVEL`` is not (then torchft's Python loggers are left alone too).
+    torchft's Python loggers get the same level unless the user set theirs or torchft gave them handlers (its
+    OpenTelemetry export, ``TORCHFT_USE_OTEL``). A no-op once the extension is loaded."""
     if "torchft._torchft" in sys.modules:
         yield
         return
     level, before = torchft_log_level(), os.environ.get("RUST_LOG")
-    if _env.read(_env.TORCHFT_LOG_LEVEL) is not None or before is None:
+    ours = _env.read(_env.TORCHFT_LOG_LEVEL) is not None or before is None  # else the user's RUST_LOG rules
+    if ours:
         os.environ["RUST_LOG"] = level
     try:
         yield
@@ -106,7 +107,7 @@ def torchft_logging():
             os.environ.pop("RUST_LOG", None)
         else:
             os.environ["RUST_LOG"] = before
-    for name in _PYTHON_LOGGERS:
+    for name in _PYTHON_LOGGERS if ours else ():
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET and not logger.handlers:
             logger.setLevel(_LOG_LEVELS[level])

@@ -62,7 +62,7 @@ def wait_for_site_name(url: str, name: str, *, timeout_s: float, live_after_s: f
                 _log.warning("site %r could not read the lighthouse's status page at %s for %g s (%s): it joins "
                              "without checking that no other member holds its name", name, url, timeout_s, error)
                 return None
-            return _taken(url, name, held[0], f"still present after quorum_timeout_s={timeout_s:g} s")
+            return _taken(url, name, held[0], f"still present after {timeout_s:g} s of waiting for it to leave")
         time.sleep(poll_s)
 
 

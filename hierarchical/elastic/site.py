@@ -107,7 +107,7 @@ def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanSta
     return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(),
                     intra_group=intra_group if intra_group is not None else dist.group.WORLD, rail_groups=rails,
                     rail_row=site if rails else None, wan=wan, streams=1, policy=DiscardStep(manager, site_name),
-                    rail_all_gather=torchft_rail_all_gather, wan_stats=stats)
+                    rail_all_gather=torchft_rail_all_gather, wan_stats=stats, site_name=site_name)
 
 
 class ElasticSite:

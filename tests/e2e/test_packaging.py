@@ -183,13 +183,15 @@ def test_the_layouts_old_import_path_still_works_for_a_release_with_a_deprecatio
         "    warnings.simplefilter('always')\n"
         "    from multidc.strategies.parallel import ParallelLayout\n"
         "    from multidc.strategies.parallel.diloco import build_diloco\n"
+        "    from multidc.strategies.parallel.parallelize import prepare_parallel\n"
         "import multidc.hierarchical.parallel as moved\n"
-        "print(ParallelLayout is moved.ParallelLayout, build_diloco is moved.build_diloco)\n"
+        "print(ParallelLayout is moved.ParallelLayout, build_diloco is moved.build_diloco, "
+        "prepare_parallel is moved.prepare_parallel)\n"
         "print([str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and 'moved' in "
         "str(w.message)])\n",
         tmp_path,
     )
-    assert "True True" in out, out
+    assert "True True True" in out, out
     assert "multidc.strategies.parallel moved to multidc.hierarchical.parallel" in out, out
 
 

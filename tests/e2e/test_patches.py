@@ -68,3 +68,21 @@ def test_importing_multidc_patches_nothing_in_lightning(tmp_path, modules):
             "print(ModelCheckpoint._find_last_checkpoints is before)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.stdout.strip() == "True", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("build", ["HierarchicalDDPStrategy()", "ObjectStoreCheckpointIO()"])
+def test_an_unpickled_strategy_or_checkpoint_io_installs_the_last_checkpoint_lookup(tmp_path, build):
+    # spawn launchers unpickle the strategy (and its CheckpointIO) in each rank, where fit(ckpt_path="last") resolves
+    require_module("lightning", "lightning")
+    import pickle
+
+    from multidc.plugins.lightning_checkpoint_io import ObjectStoreCheckpointIO  # noqa: F401  (for build)
+    from multidc.strategies import HierarchicalDDPStrategy  # noqa: F401  (for build)
+
+    (tmp_path / "pickled").write_bytes(pickle.dumps(eval(build)))
+    code = ("import pickle\n"
+            "from lightning.pytorch.callbacks import ModelCheckpoint\n"
+            "pickle.loads(open('pickled', 'rb').read())\n"
+            "print(hasattr(ModelCheckpoint._find_last_checkpoints, '__multidc_original__'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.strip() == "True", done.stderr[-3000:]

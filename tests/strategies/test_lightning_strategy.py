@@ -160,17 +160,18 @@ def test_strategies_pickle_for_spawn_launches():
         assert type(restored) is type(strategy) and restored.wan == strategy.wan
 
 
-def test_package_imports_without_lightning_and_the_strategy_says_what_to_install():
+@pytest.mark.parametrize("name", ["HierarchicalDDPStrategy", "Parallel3DStrategy", "DiLoCoStrategy"])
+def test_package_imports_without_lightning_and_the_strategy_says_what_to_install(name):
     result = _python(
         "import sys; sys.modules['lightning'] = None\n"
         "import multidc.strategies\n"
         "try:\n"
-        "    multidc.strategies.HierarchicalDDPStrategy\n"
+        f"    multidc.strategies.{name}\n"
         "except ImportError as exc:\n"
         "    print('ImportError:', exc)\n"
     )
     assert result.returncode == 0, result.stderr
-    assert "ImportError: multidc's Lightning strategies need Lightning" in result.stdout
+    assert "ImportError: multidc's Lightning strategies need Lightning" in result.stdout, result.stdout
     assert "pip install 'multidc[lightning]'" in result.stdout
 
 
