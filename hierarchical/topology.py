@@ -58,6 +58,12 @@ class SiteLayout:
                 return site
         raise ValueError(f"rank {rank} is in no site of {self.site_ranks}")
 
+    @classmethod
+    def contiguous(cls, num_sites: int, per_site: int) -> SiteLayout:
+        """``num_sites`` sites of ``per_site`` ranks each, in rank order, named by their index."""
+        return cls(site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
+                   site_names=tuple(str(s) for s in range(num_sites)))
+
     def rail_ranks(self, rail: int) -> tuple[int, ...]:
         """Ranks with local index ``rail`` in each site, in site order: the ranks that talk over the WAN."""
         return tuple(ranks[rail] for ranks in self.site_ranks)
@@ -91,9 +97,7 @@ def resolve_sites(claims: list[_Claim]) -> SiteLayout:
             f"{world} ranks cannot be split into num_sites={num_sites} equal contiguous sites; use a num_sites "
             f"that divides {world}, or give every rank its site (site= or {_env.SITE}) for unequal sites."
         )
-    size = world // num_sites
-    ranks = tuple(tuple(range(s * size, (s + 1) * size)) for s in range(num_sites))
-    return SiteLayout(site_ranks=ranks, site_names=tuple(str(s) for s in range(num_sites)))
+    return SiteLayout.contiguous(num_sites, world // num_sites)
 
 
 def _explicit_layout(sites: list[int | str | None], num_sites: int | None) -> SiteLayout:

@@ -101,8 +101,7 @@ def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanSta
     if site is None:  # torchft leaves a group out of a quorum it asked for only in modes we do not use
         raise RuntimeError(f"site {site_name!r} is not in the quorum it joined; torchft's world-size mode must be "
                            f"DYNAMIC (the default).")
-    layout = SiteLayout(site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
-                        site_names=tuple(str(s) for s in range(num_sites)))
+    layout = SiteLayout.contiguous(num_sites, per_site)
     rails = [rail] if num_sites > 1 else []
     return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(),
                     intra_group=intra_group if intra_group is not None else dist.group.WORLD, rail_groups=rails,
@@ -177,7 +176,6 @@ class ElasticSite:
             raise ValueError(f"max_failed_steps={max_failed_steps!r} must be a positive integer or None.")
         self.start_sites, self._joined, self._quorum_timeout_s = sites, False, quorum_timeout_s
         self.writer = CheckpointWriter()  # who saves the job's checkpoints (is_leader, save_once)
-        self._members: tuple[str, ...] = ()  # the replica ids (name:uuid) of this rank's last quorum
         self._twice: tuple[list[str], bool] | None = None  # see members.in_quorum_twice: of the last quorum
         self.max_failed_steps, self._failed_steps, self._min_sites = max_failed_steps, 0, min_sites
         # the site's votes and its step-0 state go over gloo, whatever the default group's backend (NCCL)
@@ -233,11 +231,10 @@ class ElasticSite:
         """Each quorum answer (every rank): whether it makes this rank a source of the live state, and whether this
         site holds the job's latest state as the first of the sites that hold it (``is_leader``)."""
         self._transport.expect(quorum)
+        change = quorum_change(self.writer.members, tuple(quorum.replica_ids))  # the last quorum's, then this one's
         self.writer.quorum(quorum)
-        change = quorum_change(self._members, tuple(quorum.replica_ids))
         if change is not None and dist.get_rank() == 0:  # once per change and site, not per step
             _log.info("site %r, step %d: the quorum has %s", self.name, quorum.max_step, change)
-        self._members = tuple(quorum.replica_ids)
         self._twice = in_quorum_twice(quorum)
         if self._twice is not None and not self._twice[1] and change is not None and dist.get_rank() == 0:
             _log.warning("site %r, step %d: another member of this site, %s, is in the quorum: it leaves if it is "

@@ -29,14 +29,15 @@ class CheckpointWriter:
 
     def __init__(self) -> None:  # noqa: D107
         self.leads = False
-        self._members: tuple[str, ...] = ()  # the replica ids (name:uuid) of the last quorum
+        self.members: tuple[str, ...] = ()
+        """The replica ids (``name:uuid``) of the last quorum."""
         self._undecided: tuple[str, int] | None = None  # (the first site of a step this site committed, the step)
         self._deferred: list[Callable[[], object]] = []
 
     def quorum(self, quorum) -> None:
         """A torchft quorum answer (every rank): whether this site leads in it, and its members."""
         self.leads = leads_after_quorum(quorum)
-        self._members = tuple(quorum.replica_ids)
+        self.members = tuple(quorum.replica_ids)
 
     def healing(self) -> None:
         """This site receives the live state in this quorum: what it would save is the live sites', whose first
@@ -47,7 +48,7 @@ class CheckpointWriter:
         """This rank's vote after a quorum at the job's ``step``: whether the saves it keeps are its to write (the
         step's first site is in the quorum and the job is still at that step)."""
         undecided = self._undecided
-        return undecided is not None and undecided[0] in self._members and undecided[1] == step
+        return undecided is not None and undecided[0] in self.members and undecided[1] == step
 
     def settle(self, write: bool) -> list[Callable[[], object]]:
         """After the site's vote: the kept saves to run now (``write``: the site leads and every rank proposed to
@@ -60,7 +61,7 @@ class CheckpointWriter:
         not. Saves kept from before the step's quorum were decided there."""
         self.leads = committed and first_site
         self._deferred = []
-        first = min(self._members) if committed and not first_site and self._members else None
+        first = min(self.members) if committed and not first_site and self.members else None
         self._undecided = (first, step) if first is not None else None
 
     def save_once(self, save: Callable[[], object]) -> None:

@@ -42,8 +42,7 @@ def mesh_topology(mesh, wan: WanConfig) -> Topology:
     rank must call it then).
     """
     num_sites, per_site = submesh(mesh, "site").size(), submesh(mesh, "dp_replicate").size()
-    layout = SiteLayout(site_ranks=tuple(tuple(range(s * per_site, (s + 1) * per_site)) for s in range(num_sites)),
-                        site_names=tuple(str(s) for s in range(num_sites)))
+    layout = SiteLayout.contiguous(num_sites, per_site)
     rail_groups = [submesh(mesh, "site").get_group()] + _extra_rail_groups(mesh, wan.streams - 1)
     return Topology(layout=layout, site=mesh.get_local_rank("site"),
                     local_rank_in_site=mesh.get_local_rank("dp_replicate"),
