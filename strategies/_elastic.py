@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from multidc.hierarchical.elastic.shards import load_module_state, load_optimizer_state, module_state, optimizer_state
 from multidc.plugins._lightning_patches import (
     set_optimizer_steps,
     unwrap_lr_scheduler_updates,
@@ -76,24 +77,28 @@ class ElasticMixin:
         self._elastic_started = False
         self.elastic_site = ElasticSite(
             state_dict=self._elastic_state, load_state_dict=self._load_elastic_state, site=self._site_name(),
-            wan=self.wan, lighthouse=self._lighthouse, sites=self._elastic_sites,
+            wan=self.wan, lighthouse=self._lighthouse, sites=self._elastic_sites, replica_group=self._replica_group(),
         )
+
+    def _replica_group(self):
+        """The ranks of this site holding this rank's parameters (``ElasticSite(replica_group=)``); None: all (DDP)."""
+        return None
 
     def _site_name(self) -> str | None:
         site = getattr(self, "site", None)
         return str(site) if site is not None else None
 
     def _elastic_state(self) -> dict:
-        return {
-            "model": self.lightning_module.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+        return {  # this rank's shards under a parallel layout: the same-index rank of another site receives them
+            "model": module_state(self.lightning_module),
+            "optimizers": [optimizer_state(optimizer) for optimizer in self.optimizers],
             "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
         }
 
     def _load_elastic_state(self, state: dict) -> None:
-        self.lightning_module.load_state_dict(state["model"])
+        load_module_state(self.lightning_module, state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+            load_optimizer_state(optimizer, saved)
         for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
 

@@ -44,6 +44,7 @@ from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
 from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical._gradient_sync import GradientSync
 from multidc.hierarchical.diloco.config import refuse_loss_scaling, resolve_cross_site
+from multidc.hierarchical.elastic.shards import check_elastic_layout
 from multidc.hierarchical.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
 from multidc.hierarchical.parallel.diloco import DiLoCoShardState, build_diloco
 from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
@@ -64,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
+from multidc.strategies._elastic import ElasticMixin
 from multidc.strategies._registry import register, register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
@@ -76,7 +78,7 @@ _FLAT_WAN_WARNING = (
 )
 
 
-class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
+class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy):
     """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -145,13 +147,18 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
         cross_site: str | None = None,
         diloco: DiLoCoConfig | None = None,
         save_distributed_checkpoint: bool = True,
+        elastic: bool | None = None,
+        lighthouse: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        from multidc.hierarchical.elastic import refuse_elastic_env
-
-        refuse_elastic_env("Parallel3DStrategy")
+        self._init_elastic(elastic, lighthouse, _elastic_sites(num_sites))
         self.diloco_config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
+        if self.elastic:  # this job is one site; the quorum decides the sites of each step
+            num_sites = 1
+            if self.diloco_config is not None:
+                raise ValueError("Parallel3DStrategy(elastic=True) runs cross_site='allreduce' only for now; use "
+                                 "DiLoCoStrategy(elastic=True) for elastic DiLoCo, or drop elastic.")
         self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
         self.diloco: DiLoCo | None = None
         """The running ``DiLoCo`` under ``cross_site="diloco"``, from setup of a fit to teardown; else None."""
@@ -221,6 +228,8 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if self.elastic:
+            check_elastic_layout(self.layout, "Parallel3DStrategy")
         pp = self.layout.pipeline_parallel_size
         if pp > 1 and trainer.accumulate_grad_batches > 1:
             raise ValueError(
@@ -260,6 +269,7 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
                 refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
                 self._build_diloco()
             WanMetricsCallback.add_to(trainer, self)
+        self._setup_elastic(trainer)
 
     def _build_diloco(self) -> None:
         if len(self.optimizers) != 1:
@@ -373,9 +383,13 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
 
         clip_grad_norm_(params, clip_val, self.device_mesh, per_site=self.parallel.site_groups)
 
+    def _replica_group(self):
+        return self.parallel.replica_group  # each rank's shards cross the WAN to the same-index ranks
+
     def teardown(self) -> None:
         WanMetricsCallback.remove_from(self.lightning_module)
         try:
+            self._teardown_elastic()
             self._close_diloco()  # a sync in flight finishes (every rank)
         finally:
             self.gradient_sync.close()
@@ -387,6 +401,11 @@ class Parallel3DStrategy(CheckpointingMixin, ModelParallelStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         register(strategy_registry, cls.strategy_name, cls,
                  description="multidc site x FSDP2 x pipeline x tensor parallelism")
+
+
+def _elastic_sites(num_sites) -> int | None:
+    """Elastic: ``num_sites`` counts the sites the job starts with (``ElasticSite(sites=)``), not this job's."""
+    return num_sites if isinstance(num_sites, int) and not isinstance(num_sites, bool) else None
 
 
 def _diloco_config(cross_site: str | None, diloco, fsdp_across_sites: bool, distributed_checkpoint: bool):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from multidc.hierarchical.elastic import start_lighthouse
+from multidc.hierarchical.elastic.lighthouse import heard_replicas
 from multidc.hierarchical.tools.processes import ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,11 +89,16 @@ def progress(out: Path, name: str) -> int:
 
 
 def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, victim: int, *extra: str,
-                     script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None) -> dict:
+                     script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None,
+                     hold: bool = False) -> dict:
     """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it with the same command
     once the others committed a step without it (3 s at least, 23 s at most); every site must end cleanly. Returns
-    each rank's results and whether the others went on meanwhile."""
+    each rank's results and whether the others went on meanwhile. ``hold`` (a script with ``--hold-until``): the
+    sites wait before their last step until the restarted victim's manager heartbeats to the lighthouse, so the job
+    cannot end before it is back, however slowly it starts."""
     names = [f"site{i}" for i in range(sites)]
+    if hold:
+        extra = (*extra, "--hold-until", str(tmp_path / "victim-back"))
     launch = {"script": script, "accelerate": accelerate}
     trees = {name: start_site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
     try:
@@ -108,8 +114,16 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, 
                 break
             time.sleep(0.1)
         (tmp_path / f"{names[victim]}.progress").unlink()
+        before_restart = {r.replica_id for r in heard_replicas(lighthouse)}
         trees[names[victim]] = start_site(names[victim], per_site, sites, lighthouse, tmp_path, *extra,
                                      **launch)  # the same command
+        if hold:
+            while not any(r.alive and r.site == names[victim] and r.replica_id not in before_restart
+                          for r in heard_replicas(lighthouse)):
+                assert time.monotonic() < deadline, f"{names[victim]} never came back to the lighthouse"
+                assert trees[names[victim]].process.poll() is None, site_logs(tmp_path, names[victim])
+                time.sleep(0.1)
+            (tmp_path / "victim-back").touch()
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():

@@ -92,19 +92,20 @@ def torchft_rail_all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -
 
 
 def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanStats, intra_group=None) -> Topology:
-    """The sites of the current quorum, as the hierarchical all-reduce sees them: this site's job is the default
-    group (``intra_group``: another group of its ranks); its one rail group is torchft's, reconfigured at each new
-    quorum; the site index is the site's rank in the quorum; a failed WAN transfer discards the step
-    (``DiscardStep``, the topology's ``policy``)."""
-    num_sites, per_site = manager.num_participants(), dist.get_world_size()
+    """The sites of the current quorum, as the hierarchical all-reduce sees them: inside the site, the ranks of
+    ``intra_group`` (default: the site's job, the default group; under a parallel layout the ranks holding this
+    rank's shards); its one rail group is torchft's, reconfigured at each new quorum; the site index is the site's
+    rank in the quorum; a failed WAN transfer discards the step (``DiscardStep``, the topology's ``policy``)."""
+    intra_group = intra_group if intra_group is not None else dist.group.WORLD
+    num_sites, per_site = manager.num_participants(), dist.get_world_size(intra_group)
     site = manager.participating_rank()
     if site is None:  # torchft leaves a group out of a quorum it asked for only in modes we do not use
         raise RuntimeError(f"site {site_name!r} is not in the quorum it joined; torchft's world-size mode must be "
                            f"DYNAMIC (the default).")
     layout = SiteLayout.contiguous(num_sites, per_site)
     rails = [rail] if num_sites > 1 else []
-    return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(),
-                    intra_group=intra_group if intra_group is not None else dist.group.WORLD, rail_groups=rails,
+    return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(intra_group),
+                    intra_group=intra_group, rail_groups=rails,
                     rail_row=site if rails else None, wan=wan, streams=1, policy=DiscardStep(manager, site_name),
                     rail_all_gather=torchft_rail_all_gather, wan_stats=stats, site_name=site_name)
 
@@ -136,6 +137,9 @@ class ElasticSite:
             host's name): torchft advertises it for the site's manager (rank 0) and for each rank's state server.
         max_failed_steps: after this many steps in a row discarded because of a failure (a WAN transfer, a
             recovery), every rank of the site raises the last failure instead of trying again; None: never.
+        replica_group: the ranks of this site that hold the same parameters as this one, a parallel layout's
+            ``ParallelModel.replica_group`` (FSDP2 / tensor parallelism inside the site: each rank's shards cross
+            the WAN to the same-index rank of the other sites); None: every rank of the site (DDP).
 
     Raises:
         ImportError: torchft is missing. ValueError: bad settings, before connecting. LighthouseUnreachable: no
@@ -156,6 +160,7 @@ class ElasticSite:
         heal_timeout_s: float = 600.0,
         max_failed_steps: int | None = 10,
         host: str | None = None,
+        replica_group=None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ElasticSite needs the site's process group: call init_process_group first.")
@@ -206,7 +211,8 @@ class ElasticSite:
             rank=dist.get_rank(), world_size=dist.get_world_size(),
         )
         self._manager, self._resumed_at = None, 0
-        self.intra_group = None
+        self.replica_group = replica_group
+        self.intra_group = replica_group
         """The site's group for the intra-site stages of the WAN all-reduces; None: the default group. An
         all-reduce that runs while the site trains on (overlapped DiLoCo) needs one of its own, apart from DDP's."""
         self.topology: Topology | None = None
@@ -326,7 +332,7 @@ class ElasticSite:
             time.sleep(0.1)
         deferred = self.writer.settle(write)
         # the same on every rank of the site: one step everywhere, one quorum
-        if manager.current_step() == 0 and manager.num_participants() > 1 and dist.get_world_size() > 1:
+        if manager.current_step() == 0 and manager.num_participants() > 1 and self._replicas() > 1:
             self._share_in_site()
         self._joined = True
         self.topology = quorum_topology(self.manager, self.rail, self.wan, self.name, self.wan_stats,
@@ -370,12 +376,14 @@ class ElasticSite:
         if verdict[0] is not None:
             raise RuntimeError(verdict[0])
 
+    @torch.no_grad()
     def sync_gradients(self, module: torch.nn.Module) -> None:
         """Average the gradients of ``module``'s trainable parameters over the sites of this step, in place
         (parameter order, so every site lays them out alike). Under ``DistributedDataParallel`` over the site's
         group, DDP has already averaged them inside the site: then each rank sends only its share over its rail
-        (``replicated``). Otherwise the whole hierarchical average (inside the site, then across). A failed WAN
-        transfer does not raise: the step will not commit.
+        (``replicated``). Under a parallel layout (``replica_group``) FSDP2 has reduced them inside the site: each
+        rank's shards go to the same-index ranks of the other sites. Otherwise the whole hierarchical average
+        (inside the site, then across). A failed WAN transfer does not raise: the step will not commit.
 
         As under DDP, a parameter without a gradient counts as zeros in the average, and keeps no gradient only
         if no rank of any site has one (found by a small uncompressed exchange, skipped under DDP without
@@ -388,24 +396,27 @@ class ElasticSite:
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
-        all_reduce(flat, self.topology, op="avg", replicated=ddp)
+        # DDP, or FSDP2 inside the site (a layout's reduce-scatter and replica hook): the replicas hold the site's
+        # average already, and each sends its share
+        all_reduce(flat, self.topology, op="avg", replicated=ddp or self.replica_group is not None)
         used = [True] * len(params)
         if not ddp or module.find_unused_parameters:
             present = torch.tensor([float(p.grad is not None) for p in params], device=flat.device)
             all_reduce(present, self.topology, wan=dataclasses.replace(self.wan, compression="none"), op="sum")
             used = (present > 0).tolist()
         offset = 0
-        for p, has_grad in zip(params, used, strict=True):
-            values = flat[offset : offset + p.numel()].view_as(p)
+        for p, grad, has_grad in zip(params, grads, used, strict=True):
+            values = flat[offset : offset + grad.numel()].view_as(grad)
             if not has_grad:
                 p.grad = None
             elif p.grad is None:
-                p.grad = values.clone()
+                p.grad = _like(p, values.clone())
             else:
-                p.grad.copy_(values)
-            offset += p.numel()
+                grad.copy_(values)
+            offset += grad.numel()
 
     @property
     def is_leader(self) -> bool:
@@ -459,13 +470,20 @@ class ElasticSite:
         all_reduce(tensor, self.topology, op=op)
         return tensor
 
+    def _replicas(self) -> int:
+        """Ranks of this site holding the same parameters as this one (``replica_group``'s, else the site's)."""
+        return dist.get_world_size(self.replica_group) if self.replica_group is not None else dist.get_world_size()
+
     def _share_in_site(self) -> None:
         """At step 0 torchft makes the sites equal rank by rank, each rank index from its own source site (its
-        first quorum spreads the sources over the sites), so the ranks of one site can hold different sites'
-        initial weights: every rank takes its site's rank 0 state, the same in every site."""
-        box = [_to_cpu(self._state_dict()) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._votes)
-        if dist.get_rank() != 0:
+        first quorum spreads the sources over the sites), so the replicas inside one site can hold different sites'
+        initial weights: every rank takes the state of its replicas' first rank, the same in every site. (Shards
+        held once per site need nothing: each came from one site, the same in every site.)"""
+        group = self.replica_group if self.replica_group is not None else self._votes
+        first = dist.get_global_rank(group, 0) if self.replica_group is not None else 0
+        box = [_to_cpu(self._state_dict()) if dist.get_rank() == first else None]
+        dist.broadcast_object_list(box, src=first, group=group)
+        if dist.get_rank() != first:
             self._load_state_dict(box[0])
 
     def commit(self) -> bool:
@@ -532,6 +550,23 @@ def _site_votes(vote: _Vote, group) -> list[_Vote]:
     votes: list = [None] * dist.get_world_size()
     dist.all_gather_object(votes, tuple(vote), group=group)
     return [_Vote(*v) for v in votes]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard if a ``DTensor`` (a layout's parameter or gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``param`` from this rank's part ``local``: a ``DTensor`` placed as ``param`` if it is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def _to_cpu(value, *, copy: bool = False):

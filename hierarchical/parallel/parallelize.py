@@ -82,6 +82,12 @@ class ParallelModel:
         """This rank's parameters (its pipeline stages only)."""
         return self.model.parameters()
 
+    @property
+    def replica_group(self):
+        """The ranks of this rank's site that hold the same stage and shards (the ``"dp_replicate"`` axis): what
+        an elastic site averages its gradients and shares its state over (``ElasticSite(replica_group=)``)."""
+        return submesh(self.mesh, "dp_replicate").get_group()
+
     def step(self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one batch (all microbatches under PP). Every rank must call it.
 

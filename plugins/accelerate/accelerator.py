@@ -128,8 +128,10 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         destroy_process_groups_at_exit()  # when the script ends without end_training (torch aborts otherwise)
         if plugin.elastic:  # this launch is one site: no topology, the quorum decides the sites of each step
             self._own_group = ensure_process_group()
-        else:
-            self._build_layout() if plugin.layout is not None else self._build_topology()
+        if plugin.layout is not None:
+            self._build_layout()
+        elif not plugin.elastic:
+            self._build_topology()
 
     def _build_topology(self) -> None:
         plugin = self.multidc_plugin
@@ -160,8 +162,14 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         # Collective: sites counted from MULTIDC_SITE when not given; ValueError on every rank, naming what would fit
         resolved = plugin.layout.resolve_job()
         if (resolved.pipeline_parallel_size, resolved.tensor_parallel_size, resolved.dp_shard) == (1, 1, 1):
+            if plugin.elastic:  # DDP inside the site, as without sizes
+                return None
             plugin.num_sites = resolved.num_sites  # plain data parallelism after all: DDP + hierarchical hook
             return self._build_topology()
+        if plugin.elastic:
+            from multidc.hierarchical.elastic.shards import check_elastic_layout
+
+            check_elastic_layout(resolved, "MultiDCPlugin")
         if resolved.pipeline_parallel_size > 1 and self.gradient_accumulation_steps > 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} with pipeline_parallel_size="
@@ -194,6 +202,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                 self.parallel.rebind_optimizer(optimizer)
         prepared = super().prepare(*args, device_placement=device_placement)
         self._attach_diloco()
+        self._attach_elastic()
         return prepared
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
@@ -255,8 +264,9 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         plugin = self.multidc_plugin
         ready = self._optimizers and self._models and self.elastic_steps is None
         if plugin.elastic and plugin.diloco is None and ready:
+            replica_group = self.parallel.replica_group if self.parallel is not None else None
             self.elastic_steps = ElasticSteps.build(self._models, self._optimizers, self._schedulers, self.scaler,
-                                                    plugin)
+                                                    plugin, replica_group=replica_group)
 
     @property
     def job_step(self) -> int:

@@ -20,7 +20,9 @@ Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or
 rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only one site
 writes (``ElasticSite.save_once``; one copy of the job's state, named by ``job_step``), and ``load_state(url)``
 right after ``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``).
-Parallel layouts are refused in this mode.
+With ``dp_shard`` / ``dp_replicate`` (FSDP2 inside each site, ``cross_site="allreduce"``) each rank's shards are
+averaged with, and healed from, the same-index rank of the other sites; every site must use the same layout.
+Pipeline and tensor parallelism are refused in this mode.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from multidc.hierarchical.elastic.shards import load_module_state, load_optimizer_state, module_state, optimizer_state
 from multidc.plugins.accelerate._patches import mark_step_skipped
 
 
@@ -43,9 +46,10 @@ class ElasticSteps:
         optimizer: the one prepared ``AcceleratedOptimizer``.
         schedulers: the accelerator's list of prepared schedulers (read when the state is sent or received).
         plugin: the ``MultiDCPlugin`` (site name, WAN settings, lighthouse, sites the job starts with).
+        replica_group: under a parallel layout, ``ParallelModel.replica_group`` (see ``ElasticSite``).
     """
 
-    def __init__(self, model, optimizer, schedulers: list, plugin) -> None:
+    def __init__(self, model, optimizer, schedulers: list, plugin, replica_group=None) -> None:
         from multidc.hierarchical.elastic import ElasticSite
 
         self.model = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
@@ -54,13 +58,14 @@ class ElasticSteps:
         """Whether the last optimizer step committed."""
         self._open = self.joined = False
         self.site = ElasticSite(state_dict=self._state, load_state_dict=self._load, wan=plugin.wan,
-                                **site_options(plugin))
+                                replica_group=replica_group, **site_options(plugin))
         self._step, self._zero_grad = optimizer.step, optimizer.zero_grad
         optimizer.step, optimizer.zero_grad = self.step, self.zero_grad  # this instance only
         self._hook = join_before_forward(model, self.join)
 
     @classmethod
-    def build(cls, models: list, optimizers: list, schedulers: list, scaler, plugin) -> ElasticSteps:
+    def build(cls, models: list, optimizers: list, schedulers: list, scaler, plugin, replica_group=None
+              ) -> ElasticSteps:
         """Check what ``prepare`` got (one model, one optimizer, no fp16 loss scaling), then build."""
         if len(models) != 1 or len(optimizers) != 1:
             raise ValueError(
@@ -70,7 +75,7 @@ class ElasticSteps:
         from multidc.hierarchical.diloco.config import refuse_loss_scaling
 
         refuse_loss_scaling(scaler, mode="elastic")
-        return cls(models[0], optimizers[0], schedulers, plugin)
+        return cls(models[0], optimizers[0], schedulers, plugin, replica_group)
 
     @property
     def job_step(self) -> int:
@@ -95,13 +100,13 @@ class ElasticSteps:
         behind (or starting) receive this one's."""
         self.site.resume(step)
 
-    def _state(self) -> dict:
-        return {"model": _unwrap(self.model).state_dict(), "optimizer": self.optimizer.optimizer.state_dict(),
+    def _state(self) -> dict:  # this rank's shards under a layout: the same-index rank of another site gets them
+        return {"model": module_state(_unwrap(self.model)), "optimizer": optimizer_state(self.optimizer.optimizer),
                 "schedulers": [scheduler.scheduler.state_dict() for scheduler in self._schedulers]}
 
     def _load(self, state: dict) -> None:
-        _unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.optimizer.load_state_dict(state["optimizer"])
+        load_module_state(_unwrap(self.model), state["model"])
+        load_optimizer_state(self.optimizer.optimizer, state["optimizer"])
         load_schedulers(self._schedulers, state["schedulers"])
 
     def step(self, closure=None) -> None:
@@ -187,7 +192,8 @@ def join_before_forward(model, join):
         with torch.inference_mode(False):
             join()
 
-    handle = getattr(model, "_orig_mod", model).register_forward_pre_hook(before)
+    # first: before FSDP2's own pre-forward hook gathers the parameters this may heal
+    handle = getattr(model, "_orig_mod", model).register_forward_pre_hook(before, prepend=True)
     return handle
 
 

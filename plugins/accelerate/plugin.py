@@ -95,8 +95,9 @@ class MultiDCPlugin:
     """Elastic sites on torchft (env ``MULTIDC_ELASTIC``): this ``accelerate launch`` is one site (launch one per
     site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
     ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others training and
-    rejoins live when restarted. Data parallelism only; ``save_state`` is written by one site, ``load_state``
-    right after ``prepare`` resumes the job; see ``multidc.plugins.accelerate.elastic``."""
+    rejoins live when restarted. Data parallelism: DDP, or FSDP2 inside the site (``dp_shard`` /
+    ``dp_replicate``; pipeline and tensor parallelism are refused); ``save_state`` is written by one site,
+    ``load_state`` right after ``prepare`` resumes the job; see ``multidc.plugins.accelerate.elastic``."""
 
     lighthouse: str | None = field(default=None, metadata={"help": "Lighthouse host:port. Env MULTIDC_LIGHTHOUSE."})
     """The lighthouse's ``host:port`` (``multidc lighthouse``), elastic mode only; env ``MULTIDC_LIGHTHOUSE``."""
@@ -148,13 +149,14 @@ class MultiDCPlugin:
             return  # plain data parallelism: DDP + hierarchical hook, any site sizes
         from multidc.hierarchical.parallel import ParallelLayout, PipelineConfig
 
-        if self.elastic:
-            raise ValueError(
-                "MultiDCPlugin(elastic=True) runs data parallelism only (each site its own accelerate launch): drop "
-                f"the parallel sizes ({', '.join(_SIZE_ENV.values())}) or elastic."
-            )
         self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
                                        split_points=self.split_points)
+        if self.elastic:  # this launch is one site: the layout is the site's (num_sites counts the job's sites)
+            if self.diloco is not None:
+                raise ValueError("MultiDCPlugin(elastic=True) with parallel sizes runs cross_site='allreduce' only "
+                                 "for now; drop the sizes for elastic DiLoCo (DDP inside each site), or elastic.")
+            self.layout = ParallelLayout(num_sites=1, **sizes)
+            return
         if self.site is not None:
             raise ValueError(
                 f"MultiDCPlugin.site={self.site!r} with a parallel layout: the layout's sites are contiguous blocks "

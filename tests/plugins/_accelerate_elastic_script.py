@@ -35,6 +35,13 @@ from tests.hierarchical.elastic_reference import (  # noqa: E402
 )
 
 
+def _full(net: torch.nn.Module) -> dict:
+    """The whole parameters (a layout's shards gathered: collective over the site)."""
+    with torch.no_grad():
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in net.named_parameters()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
@@ -55,6 +62,7 @@ def main() -> None:
     parser.add_argument("--resume", help="load_state(this, step=--resume-step) right after prepare")
     parser.add_argument("--resume-step", type=int)
     parser.add_argument("--resume-late", action="store_true", help="load_state after the site joined the job")
+    parser.add_argument("--dp-shard", type=int, help="FSDP2 over the site's processes (MultiDCPlugin(dp_shard=))")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -62,7 +70,8 @@ def main() -> None:
     diloco = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                           fragments=args.fragments, overlap_steps=args.overlap)
     plugin = MultiDCPlugin(elastic=True, site=args.site, num_sites=args.sites, wan=WanConfig(timeout_s=args.timeout_s),
-                           cross_site="diloco" if args.diloco else None, diloco=diloco if args.diloco else None)
+                           cross_site="diloco" if args.diloco else None, diloco=diloco if args.diloco else None,
+                           dp_shard=args.dp_shard)
     # split_batches: the scheduler steps once per optimizer step (and skips the steps the optimizer skipped)
     accelerator = MultiDCAccelerator(multidc_plugin=plugin,
                                      dataloader_config=DataLoaderConfiguration(split_batches=True))
@@ -85,7 +94,7 @@ def main() -> None:
     if args.resume_late:  # wrong: after joining (must raise, loading nothing)
         accelerator.load_state(args.resume, step=args.resume_step)
     joined_at, first_t = job_step(), accelerator.job_step
-    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    initial = _full(net)
     log, syncs, discarded, last, last_step, rng_at_save = [], [], 0, [], -1, {}
 
     def done(step: int) -> bool:  # every site took part in the last committed step
@@ -98,7 +107,7 @@ def main() -> None:
             break
         if entry is None:  # a step (a round) starts: which sites are in it
             present = torch.zeros(MAX_SITES)
-            present[index] = 1.0 / accelerator.num_processes  # summed over the site's ranks: 1 per site present
+            present[index] = 1.0 / site.topology.site_size  # summed over the step's ranks: 1 per site present
             site.all_reduce(present, op="sum")
             entry = {"step": outer, "t0": step, "sites": [s for s in range(MAX_SITES) if present[s] > 0.5]}
         x, y = rows(index, rank, step)
@@ -127,14 +136,14 @@ def main() -> None:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(job_step()))
         time.sleep(args.sleep)
-    local = params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    local = params = _full(net)
     if args.diloco:  # the global parameters: equal on every site (streaming: the local ones are not)
         with accelerator.diloco.global_parameters():
-            params = {n: p.detach().clone() for n, p in net.named_parameters()}
+            params = _full(net)
     torch.save({"site": index, "params": params, "local": local, "syncs": syncs, "first_t": first_t, "log": log,
                 "discarded": discarded, "joined_at": joined_at,
                 "initial": initial, "final_step": job_step(), "num_sites": site.num_sites, "written": written,
-                "rng_at_save": rng_at_save,
+                "rng_at_save": rng_at_save, "sharded": [type(p).__name__ for p in net.parameters()],
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))
     accelerator.end_training()

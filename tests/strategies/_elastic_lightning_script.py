@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 import lightning.pytorch as pl  # noqa: E402
 
 from multidc.hierarchical import WanConfig  # noqa: E402
-from multidc.strategies import HierarchicalDDPStrategy  # noqa: E402
+from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
 from tests.hierarchical.elastic_reference import (  # noqa: E402
     LR,
     MAX_SITES,
@@ -44,6 +44,7 @@ class Net(pl.LightningModule):
         self.log_steps, self.initial, self.joined_at = [], None, None
         self.setup_s, self.first_quorum_s, self.trained_on = 0.0, None, None
         self.discard_at, self.rng_at_save, self.hold_until = -1, {}, None
+        self.num_sites = 0
 
     def on_fit_start(self):  # after the strategy's setup built the site: more setup (data, a sanity check)
         assert self.trainer.strategy.elastic_site is not None
@@ -64,11 +65,13 @@ class Net(pl.LightningModule):
         step = self.trainer.global_step  # the job's committed steps, also right after a rejoin
         if self.joined_at is None:  # the first quorum came before this (optimizer_step, before the closure)
             self.joined_at, self.first_quorum_s = step, time.monotonic() - self._train_start
-            self.initial = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
+            self.initial = _full(self.net)
             self.trained_on = self.device.type
+        site = strategy.elastic_site
         present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
-        present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per member of a site
-        strategy.elastic_site.all_reduce(present, op="sum")
+        present[self.index] = 1.0 / site.topology.site_size  # summed over the step's ranks: 1 per member of a site
+        site.all_reduce(present, op="sum")
+        self.num_sites = site.num_sites
         self._pending = (step, [s for s in range(MAX_SITES) if present[s] > 0.5],
                          [s for s in range(MAX_SITES) if present[s] > 1.5])  # a site present twice
         if step == self.stall[0]:  # once (the retried step goes through), longer than the WAN timeout
@@ -101,6 +104,22 @@ class Net(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
 
 
+def _full(net: torch.nn.Module) -> dict:
+    """The whole parameters on the CPU (a layout's shards gathered: collective over the site)."""
+    with torch.no_grad():
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for n, p in net.named_parameters()}
+
+
+def _strategy(args):
+    wan = WanConfig(timeout_s=args.timeout_s)
+    if args.strategy == "parallel_3d":  # FSDP2 over the site's ranks; the site's name from MULTIDC_SITE
+        os.environ["MULTIDC_SITE"] = args.site
+        return Parallel3DStrategy(elastic=True, num_sites=args.sites, dp_shard=int(os.environ["LOCAL_WORLD_SIZE"]),
+                                  wan=wan)
+    return HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites, wan=wan)
+
+
 def _precision(precision: str) -> list:
     """Lightning turns '16-mixed' into bf16 on CPU: build fp16 loss scaling explicitly to check its refusal."""
     if precision == "32-true":
@@ -129,6 +148,8 @@ def main() -> None:
     parser.add_argument("--discard-at", type=int, default=-1, help="the job step this site discards, once, after its "
                         "transfers completed (the other sites commit it)")
     parser.add_argument("--hold-until", help="before the last step, wait until this file exists (at most 120 s)")
+    parser.add_argument("--strategy", default="hierarchical_ddp", choices=["hierarchical_ddp", "parallel_3d"],
+                        help="parallel_3d: FSDP2 over the site's ranks (dp_shard), elastic across sites")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -137,8 +158,7 @@ def main() -> None:
     module.setup_s, module.discard_at, module.hold_until = args.setup_s, args.discard_at, args.hold_until
     module.written = record_writes()
     trainer = pl.Trainer(
-        strategy=HierarchicalDDPStrategy(elastic=True, site=args.site, num_sites=args.sites,
-                                         wan=WanConfig(timeout_s=args.timeout_s)),
+        strategy=_strategy(args),
         accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
         plugins=_precision(args.precision), logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=args.ckpt_dir is not None,
@@ -146,8 +166,9 @@ def main() -> None:
                                                 save_top_k=-1)] if args.ckpt_dir else [],
     )
     trainer.fit(module, ckpt_path=args.resume)
-    params = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    params = _full(module.net)
     torch.save({"site": index, "device": module.trained_on, "params": params, "log": module.log_steps,
+                "num_sites": module.num_sites, "sharded": [type(p).__name__ for p in module.net.parameters()],
                 "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
                 "written": module.written, "rng_at_save": module.rng_at_save,
                 "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step},
