@@ -1,9 +1,19 @@
-"""``python -m multidc.plugins.checkpoint ls|verify|rm``: real subprocesses against a SeaweedFS server with S3
-authentication, credentials from the standard AWS environment variables only."""
+"""``python -m multidc.plugins.checkpoint ls|verify|rm``: against a SeaweedFS server with S3 authentication,
+credentials from the standard AWS environment variables only.
+
+One run is a real ``python -m`` subprocess (the module entry point, credentials read by a fresh interpreter); the
+others call the same ``cli.main`` in this process with the same environment variables and argv, and capture its
+stdout, stderr and exit status (an argparse refusal's ``SystemExit`` included). s3fs caches one filesystem per set
+of constructor arguments, credentials read from the environment at creation: the cache is cleared before each call,
+so each call reads the credentials of its own environment, as a new process would.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +23,7 @@ import pytest
 import torch
 
 from multidc.plugins import Checkpointer, ObjectStore
+from multidc.plugins.checkpoint import cli
 from multidc.plugins.checkpoint.verify import verify
 from tests.conftest import AUTH_KEYS
 
@@ -20,12 +31,54 @@ ROOT = Path(__file__).resolve().parents[2]
 WRONG_SECRET = "mdc-cli-wrong-secret-3b9d"
 
 
-def _cli(server, *args: str, secret: str = AUTH_KEYS[1]) -> subprocess.CompletedProcess:
+def _aws_env(server, secret: str) -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": AUTH_KEYS[0], "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": server.endpoint}
+
+
+def _cli_subprocess(server, *args: str, secret: str = AUTH_KEYS[1]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env |= {"AWS_ACCESS_KEY_ID": AUTH_KEYS[0], "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": server.endpoint, "PYTHONPATH": str(ROOT)}
+    env |= {**_aws_env(server, secret), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "multidc.plugins.checkpoint", *args], capture_output=True,
                           text=True, env=env, timeout=120)
+
+
+def _main(args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """``cli.main(args)`` in this process: its exit status (argparse's ``SystemExit`` too) and what it printed,
+    warnings logged included (a process of its own prints them on stderr through logging's last resort)."""
+    out, err = io.StringIO(), io.StringIO()
+    logged = logging.StreamHandler(err)
+    logged.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(logged)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        logging.getLogger().removeHandler(logged)
+    return subprocess.CompletedProcess(["multidc.plugins.checkpoint", *args], code, out.getvalue(), err.getvalue())
+
+
+def _clear_s3fs_cache() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _cli(server, *args: str, secret: str = AUTH_KEYS[1]) -> subprocess.CompletedProcess:
+    """The CLI with only the AWS environment variables for credentials and endpoint (none of this process's)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            env.delenv(name)
+        for name, value in _aws_env(server, secret).items():
+            env.setenv(name, value)
+        _clear_s3fs_cache()
+        try:
+            return _main(args)
+        finally:
+            _clear_s3fs_cache()  # no filesystem holding these credentials outlives the call
 
 
 def _state(step: int) -> dict:
@@ -39,7 +92,7 @@ def test_ls_verify_and_rm_report_and_exit_as_documented(s3_auth_server):
         for step in (10, 20):
             ckpt.save(_state(step), step=step)
 
-    listed = _cli(s3_auth_server, "ls", url, "--json")
+    listed = _cli_subprocess(s3_auth_server, "ls", url, "--json")
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [r["step"] for r in rows] == [10, 20] and all(r["world_size"] == 1 and r["bytes"] > 1_200_000 for r in rows)
@@ -101,16 +154,13 @@ def test_verify_reads_bounded_slices_and_combines_their_crcs(tmp_path, monkeypat
 
 @pytest.mark.parametrize("args", [["ls"], ["verify", "--all"]])
 def test_an_empty_or_missing_root_is_a_clear_message(tmp_path, args):
-    proc = subprocess.run([sys.executable, "-m", "multidc.plugins.checkpoint", args[0], str(tmp_path / "none"),
-                           *args[1:]], capture_output=True, text=True, timeout=60, env={**os.environ,
-                                                                                        "PYTHONPATH": str(ROOT)})
+    proc = _run_cli(args[0], str(tmp_path / "none"), *args[1:])
     assert proc.returncode == (0 if args == ["ls"] else 2), proc.stderr
     assert "no committed checkpoint" in proc.stdout + proc.stderr
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "multidc.plugins.checkpoint", *args], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return _main(args)
 
 
 def _with_save_in_flight(tmp_path) -> tuple[str, Path]:
