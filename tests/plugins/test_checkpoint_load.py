@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import uuid
 import zlib
 from collections import Counter
 
@@ -235,6 +236,31 @@ def _save(rank, world, url, options):
         ckpt.save(_state(), step=1)
 
 
+@pytest.fixture(scope="module")
+def saved_by_two_ranks(s3_server) -> str:
+    """``_state()`` saved once as step 1 by 2 gloo ranks (``_save``), for the load tests below to copy."""
+    url = s3_server.make_bucket(f"t-saved-{uuid.uuid4().hex[:12]}") + "/run"
+    run_ranks(_save, 2, url, s3_server.storage_options(), timeout=120)
+    return url
+
+
+@pytest.fixture
+def saved(s3_server, s3_bucket, saved_by_two_ranks) -> str:
+    """This test's own copy (``s3_bucket``/run), object by object, of the checkpoint ``saved_by_two_ranks``: what
+    ``run_ranks(_save, 2, url, options)`` writes there, without starting two more ranks for each test."""
+    from multidc.plugins import ObjectStore
+
+    options = s3_server.storage_options()
+    source = ObjectStore(saved_by_two_ranks, storage_options=options)
+    url = f"{s3_bucket}/run"
+    target = ObjectStore(url, storage_options=options)
+    keys = source.list_files()
+    assert any(key.endswith("COMMIT.json") for key in keys) and any(key.endswith(".distcp") for key in keys), keys
+    for key in keys:
+        target.put(key, source.get(key))
+    return url
+
+
 def _load(rank, world, url, options, fail_rank):
     from multidc.plugins import Checkpointer, ObjectStore, ObjectStoreError, ReadConfig
 
@@ -285,30 +311,27 @@ def _load_counting_copies(rank, world, url, options):
     return in_place, dict(copied), equal
 
 
-def test_pieces_land_straight_in_contiguous_destinations_and_others_are_copied(s3_server, s3_bucket):
+def test_pieces_land_straight_in_contiguous_destinations_and_others_are_copied(s3_server, saved):
     # GETs and receives of a tensor whose destination is contiguous with the stored dtype go into it directly
     # (no buffer, no copy), those of a pickled value into its own buffer; a non-contiguous destination takes its
     # pieces through a buffer: both load exactly
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+    url, options = saved, s3_server.storage_options()
     for strided, contiguous, equal in run_ranks(_load_counting_copies, 2, url, options, timeout=120):
         assert equal == [True, True]
         assert strided.get("w", 0) >= (ROWS * 1024 * 4) // PIECE and "b" not in strided, strided
         assert not contiguous, contiguous  # the pickled value landed in its buffer too
 
 
-def test_loading_on_another_world_size_reshards_striped_reads_exactly(s3_server, s3_bucket):
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+def test_loading_on_another_world_size_reshards_striped_reads_exactly(s3_server, saved):
+    url, options = saved, s3_server.storage_options()
     for outcome, equal, _ in run_ranks(_load, 3, url, options, None, timeout=120):  # 256 rows over 3: uneven
         assert outcome is None and equal
 
 
-def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range_and_tensor(s3_server, s3_bucket):
+def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range_and_tensor(s3_server, saved):
     from multidc.plugins import ObjectStore
 
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+    url, options = saved, s3_server.storage_options()
     store = ObjectStore(url, storage_options=options)
     key = "step_0000000001/data/rank00000.distcp"
     data = bytearray(store.get(key))
@@ -323,9 +346,8 @@ def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range
     assert "data/rank00000.distcp" in message and "bytes [0, " in message and "holding w" in message
 
 
-def test_a_failed_get_on_one_rank_stops_every_rank_and_raises_its_error_everywhere(s3_server, s3_bucket):
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+def test_a_failed_get_on_one_rank_stops_every_rank_and_raises_its_error_everywhere(s3_server, saved):
+    url, options = saved, s3_server.storage_options()
     results = run_ranks(_load, 2, url, options, 1, timeout=120)
     for outcome, _, _ in results:
         assert outcome is not None and outcome[0] == "ObjectStoreError", outcome
@@ -361,11 +383,10 @@ def _load_with_broken_exchange(rank, world, url, options):
     return outcome, time.monotonic() - started, ckpt.timeout_s
 
 
-def test_a_rank_whose_exchange_breaks_is_not_waited_for_and_its_error_is_raised_everywhere(s3_server, s3_bucket):
+def test_a_rank_whose_exchange_breaks_is_not_waited_for_and_its_error_is_raised_everywhere(s3_server, saved):
     """Rank 1 leaves the exchange (its send fails); rank 0, still waiting for rank 1's pieces on a group whose gloo
     timeout is hours, stops within a heartbeat (the heartbeat says a peer failed) and reports rank 1's error."""
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+    url, options = saved, s3_server.storage_options()
     results = run_ranks(_load_with_broken_exchange, 2, url, options, timeout=120)
     for outcome, seconds, timeout_s in results:
         assert "injected gloo send failure on rank 1" in outcome, outcome
@@ -428,11 +449,10 @@ def _load_with_failing_feed(rank, world, url, options):
     return outcome, time.monotonic() - started
 
 
-def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(s3_server, s3_bucket):
+def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(s3_server, saved):
     """Rank 1's read-ahead feeder fails allocating a buffer: every rank raises that error within seconds (before
     the fix the feeder thread died silently and every rank waited for the gloo timeout)."""
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+    url, options = saved, s3_server.storage_options()
     for outcome, seconds in run_ranks(_load_with_failing_feed, 2, url, options, timeout=60):
         assert "injected allocation failure in rank 1's GET feed" in outcome, outcome
         assert seconds < 15
@@ -453,11 +473,10 @@ def _load_twice_after_broken_exchange(rank, world, url, options):
 
 
 def test_a_load_whose_exchange_broke_leaves_the_checkpointer_refusing_further_use_on_every_rank(s3_server,
-                                                                                                  s3_bucket):
+                                                                                                  saved):
     """Rank 1's send fails mid-exchange, so sends and receives stay posted on the data group; a second load would
     match them. Every rank's next load raises a clear error telling the user to restart, instead of proceeding."""
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save, 2, url, options, timeout=120)
+    url, options = saved, s3_server.storage_options()
     for first, second in run_ranks(_load_twice_after_broken_exchange, 2, url, options, timeout=120):
         assert "injected gloo send failure on rank 1" in first, first
         assert "cannot be used again" in second and "Restart the job" in second, second
