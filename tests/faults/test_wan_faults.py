@@ -159,7 +159,8 @@ def test_site_stall_message_names_the_rank_off_the_rail_and_its_peers():
     assert "between sites 'a', 'b' and 'c'" in errors._wan_message(three, 5, 0, 1, RuntimeError("x"))
 
 
-def _checkpoint_collective_times_out(rank, world, url):
+def _checkpoint_collective_times_out(rank, world, url, done):
+    import os
     import time
 
     from multidc.hierarchical import Topology, WanError
@@ -167,19 +168,25 @@ def _checkpoint_collective_times_out(rank, world, url):
 
     topology = Topology.build(num_sites=2)
     ckpt = Checkpointer(url, timeout_s=2, topology=topology)
-    if rank == 1:  # the other site never joins the save, as if the WAN were cut
-        time.sleep(6)
+    if rank == 1:  # the other site never joins the save, as if the WAN were cut; alive until rank 0's save ended
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     started = time.monotonic()
     try:
         ckpt.save({"loop": {"step": 1}}, step=1)
+        outcome = "no error"
     except WanError as exc:
-        return str(exc), time.monotonic() - started
-    return "no error", time.monotonic() - started
+        outcome = str(exc)
+    seconds = time.monotonic() - started
+    open(done, "w").close()
+    return outcome, seconds
 
 
 def test_checkpoint_collective_that_times_out_raises_wan_error_naming_the_sites(tmp_path):
-    message, seconds = run_ranks(_checkpoint_collective_times_out, 2, str(tmp_path / "ckpt"), timeout=60)[0]
+    message, seconds = run_ranks(_checkpoint_collective_times_out, 2, str(tmp_path / "ckpt"), str(tmp_path / "done"),
+                                 timeout=60)[0]
     assert message.startswith("checkpoint collective") and "between site '0' and site '1' timed out after 2 s" \
         in message, message
     assert seconds < 2 + 5, seconds
