@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.cross_site import CrossSite
 from multidc.hierarchical.ddp_hook import (
     HierarchicalHookState,
     register_ddp_hook,
@@ -30,8 +31,9 @@ from multidc.hierarchical.stats import WanStepMeter
 from multidc.hierarchical.topology import Topology
 
 
-class GradientSync:
-    """The topology, the DDP hooks and the per-step WAN figures of one training job.
+class GradientSync(CrossSite):
+    """The topology, the DDP hooks and the per-step WAN figures of one training job: the ``CrossSite`` sync of
+    per-step all-reduce and of DiLoCo (their work runs in the hooks).
 
     Args:
         wan: WAN settings for the topology and the hooks; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
@@ -133,6 +135,9 @@ class GradientSync:
         """Call right after backward returns (see ``WanStepMeter.backward_done``)."""
         if self.meter is not None:
             self.meter.backward_done()
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        self.backward_done()
 
     def metrics(self) -> dict[str, float]:
         """WAN figures since the previous call; call once per optimizer step. Keys ``wan/bytes_sent`` (bytes),

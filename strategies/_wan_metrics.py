@@ -30,9 +30,10 @@ class WanMetricsCallback(Callback):
 
     @classmethod
     def add_to(cls, trainer: pl.Trainer, strategy: Any) -> None:
-        """Add one, when fitting with a topology, first: its ``on_after_backward`` then runs right after backward
-        returns (see ``wan/wait_s`` in ``WanStepMeter``)."""
-        if trainer.state.fn != TrainerFn.FITTING or strategy.topology is None:
+        """Add one, when fitting with a topology (or an elastic sync), first: its ``on_after_backward`` then runs
+        right after backward returns (see ``wan/wait_s`` in ``WanStepMeter``)."""
+        crosses = strategy.topology is not None or getattr(strategy, "elastic_sync", None) is not None
+        if trainer.state.fn != TrainerFn.FITTING or not crosses:
             return
         if not any(isinstance(c, cls) for c in trainer.callbacks):
             trainer.callbacks.insert(0, cls(strategy))

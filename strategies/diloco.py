@@ -13,10 +13,8 @@ from typing import Any
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
 from multidc.hierarchical.diloco.config import refuse_loss_scaling
-from multidc.plugins._lightning_patches import wrap_lr_scheduler_updates
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
-from multidc.strategies._wan_metrics import WanMetricsCallback
 from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy, pl
 
 
@@ -110,65 +108,17 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     @property
     def diloco(self) -> DiLoCo | None:
         """The running ``DiLoCo`` (stats, ``global_parameters()``), from setup of a fit to teardown; else None."""
-        return self.gradient_sync.diloco
+        return self.elastic_sync if self.elastic else self.gradient_sync.diloco
 
     def setup(self, trainer: pl.Trainer) -> None:
         refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
-        super().setup(trainer)  # DDP with the site-only hook, then the optimizers (when fitting)
+        super().setup(trainer)  # DDP with the site-only hook, the optimizers (when fitting), the elastic sync
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if self.elastic and trainer.state.fn == "fit":
-            self._start_elastic_diloco(optimizers)
-        elif optimizers:  # before a checkpoint is restored into it: Lightning restores after setup
+        if optimizers and not self.elastic:  # before a checkpoint is restored into it: Lightning restores after setup
             self.gradient_sync.attach_optimizer(self.model, optimizers)
 
-    def _start_elastic(self, trainer) -> None:
-        """Elastic DiLoCo has its quorum per outer round (``ElasticDiLoCo``, built once the optimizer exists). A
-        round's quorum starts between two steps, once the LR schedulers stepped: a live site's state then is what
-        a joining site holds between steps (its schedulers included)."""
-        def update_lr_schedulers(original, interval: str, update_plateau_schedulers: bool) -> None:
-            original(interval, update_plateau_schedulers)
-            diloco = self.diloco
-            if interval == "step" and diloco is not None and diloco.round_pending:
-                diloco.start_round()  # a site behind heals here, its count with it
-                self._follow_job_step(diloco.inner_steps)
-
-        wrap_lr_scheduler_updates(trainer, update_lr_schedulers)  # undone in teardown
-
-    def _start_elastic_diloco(self, optimizers: list) -> None:
-        from multidc.hierarchical.elastic import ElasticDiLoCo
-
-        if len(optimizers) != 1:  # the same check and message as without elastic
-            self.gradient_sync.attach_optimizer(self.model, optimizers)
-        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-
-        def load_schedulers(state: dict) -> None:
-            for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
-                scheduler.load_state_dict(saved)
-
-        # join=False: the first round's quorum waits for the first optimizer step, after Lightning restored a
-        # checkpoint (ckpt_path), so the job resumes at the checkpoint's round
-        diloco = ElasticDiLoCo(
-            self.model, optimizers[0], self.diloco_config, wan=self.wan, start_rounds=False, join=False,
-            state_dict=lambda: {"schedulers": [scheduler.state_dict() for scheduler in schedulers]},
-            load_state_dict=load_schedulers, site=self._site_name(), lighthouse=self._lighthouse,
-            sites=self._elastic_sites,
-        )
-        self.gradient_sync.adopt_diloco(diloco)
-        WanMetricsCallback.add_to(self.lightning_module.trainer, self)  # now that the topology exists
-
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
-        diloco = self.diloco if self.elastic else None
-        if diloco is not None and diloco.round_pending:  # the first round (after a checkpoint's restore)
-            diloco.start_round()
-            self._follow_job_step(diloco.inner_steps)  # training_step sees the job's step (a late site's too)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # the post-hook: DiLoCo's step
-        if diloco is not None:  # a site that received the live state takes its count
-            self._follow_job_step(diloco.inner_steps - 1)  # the loop adds 1 when this returns
-        return output
-
-    def _elastic_site_now(self):
-        diloco = self.diloco if self.elastic else None
-        return diloco.site if diloco is not None else None
+    def _elastic_diloco(self) -> DiLoCoConfig:
+        return self.diloco_config  # elastic: ElasticDiLoCo, a quorum per round
 
     def _checkpoint_sites(self) -> dict[str, Any]:
         if self.elastic:  # the job's state, one site's copy (the round's leader writes it): read on every site

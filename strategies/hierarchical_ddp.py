@@ -75,7 +75,8 @@ class _HierarchicalSync(HasGradientSync):
     def wan_metrics(self) -> dict[str, float]:
         """WAN figures since the previous call (see ``multidc.hierarchical.stats.WanStepMeter``); ``{}`` before
         a model is set up. Keys: ``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``."""
-        return self.gradient_sync.metrics()
+        sync = getattr(self, "elastic_sync", None)  # elastic mode, while fitting
+        return (sync if sync is not None else self.gradient_sync).metrics()
 
 
 class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixin, DDPStrategy):
@@ -183,6 +184,22 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
 
     Fabric has no automatic logging: log ``fabric.strategy.wan_metrics()`` yourself once per optimizer step,
     e.g. ``fabric.log_dict(fabric.strategy.wan_metrics())``.
+
+    ``elastic=True`` (env ``MULTIDC_ELASTIC=1``): this Fabric job is one site of an elastic job (launch one per site,
+    each with its own rendezvous); the sites present average every step's gradients (DDP averages inside the site)
+    and a failed site rejoins live when restarted. The step's quorum forms at ``fabric.strategy.job_step`` or the
+    model's first training forward of the step, whichever comes first (a site that is behind receives the live
+    model, optimizer and ``elastic_state`` there); ``optimizer.step()`` steps only if the step commits
+    (``fabric.strategy.elastic_committed``: step your LR schedulers only then). Loop on ``job_step``, which a
+    rejoined site takes from the live ones. One model and one optimizer (``fabric.setup(model, optimizer)``); no
+    gradient accumulation across a ``job_step`` read.
+
+    Args:
+        num_sites, site, wan: as for ``HierarchicalDDPStrategy`` (elastic: ``num_sites`` counts the sites the job
+            starts with, ``site`` names this one).
+        elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``).
+        lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
+        **ddp_kwargs: passed to Fabric's ``DDPStrategy``.
     """
 
     def __init__(
@@ -191,31 +208,112 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
         num_sites: int | None = None,
         site: int | str | None = None,
         wan: WanConfig | None = None,
+        elastic: bool | None = None,
+        lighthouse: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan)
-        from multidc.hierarchical.elastic import refuse_elastic_env
+        from multidc.hierarchical.elastic import resolve_elastic
 
-        refuse_elastic_env("HierarchicalDDPFabricStrategy")
+        self.elastic = resolve_elastic(elastic, lighthouse)  # a missing or malformed address fails here
+        self._lighthouse = lighthouse
+        self.elastic_sync = None
+        """Elastic mode: the job's ``CrossSite`` sync, once the optimizer is set up; else None."""
+        self.elastic_committed = False
+        """Elastic mode: whether the last optimizer step committed."""
+        self.elastic_state: dict[str, Any] = {}
+        """Elastic mode: more objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers) that a
+        (re)joining site receives with the model and optimizer; fill it before the first step."""
+        self._ddp_model, self._hook, self._joined, self._open = None, None, False, False
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
         destroy_process_groups_at_exit()
-        self._build_topology()
+        if not self.elastic:  # elastic: the process group is this site's; the quorum decides the sites
+            self._build_topology()
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp_model = super().setup_module(module)
-        self.gradient_sync.attach_ddp(ddp_model)
+        if not self.elastic:
+            self.gradient_sync.attach_ddp(ddp_model)
+        elif self._ddp_model is not None:
+            raise ValueError("HierarchicalDDPFabricStrategy(elastic=True) trains one model (one quorum and one commit "
+                             "per step); set up one model and its one optimizer.")
+        else:  # the step's quorum at its first training forward, before DDP's forward
+            self._ddp_model = ddp_model
+            self._hook = ddp_model.register_forward_pre_hook(self._before_forward, prepend=True)
         return ddp_model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        optimizer = super().setup_optimizer(optimizer)
+        if not self.elastic:
+            return optimizer
+        if self._ddp_model is None or self.elastic_sync is not None:
+            raise ValueError("HierarchicalDDPFabricStrategy(elastic=True) trains one model with one optimizer: "
+                             "fabric.setup(model, optimizer), once.")
+        from multidc.hierarchical.elastic.steps import elastic_sync
+
+        def load_state(state: dict) -> None:
+            for key, obj in self.elastic_state.items():
+                obj.load_state_dict(state[key])
+
+        self.elastic_sync = elastic_sync(
+            self._ddp_model, [optimizer], wan=self.wan, load_state_dict=load_state,
+            state_dict=lambda: {key: obj.state_dict() for key, obj in self.elastic_state.items()},
+            site=None if self.site is None else str(self.site), lighthouse=self._lighthouse, sites=self.num_sites,
+        )
+        return optimizer
+
+    @property
+    def job_step(self) -> int:
+        """Elastic mode: the job's committed steps; the first read of a step joins its quorum (collective over the
+        site: read it on every rank)."""
+        self._start_step()
+        return self.elastic_sync.job_step
+
+    def _before_forward(self, module, _args) -> None:
+        if module.training and torch.is_grad_enabled():
+            with torch.inference_mode(False):
+                self._start_step()
+
+    def _start_step(self) -> None:
+        sync = self.elastic_sync
+        if sync is None:
+            raise RuntimeError("elastic mode: set up the model and its optimizer first (fabric.setup).")
+        if self._open:
+            return
+        if self._joined:
+            sync.after_step()
+        sync.before_step()
+        self._joined = self._open = True
 
     def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         self.gradient_sync.backward_done()
 
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        sync = self.elastic_sync
+        if sync is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        if not self._open:
+            raise RuntimeError("elastic mode: optimizer.step() without a training forward (or job_step) since the "
+                               "last step: every step's gradients come from a forward after its quorum.")
+        self._open = False
+        sync.after_backward(self._ddp_model)
+        self.elastic_committed = sync.commit()
+        return super().optimizer_step(optimizer, **kwargs) if self.elastic_committed else None
+
     def teardown(self) -> None:
-        self.gradient_sync.close()
-        super().teardown()
+        try:
+            sync, self.elastic_sync = self.elastic_sync, None
+            if self._hook is not None:
+                self._hook.remove()
+            if sync is not None:
+                sync.close()
+        finally:
+            self.gradient_sync.close()
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -115,6 +115,13 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
         save_distributed_checkpoint: ``True``: sharded checkpoints through multidc's ``Checkpointer`` to any
             fsspec URL (``s3://...``), loadable into another layout, ``ckpt_path="last"`` = newest committed (see
             ``multidc.strategies._checkpointing``). ``False``: ``ModelParallelStrategy``'s full single file.
+        elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one job
+            per site; ``MULTIDC_SITE`` names it, ``num_sites`` / ``MULTIDC_NUM_SITES`` counts the sites the job starts
+            with, the layout's own ``num_sites`` is 1). FSDP2 (``dp_shard``) and replicas (``dp_replicate``) inside
+            the site; each rank's shards are averaged with (``"allreduce"``: every step; ``"diloco"``: every round)
+            and healed from the same-index rank of the other sites, so every site runs the same layout. Pipeline and
+            tensor parallelism are refused in this mode. See ``multidc.strategies._elastic``.
+        lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     Raises:
@@ -154,12 +161,13 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
     ) -> None:
         self._init_elastic(elastic, lighthouse, _elastic_sites(num_sites))
         self.diloco_config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
-        if self.elastic:  # this job is one site; the quorum decides the sites of each step
+        self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
+        if self.elastic:  # this job is one site; the quorum decides the sites of each step (or round)
             num_sites = 1
             if self.diloco_config is not None:
-                raise ValueError("Parallel3DStrategy(elastic=True) runs cross_site='allreduce' only for now; use "
-                                 "DiLoCoStrategy(elastic=True) for elastic DiLoCo, or drop elastic.")
-        self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
+                from multidc.hierarchical.elastic.diloco import check_elastic_config
+
+                check_elastic_config(self.diloco_config)
         self.diloco: DiLoCo | None = None
         """The running ``DiLoCo`` under ``cross_site="diloco"``, from setup of a fit to teardown; else None."""
         super().__init__(
@@ -249,7 +257,7 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
             blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
             self.parallel = parallelize(
                 module, self.device_mesh, blocks=blocks, pipeline=self.pipeline_config, wan=self.wan,
-                wrap_root=False, device=self.root_device, cross_site=self.cross_site,
+                wrap_root=False, device=self.root_device, cross_site=self._placement(),
             )
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -261,15 +269,26 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
         # Lightning has no strategy hook for clipping: the precision plugin clips with torch's per-process
         # clip_grad_norm_, which cannot see other stages' and shards' gradients. Route it to the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-        if self.diloco_config is None:
+        if self._placement() == "allreduce":
             self.gradient_sync.adopt(self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.diloco_config is not None:  # before a checkpoint is restored into it: Lightning restores later
                 refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
-                self._build_diloco()
+                if not self.elastic:
+                    self._build_diloco()
+            self._setup_elastic(trainer)
+            if self.elastic and self.diloco_config is not None:
+                self.diloco = self.elastic_sync
             WanMetricsCallback.add_to(trainer, self)
-        self._setup_elastic(trainer)
+
+    def _placement(self) -> str:
+        """How the layout reduces replicas: elastic sites are one site each, whose replicas always average per
+        step (the sites meet through the elastic sync, after backward or at DiLoCo's rounds)."""
+        return "allreduce" if self.elastic else self.cross_site
+
+    def _elastic_diloco(self) -> DiLoCoConfig | None:
+        return self.diloco_config
 
     def _build_diloco(self) -> None:
         if len(self.optimizers) != 1:
@@ -283,21 +302,22 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
 
     def _close_diloco(self) -> None:
         diloco, self.diloco = self.diloco, None
-        if diloco is not None:
+        if diloco is not None and not self.elastic:  # elastic: the elastic sync's, closed with it
             diloco.close()
 
     def _checkpoint_sites(self) -> dict[str, Any]:
-        if self.diloco_config is None or self.topology is None:
+        if self.diloco_config is None or (self.topology is None and not self.elastic):
             return {}
         state = DiLoCoShardState(self.diloco, self.device_mesh) if self.diloco is not None else None
-        return {"site": self.topology.site, "diloco": state}
+        # elastic: the job's state, one site's copy (the round's leader writes it), read on every site
+        return {"site": 0 if self.elastic else self.topology.site, "diloco": state}
 
     def _adopt_sharded_module(self, module: pl.LightningModule) -> ParallelModel:
         """A module that ``configure_model`` sharded itself: add the hierarchical replica reduction to its units
         over ``"dp_shard"`` (where ``model_sharded_context`` put its ``fully_shard`` over ``"data_parallel"``), and
         warn about units whose gradients still cross sites flat."""
         mesh = self.device_mesh
-        parallel = adopt_sharded(module, mesh, wan=self.wan, cross_site=self.cross_site)
+        parallel = adopt_sharded(module, mesh, wan=self.wan, cross_site=self._placement())
         if fsdp_mesh_crosses_sites(module, mesh):
             if self.diloco_config is not None:
                 raise ValueError(

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from multidc.hierarchical._lazy import lazy_exports
 
 _LAZY = {  # name -> submodule, imported on first use: starting the lighthouse needs neither torch nor torchft's
-    "ElasticDiLoCo": "diloco", "ElasticSite": "site",  # Python side
+    "ElasticDiLoCo": "diloco", "ElasticSite": "site", "ElasticSteps": "steps", "OptimizerDriver": "steps",
+    "elastic_sync": "steps",  # Python side
     **{name: "lighthouse" for name in ("LighthouseUnreachable", "check_lighthouse", "import_torchft",
-                                       "lighthouse_url", "refuse_elastic_env", "resolve_elastic", "start_lighthouse")},
+                                       "lighthouse_url", "resolve_elastic", "start_lighthouse")},
 }
 
 if TYPE_CHECKING:
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
         check_lighthouse,
         import_torchft,
         lighthouse_url,
-        refuse_elastic_env,
         resolve_elastic,
         start_lighthouse,
     )
     from multidc.hierarchical.elastic.site import ElasticSite
+    from multidc.hierarchical.elastic.steps import ElasticSteps, OptimizerDriver, elastic_sync
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
@@ -39,11 +40,13 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "ElasticDiLoCo",
     "ElasticSite",
+    "ElasticSteps",
     "LighthouseUnreachable",
+    "OptimizerDriver",
     "check_lighthouse",
+    "elastic_sync",
     "import_torchft",
     "lighthouse_url",
-    "refuse_elastic_env",
     "resolve_elastic",
     "start_lighthouse",
 ]

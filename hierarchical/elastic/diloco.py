@@ -33,13 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical.config import WanConfig
+from multidc.hierarchical.cross_site import CrossSite
 from multidc.hierarchical.diloco.config import DiLoCoConfig, config_or_default
 from multidc.hierarchical.diloco.diloco import DiLoCo
+from multidc.hierarchical.elastic.shards import load_module_state, load_optimizer_state, module_state, optimizer_state
 from multidc.hierarchical.elastic.site import ElasticSite, _to_cpu
-from multidc.hierarchical.topology import Topology
+from multidc.hierarchical.topology import SiteLayout, Topology
 
 
-class ElasticDiLoCo(DiLoCo):
+class ElasticDiLoCo(DiLoCo, CrossSite):
     """DiLoCo across the sites of an elastic job. Every rank of a site builds one, after ``init_process_group``
     (the site's own job: its own ``torchrun``); construction joins the first quorum (a late or restarted site
     receives the live state here). Then train as usual: ``step()`` runs after each inner optimizer step (its step
@@ -108,9 +110,14 @@ class ElasticDiLoCo(DiLoCo):
         if inner_optimizer is None:
             raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
         wan = wan if wan is not None else WanConfig()
-        # DiLoCo's own set-up (settings agreed, fragments, outer optimizer) runs inside the site; the sites are
-        # made equal by the first quorum instead (torchft's step-0 sync from one site)
-        super().__init__(model, inner_optimizer, Topology.build(num_sites=1, site=0, wan=wan), config, wan=wan,
+        # DiLoCo's own set-up (settings agreed, fragments, outer optimizer) runs inside the site (among the ranks
+        # that hold this rank's shards, under a layout); the sites are made equal by the first quorum instead
+        # (torchft's step-0 sync from one site)
+        replicas = site_options.get("replica_group")
+        if replicas is not None and config.overlap_steps and dist.get_world_size(replicas) > 1:
+            raise ValueError("elastic DiLoCo with overlap_steps under a layout with dp_replicate > 1 is not supported "
+                             "yet: set overlap_steps=0, or dp_replicate=1.")
+        super().__init__(model, inner_optimizer, _site_topology(wan, replicas), config, wan=wan,
                          outer_optimizer=outer_optimizer, blocks=blocks)
         self._model, self._inner = model, inner_optimizer
         self._user_state, self._load_user_state = state_dict, load_state_dict
@@ -127,7 +134,7 @@ class ElasticDiLoCo(DiLoCo):
             self.topology.close()
             raise
         self._own_group = None
-        if self.config.overlap_steps and dist.get_world_size() > 1:  # the background sync's intra-site stages
+        if self.config.overlap_steps and self.topology.site_size > 1:  # the background sync's intra-site stages
             self._own_group = self.site.intra_group = dist.new_group()
         self._round = None
         self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
@@ -194,7 +201,7 @@ class ElasticDiLoCo(DiLoCo):
 
     def _live_state(self) -> dict:
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
-        state = {"model": self._model.state_dict(), "inner": self._inner.state_dict(),
+        state = {"model": module_state(self._model), "inner": optimizer_state(self._inner),
                  "diloco": DiLoCo.state_dict(self), "user": self._user_state() if self._user_state else None}
         return {**_to_cpu(state, copy=True), "settings": self._settings()}
 
@@ -205,8 +212,8 @@ class ElasticDiLoCo(DiLoCo):
         if differ:
             raise ValueError(f"the DiLoCo settings differ: {'; '.join(differ)}")
         DiLoCo.load_state_dict(self, state["diloco"])
-        self._model.load_state_dict(state["model"])
-        self._inner.load_state_dict(state["inner"])
+        load_module_state(self._model, state["model"])
+        load_optimizer_state(self._inner, state["inner"])
         if self._load_user_state is not None:
             self._load_user_state(state["user"])
 
@@ -266,6 +273,24 @@ class ElasticDiLoCo(DiLoCo):
         self.round_pending = False  # after the quorum: one that failed is tried again by the next call
         self.stats.exposed_s += time.perf_counter() - started
 
+    # CrossSite: the points a front-end calls (multidc.hierarchical.cross_site)
+    def before_step(self) -> None:
+        self.start_round()  # the first round (after a checkpoint's restore), or one a sync left pending
+
+    def after_step(self) -> None:
+        self.start_round()  # a round that ended with this step: its quorum, once the LR schedulers stepped
+
+    @property
+    def job_step(self) -> int:
+        return self.inner_steps
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.site.is_leader
+
+    def save_once(self, save) -> None:
+        self.site.save_once(save)
+
     def close(self) -> None:
         """Stop stepping with the inner optimizer and leave the job (this site's manager). Every rank."""
         self.round_pending = False
@@ -279,6 +304,16 @@ class ElasticDiLoCo(DiLoCo):
                 dist.destroy_process_group(self._own_group)
                 self._own_group = None
             self.topology.close()
+
+
+def _site_topology(wan: WanConfig, replicas) -> Topology:
+    """DiLoCo's own topology, inside the site: its ranks (``Topology.build`` over the site's job), or, under a
+    layout, the ranks holding this rank's shards (``replicas``)."""
+    if replicas is None:
+        return Topology.build(num_sites=1, site=0, wan=wan)
+    size = dist.get_world_size(replicas)
+    return Topology(layout=SiteLayout.contiguous(1, size), site=0, local_rank_in_site=dist.get_rank(replicas),
+                    intra_group=replicas, rail_groups=[], rail_row=None, wan=wan, group=replicas)
 
 
 def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:

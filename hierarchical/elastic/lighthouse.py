@@ -237,14 +237,3 @@ def resolve_elastic(elastic: bool | None, lighthouse: str | None) -> bool:
         lighthouse_url(lighthouse)
         import_torchft()
     return enabled
-
-
-def refuse_elastic_env(owner: str) -> None:
-    """A ValueError when ``MULTIDC_ELASTIC`` asks for elastic sites from a front-end that has no elastic mode yet,
-    instead of silently training without it."""
-    if _env.read_bool(_env.ELASTIC):
-        raise ValueError(
-            f"{_env.ELASTIC} is set but {owner} has no elastic mode yet; elastic sites run under "
-            f"HierarchicalDDPStrategy, DiLoCoStrategy, MultiDCPlugin (elastic=True) or multidc.hierarchical.elastic. "
-            f"Unset {_env.ELASTIC}."
-        )

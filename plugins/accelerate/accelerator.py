@@ -38,11 +38,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.plugins.accelerate import parallel as _par
-from multidc.plugins.accelerate.elastic import ElasticSteps, build_elastic_diloco, ensure_process_group
+from multidc.plugins.accelerate._patches import mark_step_skipped
+from multidc.plugins.accelerate.elastic import ensure_process_group, load_schedulers, site_options
 from multidc.plugins.accelerate.plugin import MultiDCPlugin
 from multidc.plugins.accelerate.state import StateMixin
 
 if TYPE_CHECKING:  # the layout imports FSDP2, tensor and pipeline parallelism: only layout code pays
+    from multidc.hierarchical.elastic.steps import OptimizerDriver
     from multidc.hierarchical.parallel import ParallelLayout, ParallelModel
 
 class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
@@ -123,7 +125,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
         self.gradient_sync = GradientSync(plugin.wan, plugin.diloco)
-        self.elastic_steps: ElasticSteps | None = None
+        self.elastic_steps: OptimizerDriver | None = None
+        """Elastic mode: what drives the job's elastic sync (``.sync``) from the prepared optimizer; else None."""
         self._own_group = False
         destroy_process_groups_at_exit()  # when the script ends without end_training (torch aborts otherwise)
         if plugin.elastic:  # this launch is one site: no topology, the quorum decides the sites of each step
@@ -213,12 +216,14 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             blocks = model.pipeline_blocks()
         if self.device_placement:
             model.to(self.device)
+        # an elastic launch is one site, whose replicas average every step; the sites meet in the elastic sync
+        placement = "allreduce" if plugin.elastic else plugin.cross_site
         self.parallel = prepare_parallel(
             model, optimizers, self.device_mesh, blocks=blocks, tensor_parallel=plugin.tensor_parallel,
-            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device, cross_site=plugin.cross_site,
+            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device, cross_site=placement,
         )
         model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
-        if plugin.diloco is None:
+        if placement == "allreduce":
             self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
 
     def _attach_diloco(self) -> None:
@@ -226,6 +231,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         (collective: every rank prepares alike). Exactly one of each."""
         sync = self.gradient_sync
         if sync.diloco_config is None or not self._optimizers or not self._models:
+            return
+        if self.multidc_plugin.elastic:  # the elastic sync (_attach_elastic) is the DiLoCo
             return
         from multidc.hierarchical.diloco.config import refuse_loss_scaling
 
@@ -243,8 +250,6 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
 
             sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
             return
-        if self.multidc_plugin.elastic:
-            return self._attach_elastic_diloco()
         ddp_models = sync.ddp_models()
         if len(ddp_models) != 1:
             raise ValueError(
@@ -253,20 +258,34 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             )
         sync.attach_optimizer(ddp_models[0], optimizers)
 
-    def _attach_elastic_diloco(self) -> None:
-        self.gradient_sync.adopt_diloco(build_elastic_diloco(self._models, self._optimizers, self._schedulers,
-                                                             self.gradient_sync.diloco_config, self.multidc_plugin))
-
     def _attach_elastic(self) -> None:
-        """Elastic ``cross_site="allreduce"``: once ``prepare`` has seen the one model and its one optimizer, take
-        over the optimizer's ``step`` / ``zero_grad`` (see ``ElasticSteps``; the first quorum forms at the first
-        ``job_step``, training forward or ``zero_grad``)."""
+        """Elastic: once ``prepare`` has seen the one model and its one optimizer, the job's elastic sync
+        (``elastic_sync``: a quorum per step, or per DiLoCo round), driven from the prepared optimizer's ``step`` /
+        ``zero_grad`` (``OptimizerDriver``; the first quorum forms at the first ``job_step``, training forward or
+        ``zero_grad``)."""
         plugin = self.multidc_plugin
-        ready = self._optimizers and self._models and self.elastic_steps is None
-        if plugin.elastic and plugin.diloco is None and ready:
-            replica_group = self.parallel.replica_group if self.parallel is not None else None
-            self.elastic_steps = ElasticSteps.build(self._models, self._optimizers, self._schedulers, self.scaler,
-                                                    plugin, replica_group=replica_group)
+        if not (plugin.elastic and self._optimizers and self._models) or self.elastic_steps is not None:
+            return
+        if len(self._models) != 1 or len(self._optimizers) != 1:
+            raise ValueError(
+                f"MultiDCPlugin(elastic=True) trains one model with one optimizer (one quorum and one commit per "
+                f"step, or round); prepare got {len(self._models)} models and {len(self._optimizers)} optimizers."
+            )
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+        from multidc.hierarchical.elastic.steps import OptimizerDriver, elastic_sync
+
+        refuse_loss_scaling(self.scaler, mode="elastic")
+        model, prepared, schedulers = self._models[0], self._optimizers[0], self._schedulers
+        sync = elastic_sync(
+            getattr(model, "_orig_mod", model), [prepared.optimizer], diloco=plugin.diloco, wan=plugin.wan,
+            state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
+            load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]),
+            replica_group=self.parallel.replica_group if self.parallel is not None else None, **site_options(plugin),
+        )
+        self.elastic_steps = OptimizerDriver(  # the prepared schedulers skip a step the job discarded
+            sync, getattr(model, "_orig_mod", model), prepared,
+            sync_step=lambda: prepared.gradient_state.sync_gradients,
+            on_step=lambda committed: mark_step_skipped(prepared, not committed))
 
     @property
     def job_step(self) -> int:
@@ -275,23 +294,19 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         site: read it on every rank). Otherwise ``self.step``."""
         if self.elastic_steps is not None:
             return self.elastic_steps.job_step  # joins the first quorum if not yet
-        if self.multidc_plugin.elastic and self.diloco is not None:
-            if not self.diloco.joined:
-                self.diloco.start_round()  # the first round's quorum: a late site takes the job's count here
-            return self.diloco.inner_steps
         return self.step
 
     @property
     def elastic_site(self):
         """The running ``multidc.hierarchical.elastic.ElasticSite`` (elastic mode, after ``prepare``), else None."""
-        if self.elastic_steps is not None:
-            return self.elastic_steps.site
-        return getattr(self.diloco, "site", None) if self.multidc_plugin.elastic else None
+        return self.elastic_steps.sync.site if self.elastic_steps is not None else None
 
     @property
     def diloco(self):
         """The running ``multidc.hierarchical.DiLoCo`` (``cross_site="diloco"``, after ``prepare``), else None:
         ``stats``, ``global_parameters()``."""
+        if self.multidc_plugin.elastic and self.multidc_plugin.diloco is not None:
+            return self.elastic_steps.sync if self.elastic_steps is not None else None  # an ElasticDiLoCo
         return self.gradient_sync.diloco
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
@@ -394,7 +409,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared.
         With ``cross_site="diloco"``: ``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s`` (seconds the
         optimizer step waited for syncs)."""
-        return self.gradient_sync.metrics()
+        steps = self.elastic_steps  # elastic: the elastic sync's (DiLoCo's figures under DiLoCo)
+        return (steps.sync if steps is not None else self.gradient_sync).metrics()
 
     def end_training(self) -> None:
         try:
@@ -402,7 +418,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         finally:
             steps, self.elastic_steps = self.elastic_steps, None
             if steps is not None:
-                steps.close()
+                steps.close()  # the optimizer's own methods back
+                steps.sync.close()  # leave the job
             self.gradient_sync.close()  # the topology's worker, before Accelerate destroys the process group
             # Accelerate destroys the process group while the user's DDP models live on; their reducers must not
             # be the groups' last holders, or a rank can hang at exit (see release_reducer).

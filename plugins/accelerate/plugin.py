@@ -152,9 +152,6 @@ class MultiDCPlugin:
         self.pipeline = PipelineConfig(schedule=self.pipeline_schedule, microbatches=self.microbatches,
                                        split_points=self.split_points)
         if self.elastic:  # this launch is one site: the layout is the site's (num_sites counts the job's sites)
-            if self.diloco is not None:
-                raise ValueError("MultiDCPlugin(elastic=True) with parallel sizes runs cross_site='allreduce' only "
-                                 "for now; drop the sizes for elastic DiLoCo (DDP inside each site), or elastic.")
             self.layout = ParallelLayout(num_sites=1, **sizes)
             return
         if self.site is not None:

@@ -115,14 +115,12 @@ class StateMixin:
                                                                    trusted=trusted)
         self.step = state["accelerator"]["step"]
         self.project_configuration.iteration = info.step + 1
-        if self.elastic_steps is not None:  # elastic: the first quorum resumes the job at the checkpoint's step
-            self.elastic_steps.resume(int(state["accelerator"]["job_step"]))  # (DiLoCo: its load_state_dict did)
+        if "job_step" in state["accelerator"]:  # elastic: the first quorum resumes the job at the checkpoint's step
+            self.elastic_steps.sync.resume(int(state["accelerator"]["job_step"]))  # (DiLoCo: its load_state_dict)
         return info
 
     def _elastic_joined(self) -> bool:
-        if self.elastic_steps is not None:
-            return self.elastic_steps.joined
-        return self.multidc_plugin.elastic and self.diloco is not None and self.diloco.joined
+        return self.elastic_steps is not None and self.elastic_steps.joined
 
     def wait_for_checkpoint(self) -> list[CheckpointInfo]:
         """Wait for every pending async ``save_state``; return what committed, or raise the first upload error."""
@@ -192,12 +190,13 @@ class StateMixin:
             else:
                 site = self.device_mesh.get_local_rank("site")
             state = {site_key(site): StatefulDict(models)}
-            if sync.diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
+            diloco = self.diloco
+            if diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
                 from multidc.hierarchical.parallel import DiLoCoShardState
 
-                state["diloco"] = DiLoCoShardState(sync.diloco, self.device_mesh)
-            elif sync.diloco is not None:
-                state["diloco"] = sync.diloco
+                state["diloco"] = DiLoCoShardState(diloco, self.device_mesh)
+            elif diloco is not None:
+                state["diloco"] = diloco
         for index, scheduler in enumerate(self._schedulers):
             state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)
         for index, obj in enumerate(self._custom_objects):
@@ -206,8 +205,8 @@ class StateMixin:
             state["scaler"] = self.scaler
         state["rng"] = RNGState()
         state["accelerator"] = {"step": self.step, "iteration": step}
-        if self.elastic_steps is not None:  # the job's committed steps (elastic DiLoCo: in the DiLoCo state)
-            state["accelerator"]["job_step"] = self.elastic_steps.site.step  # not job_step: that would join
+        if self.elastic_steps is not None and self.multidc_plugin.diloco is None:  # elastic DiLoCo: in its state
+            state["accelerator"]["job_step"] = self.elastic_steps.sync.job_step  # the committed steps (no join)
         return state
 
 

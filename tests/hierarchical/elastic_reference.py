@@ -160,3 +160,10 @@ def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def full_parameters(net: nn.Module) -> dict[str, torch.Tensor]:
+    """``net``'s whole parameters on the CPU, copied; a layout's shards gathered (collective over the site)."""
+    with torch.no_grad():
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for n, p in net.named_parameters()}

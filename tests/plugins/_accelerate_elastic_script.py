@@ -28,18 +28,12 @@ from tests.hierarchical.elastic_reference import (  # noqa: E402
     LR,
     MAX_SITES,
     fail_after_sync,
+    full_parameters,
     lr_factor,
     model,
     record_writes,
     rows,
 )
-
-
-def _full(net: torch.nn.Module) -> dict:
-    """The whole parameters (a layout's shards gathered: collective over the site)."""
-    with torch.no_grad():
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in net.named_parameters()}
 
 
 def main() -> None:
@@ -94,7 +88,7 @@ def main() -> None:
     if args.resume_late:  # wrong: after joining (must raise, loading nothing)
         accelerator.load_state(args.resume, step=args.resume_step)
     joined_at, first_t = job_step(), accelerator.job_step
-    initial = _full(net)
+    initial = full_parameters(net)
     log, syncs, discarded, last, last_step, rng_at_save = [], [], 0, [], -1, {}
 
     def done(step: int) -> bool:  # every site took part in the last committed step
@@ -136,10 +130,10 @@ def main() -> None:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(job_step()))
         time.sleep(args.sleep)
-    local = params = _full(net)
+    local = params = full_parameters(net)
     if args.diloco:  # the global parameters: equal on every site (streaming: the local ones are not)
         with accelerator.diloco.global_parameters():
-            params = _full(net)
+            params = full_parameters(net)
     torch.save({"site": index, "params": params, "local": local, "syncs": syncs, "first_t": first_t, "log": log,
                 "discarded": discarded, "joined_at": joined_at,
                 "initial": initial, "final_step": job_step(), "num_sites": site.num_sites, "written": written,

@@ -49,11 +49,3 @@ def test_elastic_layouts_other_than_data_parallel_are_refused(sizes):
     assert plugin.layout.num_sites == 1  # this launch is one site, whatever num_sites counts
     with pytest.raises(ValueError, match=next(iter(sizes))):
         check_elastic_layout(plugin.layout.resolve(2), "MultiDCPlugin")
-
-
-def test_elastic_layout_with_diloco_is_refused():
-    from multidc.hierarchical import DiLoCoConfig
-
-    with pytest.raises(ValueError, match="allreduce' only"):
-        MultiDCPlugin(elastic=True, lighthouse="127.0.0.1:1", dp_shard=2, cross_site="diloco",
-                      diloco=DiLoCoConfig(sync_every=4))

@@ -26,9 +26,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 import lightning.pytorch as pl  # noqa: E402
 
 from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
-from multidc.strategies import DiLoCoStrategy  # noqa: E402
+from multidc.strategies import DiLoCoStrategy, Parallel3DStrategy  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, lr_factor, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import (  # noqa: E402
+    LR,
+    MAX_SITES,
+    full_parameters,
+    lr_factor,
+    model,
+    rows,
+    wait_for_file,
+)
 
 
 class Net(pl.LightningModule):
@@ -36,7 +44,7 @@ class Net(pl.LightningModule):
         super().__init__()
         self.net, self.index, self.sleep, self.out, self.name = model(), index, sleep, out, name
         self.rounds, self.discarded, self.initial, self.joined_at, self._round = [], 0, None, None, None
-        self.syncs, self.first_t, self.trained_on = [], None, None
+        self.syncs, self.first_t, self.trained_on, self.hold_until = [], None, None, None
 
     def pipeline_blocks(self):  # DiLoCo's blocks: streaming deals the two Linear layers into two fragments
         return [self.net[0], self.net[2]]
@@ -45,11 +53,11 @@ class Net(pl.LightningModule):
         diloco, t = self.trainer.strategy.diloco, self.trainer.global_step  # the job's inner step
         if self.joined_at is None:
             self.joined_at, self.first_t = diloco.outer_steps, t
-            self.initial = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
+            self.initial = full_parameters(self.net)
             self.trained_on = self.device.type
         if self._round is None:  # a round starts (the first step, or the one after a sync): which sites are in it
             present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
-            present[self.index] = 1.0 / self.trainer.world_size  # summed over the site's ranks: 1 per site
+            present[self.index] = 1.0 / diloco.site.topology.site_size  # summed over the round's ranks: 1 per site
             diloco.site.all_reduce(present, op="sum")
             self._round = {"step": diloco.outer_steps, "t0": t, "sites": [s for s in range(MAX_SITES)
                                                                          if present[s] > 0.5]}
@@ -69,11 +77,16 @@ class Net(pl.LightningModule):
         if self.global_rank == 0:
             with open(os.path.join(self.out, f"{self.name}.progress"), "w") as f:
                 f.write(str(self.trainer.global_step))
+        # two rounds before the end: a site that joins at the job's last quorum would train past it alone
+        if self.hold_until and self.trainer.global_step >= self.trainer.max_steps - 2 * SYNC_EVERY:
+            wait_for_file(self.hold_until)
+            self.hold_until = None
         time.sleep(self.sleep)
 
     def on_train_end(self):  # the global parameters, equal on every site (streaming: the local ones are not)
         with self.trainer.strategy.diloco.global_parameters():
-            self.global_params = {n: p.detach().cpu().clone() for n, p in self.net.named_parameters()}
+            self.global_params = full_parameters(self.net)
+        self.sharded = [type(p).__name__ for p in self.net.parameters()]
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.net.parameters(), lr=LR)
@@ -82,6 +95,15 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
+
+
+def _strategy(args, config: DiLoCoConfig):
+    wan = WanConfig(timeout_s=args.timeout_s)
+    if args.strategy == "parallel_3d":  # FSDP2 over the site's ranks; the site's name from MULTIDC_SITE
+        os.environ["MULTIDC_SITE"] = args.site
+        return Parallel3DStrategy(elastic=True, cross_site="diloco", diloco=config, num_sites=args.sites,
+                                  dp_shard=int(os.environ["LOCAL_WORLD_SIZE"]), wan=wan)
+    return DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites, wan=wan)
 
 
 def main() -> None:
@@ -96,16 +118,19 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: a round is SYNC_EVERY/fragments")
     parser.add_argument("--overlap", type=int, default=0, help="overlap_steps")
     parser.add_argument("--accelerator", default="cpu", help="gpu: each rank on a GPU, NCCL inside the site")
+    parser.add_argument("--strategy", default="diloco", choices=["diloco", "parallel_3d"],
+                        help="parallel_3d: FSDP2 over the site's ranks (dp_shard), elastic DiLoCo across sites")
+    parser.add_argument("--hold-until", help="two rounds before the end, wait until this file exists (at most 120 s)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     index = int(args.site.removeprefix("site"))
     module = Net(index, args.sleep, args.out, args.site)
+    module.hold_until = args.hold_until
     config = DiLoCoConfig(sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                           fragments=args.fragments, overlap_steps=args.overlap)
     trainer = pl.Trainer(
-        strategy=DiLoCoStrategy(elastic=True, diloco=config, site=args.site, num_sites=args.sites,
-                                wan=WanConfig(timeout_s=args.timeout_s)),
+        strategy=_strategy(args, config),
         accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.max_steps,
         enable_checkpointing=args.ckpt_dir is not None, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
@@ -113,8 +138,9 @@ def main() -> None:
                                                 every_n_train_steps=2 * SYNC_EVERY)] if args.ckpt_dir else [],
     )
     trainer.fit(module, ckpt_path=args.resume)
-    local = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    local = full_parameters(module.net)
     torch.save({"site": index, "device": module.trained_on, "params": module.global_params, "local": local,
+                "sharded": module.sharded,
                 "log": module.rounds, "syncs": module.syncs, "discarded": module.discarded,
                 "joined_at": module.joined_at, "first_t": module.first_t, "initial": module.initial,
                 "final_step": trainer.global_step},

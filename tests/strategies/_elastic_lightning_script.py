@@ -28,6 +28,7 @@ from tests.hierarchical.elastic_reference import (  # noqa: E402
     LR,
     MAX_SITES,
     fail_after_sync,
+    full_parameters,
     lr_factor,
     model,
     record_writes,
@@ -65,7 +66,7 @@ class Net(pl.LightningModule):
         step = self.trainer.global_step  # the job's committed steps, also right after a rejoin
         if self.joined_at is None:  # the first quorum came before this (optimizer_step, before the closure)
             self.joined_at, self.first_quorum_s = step, time.monotonic() - self._train_start
-            self.initial = _full(self.net)
+            self.initial = full_parameters(self.net)
             self.trained_on = self.device.type
         site = strategy.elastic_site
         present = torch.zeros(MAX_SITES, device=self.device)  # on the GPU with NCCL inside the site
@@ -102,13 +103,6 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.zeros(100_000, 1), batch_size=1)  # the data comes from rows()
-
-
-def _full(net: torch.nn.Module) -> dict:
-    """The whole parameters on the CPU (a layout's shards gathered: collective over the site)."""
-    with torch.no_grad():
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                for n, p in net.named_parameters()}
 
 
 def _strategy(args):
@@ -166,7 +160,7 @@ def main() -> None:
                                                 save_top_k=-1)] if args.ckpt_dir else [],
     )
     trainer.fit(module, ckpt_path=args.resume)
-    params = _full(module.net)
+    params = full_parameters(module.net)
     torch.save({"site": index, "device": module.trained_on, "params": params, "log": module.log_steps,
                 "num_sites": module.num_sites, "sharded": [type(p).__name__ for p in module.net.parameters()],
                 "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
