@@ -9,7 +9,10 @@ import torch
 import torch.distributed as dist
 
 from multidc.hierarchical import Topology, WanConfig, all_reduce, get_codec
-from multidc.hierarchical.tools.ranks import run_ranks
+from tests._batched import run_cases
+
+# Every case below runs on the same 4 spawned ranks (``four_ranks``): starting ranks is the slow part.
+pytestmark = pytest.mark.timeout(600)
 
 SIZES = (1, 7, 4097, 1_000_003)
 COMPRESSIONS = ("none", "bf16", "fp16", "int8")
@@ -70,9 +73,8 @@ def _case_results(rank, world, sites):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_exact_sum_and_flat_all_reduce_on_every_rank(layout):
-    sites = LAYOUTS[layout]
-    results = run_ranks(_case_results, len(sites), sites, timeout=240)
+def test_layout_matches_exact_sum_and_flat_all_reduce_on_every_rank(four_ranks, layout):
+    results = four_ranks[f"layout {layout}"]
     for key, (excess, flat_diff, digest) in results[0].items():
         assert excess <= 0, f"{layout} {key}: error exceeds the stated bound by {excess:g}"
         if key[2] == "none" and key[0] == "torch.float32":
@@ -98,10 +100,13 @@ def _replicated(rank, world, sites):
     return out
 
 
-@pytest.mark.parametrize("layout", ["2x2", "3+1", "interleaved"])
-def test_replicated_values_average_over_sites_and_each_rank_sends_only_its_share(layout):
+REPLICATED_LAYOUTS = ["2x2", "3+1", "interleaved"]
+
+
+@pytest.mark.parametrize("layout", REPLICATED_LAYOUTS)
+def test_replicated_values_average_over_sites_and_each_rank_sends_only_its_share(four_ranks, layout):
     sites = LAYOUTS[layout]
-    results = run_ranks(_replicated, len(sites), sites)
+    results = four_ranks[f"replicated {layout}"]
     for compression in (*COMPRESSIONS, "int4"):
         assert all(r[compression][0] <= 0 for r in results), f"{layout} {compression}: beyond the codec bound"
         assert len({r[compression][1] for r in results}) == 1, f"{layout} {compression}: ranks differ"
@@ -117,9 +122,12 @@ def _bytes_over_wan(rank, world, compression):
     return topo.wan_stats.snapshot()
 
 
-@pytest.mark.parametrize("compression,per_element", [("none", 4), ("bf16", 2), ("int8", 1)])
-def test_wan_bytes_counted_per_rank_shrink_with_compression(compression, per_element):
-    stats = run_ranks(_bytes_over_wan, 4, compression)
+BYTES_PER_ELEMENT = [("none", 4), ("bf16", 2), ("int8", 1)]
+
+
+@pytest.mark.parametrize("compression,per_element", BYTES_PER_ELEMENT)
+def test_wan_bytes_counted_per_rank_shrink_with_compression(four_ranks, compression, per_element):
+    stats = four_ranks[f"bytes {compression}"]
     # 2 sites x 2 ranks: each rank owns half of the tensor and exchanges it once with the other site.
     expected = (1 << 15) * per_element
     for s in stats:
@@ -137,8 +145,8 @@ def _async_and_views(rank, world):
     return a, b
 
 
-def test_async_op_returns_future_and_handles_non_contiguous_tensors():
-    a, b = run_ranks(_async_and_views, 4)[0]
+def test_async_op_returns_future_and_handles_non_contiguous_tensors(four_ranks):
+    a, b = four_ranks["async"][0]
     assert torch.equal(a, torch.full((3, 5), 10.0))
     assert torch.equal(b, torch.arange(12, dtype=torch.float32).reshape(3, 4).t())
 
@@ -154,23 +162,24 @@ def _layout_error(rank, world, kwargs_per_rank, env_per_rank):
     return None
 
 
-@pytest.mark.parametrize(
-    "kwargs,env,match",
-    [
-        ([{}] * 4, [{"MULTIDC_NUM_SITES": "3"}] * 4, "cannot be split into num_sites=3"),
-        ([{"num_sites": 2}, {"num_sites": 2}, {"num_sites": 2}, {"num_sites": 4}], [{}] * 4, "disagree"),
-        ([{"site": 0}, {"site": 0}, {"site": 2}, {"site": 2}], [{}] * 4, r"\['1'\] have no ranks"),
-        ([{"site": 0}, {"site": 0}, {"site": 1}, {}], [{}] * 4, "ranks \\[3\\] have no site"),
-        ([{"site": "a"}, {"site": 1}, {"site": "a"}, {"site": 1}], [{}] * 4, "mix indices and names"),
-        ([{}] * 4, [{"MULTIDC_NUM_SITES": "two"}] * 4, "MULTIDC_NUM_SITES='two' is not an integer"),
-        ([{}, {}, {}, {}], [{}, {}, {}, {"MULTIDC_NUM_SITES": "x"}], "rank 3: MULTIDC_NUM_SITES"),
-        ([{"site": "eu", "num_sites": 3}] * 2 + [{"site": "us", "num_sites": 3}] * 2, [{}] * 4, "name 2 sites"),
-    ],
-)
-def test_bad_layout_raises_same_value_error_on_every_rank(kwargs, env, match):
+BAD_LAYOUTS = [
+    ([{}] * 4, [{"MULTIDC_NUM_SITES": "3"}] * 4, "cannot be split into num_sites=3"),
+    ([{"num_sites": 2}, {"num_sites": 2}, {"num_sites": 2}, {"num_sites": 4}], [{}] * 4, "disagree"),
+    ([{"site": 0}, {"site": 0}, {"site": 2}, {"site": 2}], [{}] * 4, r"\['1'\] have no ranks"),
+    ([{"site": 0}, {"site": 0}, {"site": 1}, {}], [{}] * 4, "ranks \\[3\\] have no site"),
+    ([{"site": "a"}, {"site": 1}, {"site": "a"}, {"site": 1}], [{}] * 4, "mix indices and names"),
+    ([{}] * 4, [{"MULTIDC_NUM_SITES": "two"}] * 4, "MULTIDC_NUM_SITES='two' is not an integer"),
+    ([{}, {}, {}, {}], [{}, {}, {}, {"MULTIDC_NUM_SITES": "x"}], "rank 3: MULTIDC_NUM_SITES"),
+    ([{"site": "eu", "num_sites": 3}] * 2 + [{"site": "us", "num_sites": 3}] * 2, [{}] * 4, "name 2 sites"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_LAYOUTS)), ids=[match for *_, match in BAD_LAYOUTS])
+def test_bad_layout_raises_same_value_error_on_every_rank(four_ranks, case):
     import re
 
-    messages = run_ranks(_layout_error, 4, kwargs, env)
+    match = BAD_LAYOUTS[case][2]
+    messages = four_ranks[f"bad layout {case}"]
     assert all(m is not None and re.search(match, m) for m in messages), messages
     assert len(set(messages)) == 1, messages
 
@@ -180,8 +189,8 @@ def _named_sites(rank, world):
     return topo.site, topo.site_name, topo.num_sites, topo.site_size, topo.local_rank_in_site, topo.rail
 
 
-def test_named_interleaved_sites_are_ordered_by_lowest_rank():
-    assert run_ranks(_named_sites, 4) == [
+def test_named_interleaved_sites_are_ordered_by_lowest_rank(four_ranks):
+    assert four_ranks["named"] == [
         (0, "us-east", 2, 2, 0, 0),
         (1, "eu-west", 2, 2, 0, 0),
         (0, "us-east", 2, 2, 1, 1),
@@ -203,8 +212,25 @@ def _int8_residual(rank, world, sites):
     return residual.abs().max().item(), site_sum.abs().max().item() / 254, torch.count_nonzero(residual).item()
 
 
-@pytest.mark.parametrize("sites", [[1, 1, 0, 0], ["a", "b", "b", "a"]], ids=["site1-first", "named-crossed"])
-def test_int8_residual_is_this_ranks_own_rounding_when_rails_list_sites_out_of_rank_order(sites):
+INT8_SITES = {"site1-first": [1, 1, 0, 0], "named-crossed": ["a", "b", "b", "a"]}
+
+
+@pytest.mark.parametrize("sites", sorted(INT8_SITES))
+def test_int8_residual_is_this_ranks_own_rounding_when_rails_list_sites_out_of_rank_order(four_ranks, sites):
     # The rail group orders its ranks by rank, not by site: the residual must use this rank's own row.
-    for rank, (worst, bound, nonzero) in enumerate(run_ranks(_int8_residual, 4, sites)):
+    for rank, (worst, bound, nonzero) in enumerate(four_ranks[f"int8 {sites}"]):
         assert nonzero > 0 and worst <= bound * 1.01, (rank, worst, bound)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Every case of this module on one set of 4 spawned gloo ranks; ``four_ranks[case]``: per-rank results.
+    The cases that must raise come last."""
+    assert all(len(sites) == 4 for sites in LAYOUTS.values())
+    cases = {f"layout {name}": (_case_results, (sites,)) for name, sites in sorted(LAYOUTS.items())}
+    cases |= {f"replicated {name}": (_replicated, (LAYOUTS[name],)) for name in REPLICATED_LAYOUTS}
+    cases |= {f"bytes {compression}": (_bytes_over_wan, (compression,)) for compression, _ in BYTES_PER_ELEMENT}
+    cases |= {"async": (_async_and_views, ()), "named": (_named_sites, ())}
+    cases |= {f"int8 {name}": (_int8_residual, (sites,)) for name, sites in INT8_SITES.items()}
+    cases |= {f"bad layout {i}": (_layout_error, (kwargs, env)) for i, (kwargs, env, _) in enumerate(BAD_LAYOUTS)}
+    return run_cases(cases, 4, timeout=540)
