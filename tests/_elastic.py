@@ -283,3 +283,23 @@ def check_second_member_refused(tmp_path: Path, lighthouse: str, live: list[str]
     for key, value in ranks["site0"]["params"].items():
         assert torch.equal(value, ranks["site1"]["params"][key]), key
     return ranks
+
+
+def check_diloco_rejoined(run: dict, per_site: int, fragments: int, overlap: int) -> None:
+    """The checks of an elastic DiLoCo ``run_with_a_kill`` run of 2 sites (victim site1) by a script that logs
+    ``syncs``, ``first_t`` and the ``local`` parameters: ``check_rejoined``, then the global parameters and each
+    site's own equal to the one-process replay with the victim healed from site0 at its first inner step."""
+    from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY
+    from tests.hierarchical.elastic_reference import diloco_reference
+
+    _, survivor = check_rejoined(run, 2, 8)  # the global parameters bitwise identical on every rank
+    restarted = run["ranks"][("site1", 0)]
+    heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
+    expected, local = diloco_reference(survivor["syncs"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
+                                       outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
+                                       fragments=fragments, overlap=overlap, heals=heals, with_local=True)
+    for name, value in survivor["params"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+    for rank in (survivor, restarted):  # each site's own parameters (streaming: apart between syncs)
+        for name, value in rank["local"].items():
+            torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)

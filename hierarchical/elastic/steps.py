@@ -187,7 +187,7 @@ class OptimizerDriver:
             self._on_step(self.committed)
         return output
 
-    def zero_grad(self, set_to_none=True) -> None:
+    def zero_grad(self, set_to_none=None) -> None:
         """The optimizer's ``zero_grad``; after a step that ended the accumulation: ``after_step`` and the next
         step's ``before_step``."""
         self._zero_grad(set_to_none)

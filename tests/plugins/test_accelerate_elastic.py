@@ -23,6 +23,7 @@ from multidc.hierarchical import DiLoCoConfig  # noqa: E402
 from multidc.plugins import Checkpointer, MultiDCPlugin, RNGState, list_checkpoints  # noqa: E402
 from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
+    check_diloco_rejoined,
     check_rejoined,
     finish_all,
     run_alone,
@@ -54,17 +55,7 @@ def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, 
     run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--fragments", str(fragments),
                            "--overlap", str(overlap), "--steps", "8", "--sleep", "0.1", script=SCRIPT, kill_at=3,
                            accelerate=ACCELERATE)
-    _, survivor = check_rejoined(run, 2, 8)  # the global parameters bitwise identical on every rank
-    restarted = run["ranks"][("site1", 0)]
-    heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
-    expected, local = diloco_reference(survivor["syncs"], 1, survivor["initial"], sync_every=SYNC_EVERY,
-                                       outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
-                                       fragments=fragments, overlap=overlap, heals=heals, with_local=True)
-    for name, value in survivor["params"].items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
-    for rank in (survivor, restarted):  # each site's own parameters (streaming: apart between syncs)
-        for name, value in rank["local"].items():
-            torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)
+    check_diloco_rejoined(run, 1, fragments, overlap)
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "diloco"])
