@@ -22,11 +22,71 @@ from multidc.hierarchical import (
 )
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
+from tests._batched import run_cases
 from tests.diloco_reference import LR, run_reference, second_step_error
 from tests.diloco_reference import model as _model
 from tests.diloco_reference import rows as _rows
 
 LAYOUTS = {"2x2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1], "one site": [0, 0]}
+# The cases of one world size run on the same spawned ranks (``four_ranks``, ``two_ranks``: starting ranks is the
+# slow part); a resume loads in ranks of its own.
+pytestmark = pytest.mark.timeout(600)
+REFERENCE_CONFIG = {"sync_every": 4}
+STREAMING_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha": 0.5}
+APART_CONFIG = {"sync_every": 6, "fragments": 3}
+MANUAL_CONFIG = {"sync_every": 4}
+RESUME_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+COMPRESSIONS = ["int4", "int8", "bf16"]
+
+
+def _compressed_case(compression: str) -> dict:
+    return {"layout": [0, 1], "steps": 4, "config": {"sync_every": 4, "compression": compression},
+            "ddp": "site_group"}
+
+
+def _fragments_case(layout: str) -> dict:
+    # block 1 (fragment 1 of 2) moved on the sites > 0
+    return {"layout": LAYOUTS[layout], "config": {"sync_every": 4, "fragments": 2}, "ddp": "site_group",
+            "shift": [1]}
+
+
+@pytest.fixture(scope="module")
+def saved_dirs(tmp_path_factory):
+    """Checkpoint folders the batched runs save into: ``mid_sync`` (2x2 at step 6), ``site_0_only`` (one site)."""
+    tmp = tmp_path_factory.mktemp("diloco-ckpts")
+    return {"mid_sync": str(tmp / "mid-sync"), "site_0_only": str(tmp / "site-0-only")}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved_dirs):
+    cases = {f"reference {layout}": (_train, ({"layout": LAYOUTS[layout], "steps": 12, "config": REFERENCE_CONFIG},))
+             for layout in ("2x2", "3+1")}
+    cases["streaming"] = (_train, ({"layout": LAYOUTS["2x2"], "steps": 10, "config": STREAMING_CONFIG},))
+    cases["apart"] = (_train, ({"layout": LAYOUTS["3+1"], "steps": 12, "config": APART_CONFIG,
+                                 "ddp": "site_group"},))
+    cases["start equal"] = (_start, ({"layout": LAYOUTS["2x2"], "config": {"sync_every": 4, "fragments": 2}},))
+    cases |= {f"fragments {layout}": (_start, (_fragments_case(layout),)) for layout in ("2x2", "3+1")}
+    cases["unbroken"] = (_train, ({"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG, "save_at": 6,
+                                   "ckpt": saved_dirs["mid_sync"]},))  # 6: a sync in flight
+    return run_cases(cases, 4, timeout=540)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved_dirs):
+    """The 2-rank cases; those whose ranks raise (and report it) come last."""
+    cases = {"reference one site": (_train, ({"layout": LAYOUTS["one site"], "steps": 12,
+                                              "config": REFERENCE_CONFIG},))}
+    cases["manual"] = (_train, ({"layout": [0, 1], "steps": 8, "config": MANUAL_CONFIG, "manual": True},))
+    cases |= {f"compressed {c}": (_train, (_compressed_case(c),)) for c in COMPRESSIONS}
+    cases["site 0 saves"] = (_train, ({"layout": [0, 0], "steps": 2, "config": {"sync_every": 2}, "save_at": 2,
+                                       "ckpt": saved_dirs["site_0_only"]},))
+    cases["step twice"] = (_step_twice, ())
+    cases |= {f"disagree {what}": (_disagree, (what,)) for what in ("config", "model")}
+    return run_cases(cases, 2, timeout=540)
+
+
+def _ranks_of(layout: str, four_ranks, two_ranks):
+    return (four_ranks if len(LAYOUTS[layout]) == 4 else two_ranks)[f"reference {layout}"]
 def _site_batch(layout: list[int], site: int, step: int):
     rows = [_rows(site, local, step) for local in range(layout.count(site))]
     return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
@@ -136,10 +196,9 @@ def _check(results: list[dict], reference: dict, atol: float = 1e-6) -> None:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_diloco_equals_single_process_reference(layout):
-    config = {"sync_every": 4}
-    results = run_ranks(_train, len(LAYOUTS[layout]), {"layout": LAYOUTS[layout], "steps": 12, "config": config})
-    _check(results, _reference(LAYOUTS[layout], 12, config))  # one site: local training plus the outer step
+def test_diloco_equals_single_process_reference(four_ranks, two_ranks, layout):
+    results = _ranks_of(layout, four_ranks, two_ranks)
+    _check(results, _reference(LAYOUTS[layout], 12, REFERENCE_CONFIG))  # one site: local training plus the outer step
     for r in results:
         syncs = [t for t, b in enumerate(r["sent"], start=1) if b]
         assert r["stats"]["outer_syncs"] == 3 and r["stats"]["inner_steps"] == 12
@@ -147,31 +206,27 @@ def test_diloco_equals_single_process_reference(layout):
             assert syncs == [4, 8, 12], r["sent"]
 
 
-def test_streaming_fragments_with_overlap_follow_the_merge_rule():
-    config = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha": 0.5}
-    results = run_ranks(_train, 4, {"layout": LAYOUTS["2x2"], "steps": 10, "config": config})
-    _check(results, _reference(LAYOUTS["2x2"], 10, config))
+def test_streaming_fragments_with_overlap_follow_the_merge_rule(four_ranks):
+    results = four_ranks["streaming"]
+    _check(results, _reference(LAYOUTS["2x2"], 10, STREAMING_CONFIG))
     assert {r["stats"]["outer_syncs"] for r in results} == {4}  # started at 2, 4, 6, 8 and merged; 10 in flight
     for r in results:  # global_parameters() shows the global copy and gives the (different) local ones back
         assert torch.equal(r["inside_global_parameters"], r["global"])
         assert not torch.equal(_flat(r["local"]), r["global"])
 
 
-def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_unequal_sites():
-    config = {"sync_every": 6, "fragments": 3}
-    results = run_ranks(_train, 4, {"layout": LAYOUTS["3+1"], "steps": 12, "config": config, "ddp": "site_group"})
-    _check(results, _reference(LAYOUTS["3+1"], 12, config))
+def test_sites_starting_apart_get_site_0s_parameters_and_fragments_match_on_unequal_sites(four_ranks):
+    _check(four_ranks["apart"], _reference(LAYOUTS["3+1"], 12, APART_CONFIG))
 
 
-def test_step_by_hand_without_an_inner_optimizer_equals_the_reference():
-    config = {"sync_every": 4}
-    results = run_ranks(_train, 2, {"layout": [0, 1], "steps": 8, "config": config, "manual": True})
-    _check(results, _reference([0, 1], 8, config))
+def test_step_by_hand_without_an_inner_optimizer_equals_the_reference(two_ranks):
+    results = two_ranks["manual"]
+    _check(results, _reference([0, 1], 8, MANUAL_CONFIG))
     assert {r["stats"]["outer_syncs"] for r in results} == {2}
 
 
-def test_a_second_step_for_the_same_inner_step_raises_on_every_rank_before_the_sites_diverge():
-    results = run_ranks(_step_twice, 2)
+def test_a_second_step_for_the_same_inner_step_raises_on_every_rank_before_the_sites_diverge(two_ranks):
+    results = two_ranks["step twice"]
     for r in results:  # the manual step() after the hook's, at inner step 1: nothing counted twice, nothing synced
         assert "Remove the diloco.step() call" in r["error"] and "DiLoCo(model, None" in r["error"], r["error"]
         assert r["inner_steps"] == 1 and r["outer_syncs"] == 0
@@ -192,18 +247,17 @@ def _step_twice(rank: int, world: int) -> dict:
             "global": [_digest(flat) for flat in state["global"].values()]}
 
 
-def test_sites_starting_equal_send_no_parameter_bytes_at_start():
-    results = run_ranks(_start, 4, {"layout": LAYOUTS["2x2"], "config": {"sync_every": 4, "fragments": 2}})
+def test_sites_starting_equal_send_no_parameter_bytes_at_start(four_ranks):
+    results = four_ranks["start equal"]
     for r in results:  # DDP's start-up broadcast made every rank equal: DiLoCo compares digests, copies nothing
         assert r["start_sent"] == 0, r
         assert r["local"] == r["site_0"] == r["global"]
 
 
 @pytest.mark.parametrize("layout", ["2x2", "3+1"])
-def test_only_fragments_that_differ_between_sites_are_copied_at_start(layout):
+def test_only_fragments_that_differ_between_sites_are_copied_at_start(four_ranks, layout):
     # block 1 (fragment 1 of 2) moved on the sites > 0: fragment 1 alone crosses the WAN, then every rank is equal
-    case = {"layout": LAYOUTS[layout], "config": {"sync_every": 4, "fragments": 2}, "ddp": "site_group", "shift": [1]}
-    results = run_ranks(_start, len(LAYOUTS[layout]), case)
+    results = four_ranks[f"fragments {layout}"]
     for r in results:
         assert r["start_sent"] == r["copy_sent"][1], r  # what a float32 all-reduce of fragment 1 sends
         assert r["local"] == r["site_0"] == r["global"]
@@ -231,22 +285,20 @@ def _start(rank: int, world: int, case: dict) -> dict:
             "global": _digest(_flat(_named_global(model, diloco, state)))}
 
 
-def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(tmp_path):
-    config = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
-    base = {"layout": LAYOUTS["2x2"], "steps": 11, "config": config}
-    unbroken = run_ranks(_train, 4, {**base, "save_at": 6, "ckpt": str(tmp_path / "ck")})  # 6: a sync in flight
-    resumed = run_ranks(_train, 4, {**base, "resume_from": str(tmp_path / "ck")})
+def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(four_ranks, saved_dirs):
+    unbroken = four_ranks["unbroken"]  # saved at step 6, a sync in flight
+    resumed = run_ranks(_train, 4, {"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG,
+                                    "resume_from": saved_dirs["mid_sync"]})  # ranks of its own
     for a, b in zip(unbroken, resumed):
         assert a["digest"] == b["digest"]
         for name in a["local"]:
             assert torch.equal(a["local"][name], b["local"][name]), name
 
 
-def test_resume_with_a_site_the_checkpoint_lacks_names_the_sites_it_holds(tmp_path):
-    run_ranks(_train, 2, {"layout": [0, 0], "steps": 2, "config": {"sync_every": 2}, "save_at": 2,
-                          "ckpt": str(tmp_path / "ck")})
+def test_resume_with_a_site_the_checkpoint_lacks_names_the_sites_it_holds(two_ranks, saved_dirs):
+    assert len(two_ranks["site 0 saves"]) == 2  # saved by one site of 2 ranks
     errors = run_ranks(_error_of, 2, {"layout": [0, 1], "steps": 4, "config": {"sync_every": 2},
-                                      "resume_from": str(tmp_path / "ck")})
+                                      "resume_from": saved_dirs["site_0_only"]})
     for error in errors:
         assert "no state for site_1" in error and "1 site(s): site_0" in error, error
 
@@ -259,10 +311,9 @@ def _error_of(rank: int, world: int, case: dict) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("compression", ["int4", "int8", "bf16"])
-def test_compressed_pseudo_gradients_stay_within_the_codec_bound(compression):
-    case = {"layout": [0, 1], "steps": 4, "config": {"sync_every": 4, "compression": compression}, "ddp": "site_group"}
-    results = run_ranks(_train, 2, case)
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_compressed_pseudo_gradients_stay_within_the_codec_bound(two_ranks, compression):
+    results = two_ranks[f"compressed {compression}"]
     exact = _flat(_reference([0, 1], 4, {"sync_every": 4})["global"])
     # One sync: global = start - lr * (1 + mu) * mean(delta_s), each site's delta_s = start - local_s rounded once.
     before = _reference([0, 1], 4, {"sync_every": 100})["local"]
@@ -279,13 +330,13 @@ def _flat(named: dict) -> torch.Tensor:
     return torch.cat([v.detach().float().reshape(-1) for v in named.values()])
 
 
-def test_differing_settings_raise_the_same_error_on_every_rank():
-    results = run_ranks(_disagree, 2)
+def test_differing_settings_raise_the_same_error_on_every_rank(two_ranks):
+    results = two_ranks["disagree config"]
     assert results[0] == results[1] and "disagree on the DiLoCo settings" in results[0]
 
 
-def test_sites_with_different_models_raise_the_same_error_on_every_rank():
-    results = run_ranks(_disagree, 2, "model")
+def test_sites_with_different_models_raise_the_same_error_on_every_rank(two_ranks):
+    results = two_ranks["disagree model"]
     assert results[0] == results[1] and "ranks hold different models" in results[0]
 
 
