@@ -32,15 +32,15 @@ def test_a_killed_fsdp_site_rejoins_a_parallel_3d_fit_live(tmp_path, lighthouse)
     # site0, the checkpoint writer, is SIGKILLed: site1 alone saves the steps in between (each rank its shards),
     # each once; such a checkpoint resumes a 1-rank elastic parallel_3d fit (another layout) at the job's step
     ckpts = tmp_path / "ckpts"
-    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 0, "--strategy", "parallel_3d", "--max-steps", "120",
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 0, "--strategy", "parallel_3d", "--max-steps", "60",
                           "--sleep", "0.05", "--ckpt-dir", str(ckpts), script=SCRIPT, hold=True)
-    first, survivor = check_rejoined(run, 2, 120)
+    first, survivor = check_rejoined(run, 2, 60)
     assert set(survivor["sharded"]) == {"DTensor"}  # FSDP2 sharded every parameter over the site's ranks
     expected = reference(survivor["log"], 2, survivor["initial"], scheduled=True)
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
     saved = {info.step for name in os.listdir(ckpts) for info in list_checkpoints(str(ckpts / name))}
-    assert sorted(saved) == list(range(10, 121, 10)), sorted(saved)  # every one, once (one folder per step)
+    assert sorted(saved) == list(range(10, 61, 10)), sorted(saved)  # every one, once (one folder per step)
     degraded = [e["step"] + 1 for e in survivor["log"] if e["sites"] == [1]]
     step = next(step for step in sorted(saved) if step in degraded)
     resumed = run_alone(tmp_path / "resume", lighthouse.address, "--strategy", "parallel_3d", "--max-steps",
@@ -56,14 +56,14 @@ def test_a_killed_fsdp_site_rejoins_a_parallel_3d_fit_live(tmp_path, lighthouse)
 def test_a_killed_fsdp_site_rejoins_an_elastic_diloco_parallel_3d_fit_live(tmp_path, lighthouse, fragments):
     # cross_site="diloco": a quorum per round; each rank of the restarted site receives its peer's shards of the
     # global and local parameters and of the outer and inner optimizer states
-    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--strategy", "parallel_3d", "--max-steps", "96",
-                          "--sleep", "0.05", "--fragments", str(fragments), script=DILOCO_SCRIPT, kill_at=24,
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--strategy", "parallel_3d", "--max-steps", "64",
+                          "--sleep", "0.05", "--fragments", str(fragments), script=DILOCO_SCRIPT, kill_at=16,
                           hold=True)
     ranks = run["ranks"]
     survivor, restarted = ranks[("site0", 0)], ranks[("site1", 0)]
     assert set(survivor["sharded"]) == {"DTensor"}
     for key, rank in ranks.items():
-        assert rank["final_step"] == 96, key
+        assert rank["final_step"] == 64, key
         for name, value in rank["params"].items():  # the global parameters, bitwise identical everywhere
             assert torch.equal(value, survivor["params"][name]), (key, name)
     rounds = survivor["log"]
@@ -73,7 +73,7 @@ def test_a_killed_fsdp_site_rejoins_an_elastic_diloco_parallel_3d_fit_live(tmp_p
     heals = [{"site": 1, "source": 0, "t0": restarted["first_t"]}]
     expected, local = diloco_reference(survivor["syncs"], 2, survivor["initial"], sync_every=SYNC_EVERY,
                                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, scheduled=True,
-                                       fragments=fragments, heals=heals, until=96, with_local=True)
+                                       fragments=fragments, heals=heals, until=64, with_local=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     for rank in (survivor, restarted):
