@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from multidc.plugins.checkpoint.format import CheckpointCorruptError as FormatEr
 from multidc.plugins.checkpoint.format import checkpoint_name, decode_commit, parse_step
 from multidc.plugins.checkpoint.planner import stripe_plans
 from multidc.plugins.checkpoint.segments import Segments
+from tests._batched import run_cases
 from tests._resources import require_module
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
 
@@ -148,16 +150,46 @@ def _round_trip(rank, world, url):
     return values, target, info.step, latest_info.name
 
 
-def test_round_trip_to_a_file_url_restores_tensors_and_plain_values(tmp_path):
-    url = f"file://{tmp_path}/ckpts"
-    out = run_ranks(_round_trip, 2, url, timeout=120)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, s3_server, s3_auth_server):
+    """The 2-rank cases of this module that neither kill a rank nor need another's checkpoint, on one set of
+    spawned ranks (starting ranks is the slow part); each in its own bucket or folder, named in ``two_ranks.where``.
+    The case that replaces a module function on a rank comes last."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    options, auth = s3_server.storage_options(), s3_auth_server.storage_options()
+    readonly = s3_auth_server.storage_options(key=READONLY_KEYS[0], secret=READONLY_KEYS[1])
+    wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-77")
+    one_wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-78")
+    where = {"round trip": f"file://{tmp}/round-trip/ckpts",
+             "async": s3_auth_server.make_bucket("asyncb") + "/run",
+             "corrupt": s3_server.make_bucket(f"t-corrupt-{uuid.uuid4().hex[:8]}") + "/run",
+             "wrong credentials": s3_auth_server.make_bucket("wrongcreds") + "/run",
+             "one rank wrong": s3_auth_server.make_bucket("onewrong") + "/run",
+             "cannot unpickle": str(tmp / "unpickle" / "ckpt"),
+             "staging fails": s3_server.make_bucket(f"t-staging-{uuid.uuid4().hex[:8]}") + "/run"}
+    Checkpointer(where["one rank wrong"], storage_options=auth).save({"x": torch.ones(3)}, step=1)
+    cases = {"round trip": (_round_trip, (where["round trip"],)),
+             "async": (_async_then_failing_async, (where["async"], auth, readonly)),
+             "corrupt": (_save_model, (where["corrupt"], options, 1)),
+             "wrong credentials": (_wrong_credentials, (where["wrong credentials"], wrong)),
+             "one rank wrong": (_one_rank_with_wrong_credentials, (where["one rank wrong"], auth, one_wrong)),
+             "cannot unpickle": (_one_rank_cannot_unpickle, (where["cannot unpickle"],)),
+             "staging fails": (_staging_fails_on_rank_1, (where["staging fails"], options))}
+    results = run_cases(cases, 2, timeout=400)
+    results.where = where
+    return results
+
+
+def test_round_trip_to_a_file_url_restores_tensors_and_plain_values(two_ranks):
+    out = two_ranks["round trip"]
+    folder = two_ranks.where["round trip"].removeprefix("file://")
     for saved, loaded, step, name in out:
         assert (step, name) == (11, "step_0000000011")
         torch.testing.assert_close(loaded["w"], out[0][0]["w"])  # same key on all ranks: rank 0's copy
         torch.testing.assert_close(loaded["per_rank"], saved["per_rank"])
         assert loaded["meta"] == {"epoch": 7, "name": "abc", "floats": [0.5, 1.5]}
         assert float(loaded["scalar"]) == 2.5
-    assert sorted(os.listdir(tmp_path / "ckpts" / "step_0000000011")) == ["COMMIT.json", "data"]
+    assert sorted(os.listdir(os.path.join(folder, "step_0000000011"))) == ["COMMIT.json", "data"]
 
 
 def _async_then_failing_async(rank, world, url, options, readonly_options):
@@ -187,10 +219,9 @@ def _async_then_failing_async(rank, world, url, options, readonly_options):
     return expected, restored.state_dict(), error
 
 
-def test_async_save_snapshots_then_uploads_and_surfaces_upload_errors(s3_auth_server):
-    url = s3_auth_server.make_bucket("asyncb") + "/run"
-    readonly = s3_auth_server.storage_options(key=READONLY_KEYS[0], secret=READONLY_KEYS[1])
-    out = run_ranks(_async_then_failing_async, 2, url, s3_auth_server.storage_options(), readonly, timeout=180)
+def test_async_save_snapshots_then_uploads_and_surfaces_upload_errors(s3_auth_server, two_ranks):
+    url = two_ranks.where["async"]
+    out = two_ranks["async"]
     for expected, restored, error in out:
         for name, value in expected.items():
             torch.testing.assert_close(restored[name], value)
@@ -284,9 +315,9 @@ def _folders_with_objects(store: ObjectStore) -> set[str]:
     return {path[len(store.root) + 1:].split("/", 1)[0] for path in store.fs.find(store.root)}
 
 
-def test_corrupted_shard_is_detected_and_named(s3_server, s3_bucket):
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    run_ranks(_save_model, 2, url, options, 1, timeout=90)
+def test_corrupted_shard_is_detected_and_named(s3_server, two_ranks):
+    url, options = two_ranks.where["corrupt"], s3_server.storage_options()
+    assert len(two_ranks["corrupt"]) == 2  # saved by 2 ranks
     store = ObjectStore(url, storage_options=options)
     key = "step_0000000001/data/rank00001.distcp"
     data = bytearray(store.get(key))
@@ -323,10 +354,9 @@ def _wrong_credentials(rank, world, url, options):
     return None
 
 
-def test_wrong_credentials_fail_on_every_rank_before_anything_is_written(s3_auth_server):
-    url = s3_auth_server.make_bucket("wrongcreds") + "/run"
-    wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-77")
-    messages = run_ranks(_wrong_credentials, 2, url, wrong, timeout=90)
+def test_wrong_credentials_fail_on_every_rank_before_anything_is_written(s3_auth_server, two_ranks):
+    url = two_ranks.where["wrong credentials"]
+    messages = two_ranks["wrong credentials"]
     for message in messages:
         assert message and "access denied" in message and "wrongcreds" in message
         assert s3_auth_server.endpoint in message and "not-the-secret-77" not in message
@@ -355,14 +385,11 @@ def _one_rank_with_wrong_credentials(rank, world, url, options, wrong):
     return outcomes
 
 
-def test_credentials_refused_on_one_rank_fail_every_rank_naming_it_before_a_save_or_load(s3_auth_server):
+def test_credentials_refused_on_one_rank_fail_every_rank_naming_it_before_a_save_or_load(s3_auth_server, two_ranks):
     # the access check runs with rank 0's preparation (save) or commit read (load) in one round; the others learn
-    # of rank 1's failure from that round's heartbeat and gather its error
-    url = s3_auth_server.make_bucket("onewrong") + "/run"
-    options = s3_auth_server.storage_options()
-    Checkpointer(url, storage_options=options).save({"x": torch.ones(3)}, step=1)
-    wrong = s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="not-the-secret-78")
-    out = run_ranks(_one_rank_with_wrong_credentials, 2, url, options, wrong, timeout=120)
+    # of rank 1's failure from that round's heartbeat and gather its error. ``two_ranks`` saved step 1 first.
+    url, options = two_ranks.where["one rank wrong"], s3_auth_server.storage_options()
+    out = two_ranks["one rank wrong"]
     for rank, messages in enumerate(out):
         for message in messages:
             assert message and "access denied" in message and "not-the-secret-78" not in message, (rank, message)
@@ -373,26 +400,29 @@ def test_credentials_refused_on_one_rank_fail_every_rank_naming_it_before_a_save
 def _staging_fails_on_rank_1(rank, world, url, options):
     import multidc.plugins.checkpoint.checkpointer as checkpoint_module
 
-    outcomes = []
-    with Checkpointer(url, storage_options=options) as ckpt:
-        ckpt.save({"x": torch.ones(3)}, step=1)
-        if rank == 1:
-            def failing_stage(*args, **kwargs):
-                raise MemoryError("injected: no host memory for the snapshot")
+    outcomes, real_stage = [], checkpoint_module.stage
+    try:
+        with Checkpointer(url, storage_options=options) as ckpt:
+            ckpt.save({"x": torch.ones(3)}, step=1)
+            if rank == 1:
+                def failing_stage(*args, **kwargs):
+                    raise MemoryError("injected: no host memory for the snapshot")
 
-            checkpoint_module.stage = failing_stage
-        for async_save in (False, True):
-            try:
-                ckpt.save({"x": torch.full((3,), 2.0)}, step=2, async_save=async_save).wait()
-                outcomes.append(None)
-            except CheckpointSaveError as exc:
-                outcomes.append(str(exc))
+                checkpoint_module.stage = failing_stage
+            for async_save in (False, True):
+                try:
+                    ckpt.save({"x": torch.full((3,), 2.0)}, step=2, async_save=async_save).wait()
+                    outcomes.append(None)
+                except CheckpointSaveError as exc:
+                    outcomes.append(str(exc))
+    finally:
+        checkpoint_module.stage = real_stage
     return outcomes
 
 
-def test_a_snapshot_failing_on_one_rank_fails_the_save_on_every_rank_and_commits_nothing(s3_server, s3_bucket):
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    for messages in run_ranks(_staging_fails_on_rank_1, 2, url, options, timeout=120):
+def test_a_snapshot_failing_on_one_rank_fails_the_save_on_every_rank_and_commits_nothing(s3_server, two_ranks):
+    url, options = two_ranks.where["staging fails"], s3_server.storage_options()
+    for messages in two_ranks["staging fails"]:
         for message in messages:  # sync and async
             assert message and "rank 1: MemoryError: injected" in message, message
     assert [c.step for c in list_checkpoints(url, storage_options=options)] == [1]
@@ -441,10 +471,10 @@ def _one_rank_cannot_unpickle(rank, world, url):
     return error, recorder.restored
 
 
-def test_a_value_one_rank_cannot_unpickle_fails_the_load_everywhere_and_no_rank_restores(tmp_path):
+def test_a_value_one_rank_cannot_unpickle_fails_the_load_everywhere_and_no_rank_restores(two_ranks):
     # the read succeeds on rank 0, but rank 1 refuses its value (weights_only) after the read's own gather: rank 0
     # must not call load_state_dict (it may be collective, and the job's ranks would differ), and both must raise
-    out = run_ranks(_one_rank_cannot_unpickle, 2, str(tmp_path / "ckpt"), timeout=120)
+    out = two_ranks["cannot unpickle"]
     for rank, (error, restored) in enumerate(out):
         assert error is not None and ("weights_only" in error or "Unsupported global" in error), (rank, error)
         assert rank == 1 or "rank 1: " in error, error
