@@ -31,6 +31,7 @@ from multidc.plugins import (
     RetryPolicy,
 )
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
+from tests._batched import run_cases
 
 
 def _saved(tmp, state) -> Checkpointer:
@@ -259,9 +260,23 @@ def _run_cases(rank, world, tmp, endpoint):
     return outcomes
 
 
-def test_bad_layouts_and_arguments_raise_on_every_rank_before_any_collective(tmp_path, s3_server):
-    results = run_ranks(_run_cases, 4, str(tmp_path), s3_server.endpoint, timeout=240)
-    for case_id, _, error, fragment in _mp_cases(tmp_path, s3_server.endpoint):
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, s3_server):
+    """The 4-rank runs of this module on one set of spawned ranks (starting ranks is the slow part): the bad
+    layouts and arguments, the differing WAN settings, then the rank that rejects its input (last: it leaves a
+    WAN group broken). ``four_ranks.tmp``: the folder of the checkpoint cases."""
+    tmp = str(tmp_path_factory.mktemp("bad-config"))
+    results = run_cases({"bad layouts and arguments": (_run_cases, (tmp, s3_server.endpoint)),
+                         "differing wan settings": (_differing_wan_settings, ()),
+                         "mismatched all_reduce": (_mismatched_all_reduce, ())}, 4, timeout=360)
+    results.tmp = tmp
+    return results
+
+
+@pytest.mark.timeout(420)  # the first to run sets up four_ranks
+def test_bad_layouts_and_arguments_raise_on_every_rank_before_any_collective(four_ranks, s3_server):
+    results = four_ranks["bad layouts and arguments"]
+    for case_id, _, error, fragment in _mp_cases(four_ranks.tmp, s3_server.endpoint):
         for rank, outcomes in enumerate(results):
             name, message, seconds = outcomes[case_id]
             assert (name, fragment in message) == (error, True), (case_id, rank, name, message)
@@ -281,8 +296,9 @@ def _mismatched_all_reduce(rank, world):
     return "no error", "", time.monotonic() - started
 
 
-def test_rank_that_rejects_its_input_makes_the_others_fail_within_the_wan_timeout_not_hang():
-    results = run_ranks(_mismatched_all_reduce, 4, timeout=120)
+@pytest.mark.timeout(420)  # the first to run sets up four_ranks
+def test_rank_that_rejects_its_input_makes_the_others_fail_within_the_wan_timeout_not_hang(four_ranks):
+    results = four_ranks["mismatched all_reduce"]
     assert results[0][0] == "ValueError" and "not torch.int64" in results[0][1]
     for name, message, seconds in results[1:]:
         assert name == "WanError" and "WAN collective between site '0' and site '1'" in message, message
@@ -320,9 +336,10 @@ def _differing_wan_settings(rank, world):
     return results
 
 
-def test_wan_settings_that_differ_between_sites_raise_on_every_rank_before_any_group():
+@pytest.mark.timeout(420)  # the first to run sets up four_ranks
+def test_wan_settings_that_differ_between_sites_raise_on_every_rank_before_any_group(four_ranks):
     # Valid on each site, but different: the collectives would not match (streams: different group counts).
-    per_rank = run_ranks(_differing_wan_settings, 4, timeout=60)
+    per_rank = four_ranks["differing wan settings"]
     for case, (variable, _value) in enumerate(_DIFFERING_WAN):
         results = [rank_results[case] for rank_results in per_rank]
         for name, message in results:
