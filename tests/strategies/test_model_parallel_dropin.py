@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multidc.hierarchical.tools.ranks import run_ranks
+from tests._batched import run_cases
 from tests._launch import run_training_script
 from tests._resources import require_module
 
@@ -94,22 +94,31 @@ def test_data_parallel_size_that_does_not_fit_the_world_fails_at_trainer_before_
         Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
 
 
-def _resolve_with_site_names(rank, world, data_parallel_size):
+def _resolve_with_site_names(rank, world, names, data_parallel_size):
+    import os
+
     from multidc.hierarchical.parallel.layout import ParallelLayout
 
+    os.environ["MULTIDC_SITE"] = names[rank]  # as a launcher sets it per rank (cleared before the next case)
     try:
         return ParallelLayout(data_parallel_size=data_parallel_size, tensor_parallel_size=2).resolve_job().shape
     except ValueError as exc:
         return str(exc)
 
 
-def test_site_count_from_names_is_checked_against_data_parallel_size_on_every_rank():
+@pytest.fixture(scope="module")
+def four_ranks():
+    """The 4-rank cases of this module on one set of spawned ranks (starting ranks is the slow part)."""
+    return run_cases({"two site names": (_resolve_with_site_names, (("east", "east", "west", "west"), 2)),
+                      "four site names": (_resolve_with_site_names, (("a", "b", "c", "d"), 2)),
+                      "hooked units": (_hooked_units, ())}, 4, timeout=240)
+
+
+def test_site_count_from_names_is_checked_against_data_parallel_size_on_every_rank(four_ranks):
     """Without num_sites the count comes from MULTIDC_SITE, which only the ranks together know: each of them
     resolves data_parallel_size against it, and a conflict raises the same ValueError on every rank."""
-    env = {rank: {"MULTIDC_SITE": "east" if rank < 2 else "west"} for rank in range(4)}
-    assert run_ranks(_resolve_with_site_names, 4, 2, env=env, timeout=120) == [(2, 1, 1, 1, 2)] * 4
-    env = {rank: {"MULTIDC_SITE": ("a", "b", "c", "d")[rank]} for rank in range(4)}
-    errors = run_ranks(_resolve_with_site_names, 4, 2, env=env, timeout=120)
+    assert four_ranks["two site names"] == [(2, 1, 1, 1, 2)] * 4
+    errors = four_ranks["four site names"]
     assert len(set(errors)) == 1 and "num_sites=4 was counted from the MULTIDC_SITE names" in errors[0], errors
     assert "data_parallel_size=2" in errors[0], errors
 
@@ -139,8 +148,8 @@ def _hooked_units(rank, world):
     return counts
 
 
-def test_replica_reduction_goes_to_exactly_the_units_sharded_inside_a_site():
-    assert run_ranks(_hooked_units, 4, timeout=120) == [[3, 3]] * 4  # 2 layers + head; not the embedding
+def test_replica_reduction_goes_to_exactly_the_units_sharded_inside_a_site(four_ranks):
+    assert four_ranks["hooked units"] == [[3, 3]] * 4  # 2 layers + head; not the embedding
 
 
 # ------------------------------------------------------------------------- a ModelParallelStrategy module, 4 ranks
