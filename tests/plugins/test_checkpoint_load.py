@@ -20,6 +20,7 @@ from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins.checkpoint.crc import combine, crc32_combine
 from multidc.plugins.checkpoint.format import ItemLocation
 from multidc.plugins.checkpoint.read_plan import MAX_GAP, plan_reads
+from tests._batched import run_cases
 
 pytestmark = pytest.mark.timeout(300)
 PIECE = 32 << 10
@@ -151,8 +152,8 @@ def test_items_under_stripe_min_bytes_are_read_whole_by_one_rank_of_the_site_and
 
 
 # ----------------------------------------------------------------------------- distributed, SeaweedFS
-def _record_gets(log: list) -> None:
-    """Record every GET s3fs sends in this process: (key, Range header)."""
+def _record_gets(log: list):
+    """Record every GET s3fs sends in this process: (key, Range header). Returns s3fs's own method, to put back."""
     import s3fs
 
     original = s3fs.S3FileSystem._call_s3
@@ -163,6 +164,7 @@ def _record_gets(log: list) -> None:
         return await original(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = recording
+    return original
 
 
 ROWS = 256  # "w" is 1 MiB: 16 pieces per rank of 2
@@ -186,9 +188,14 @@ def _save_then_load_recording_gets(rank, world, url, options, sites):
                         read_config=ReadConfig(**CONFIG))
     ckpt.save(_state(), step=1)
     log: list = []
-    _record_gets(log)
+    original = _record_gets(log)
     target = _zeros()
-    ckpt.load(target)
+    try:
+        ckpt.load(target)
+    finally:
+        import s3fs
+
+        s3fs.S3FileSystem._call_s3 = original  # the next case on these ranks records its own GETs
     ckpt.close()
     equal = all(torch.equal(target[k], v) for k, v in _state().items() if k != "meta")
     return equal, target["meta"]["step"], [(k, r) for k, r in log if k.endswith(".distcp")]
@@ -203,12 +210,22 @@ def _ranges(log) -> list[tuple[str, int, int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def four_ranks(s3_server):
+    """Both 4-rank saves and striped loads (one site, two sites) on one set of spawned ranks, each in its own
+    bucket (starting ranks is the slow part)."""
+    options = s3_server.storage_options()
+    cases = {f"sites {sites}": (_save_then_load_recording_gets,
+                                (s3_server.make_bucket(f"t-gets-{uuid.uuid4().hex[:12]}") + "/run", options, sites))
+             for sites in (1, 2)}
+    return run_cases(cases, 4, timeout=280)
+
+
 @pytest.mark.parametrize("sites", [1, 2])
-def test_each_rank_gets_only_its_share_by_ranged_gets_and_sites_exchange_the_rest(s3_server, s3_bucket, sites):
+def test_each_rank_gets_only_its_share_by_ranged_gets_and_sites_exchange_the_rest(four_ranks, sites):
     """4 ranks load a replicated state: each site GETs the shard objects once, each rank about a quarter (one
     site) or half (two sites) of them, in ranged GETs of at most one piece; the loaded tensors are exact."""
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    results = run_ranks(_save_then_load_recording_gets, 4, url, options, sites, timeout=240)
+    results = four_ranks[f"sites {sites}"]
     tensor_bytes = (ROWS * 1024 + 3000) * 4
     per_rank = []
     for equal, step, log in results:
