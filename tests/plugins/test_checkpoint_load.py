@@ -261,21 +261,48 @@ def saved_by_two_ranks(s3_server) -> str:
     return url
 
 
-@pytest.fixture
-def saved(s3_server, s3_bucket, saved_by_two_ranks) -> str:
-    """This test's own copy (``s3_bucket``/run), object by object, of the checkpoint ``saved_by_two_ranks``: what
-    ``run_ranks(_save, 2, url, options)`` writes there, without starting two more ranks for each test."""
+def _copy(source_url: str, url: str, options: dict) -> str:
+    """Copy the checkpoint at ``source_url`` to ``url``, object by object: what ``run_ranks(_save, 2, url,
+    options)`` writes there, without starting two more ranks."""
     from multidc.plugins import ObjectStore
 
-    options = s3_server.storage_options()
-    source = ObjectStore(saved_by_two_ranks, storage_options=options)
-    url = f"{s3_bucket}/run"
-    target = ObjectStore(url, storage_options=options)
+    source, target = ObjectStore(source_url, storage_options=options), ObjectStore(url, storage_options=options)
     keys = source.list_files()
     assert any(key.endswith("COMMIT.json") for key in keys) and any(key.endswith(".distcp") for key in keys), keys
     for key in keys:
         target.put(key, source.get(key))
     return url
+
+
+@pytest.fixture
+def saved(s3_server, s3_bucket, saved_by_two_ranks) -> str:
+    """This test's own copy (``s3_bucket``/run) of the checkpoint ``saved_by_two_ranks``."""
+    return _copy(saved_by_two_ranks, f"{s3_bucket}/run", s3_server.storage_options())
+
+
+def _corrupt_a_byte_of_w(url: str, options: dict) -> None:
+    from multidc.plugins import ObjectStore
+
+    store = ObjectStore(url, storage_options=options)
+    key = "step_0000000001/data/rank00000.distcp"
+    data = bytearray(store.get(key))
+    data[1000] ^= 0x10  # inside the first rows of "w", which rank 0 wrote
+    store.put(key, bytes(data))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(s3_server, saved_by_two_ranks):
+    """The 2-rank loads of this module that leave no exchange half-done, on one set of spawned ranks (starting
+    ranks is the slow part), each from its own copy of ``saved_by_two_ranks``; the failing ones last."""
+    options = s3_server.storage_options()
+    url = {name: _copy(saved_by_two_ranks, s3_server.make_bucket(f"t-load-{uuid.uuid4().hex[:12]}") + "/run",
+                       options) for name in ("pieces land", "corrupt", "failed get", "failing feed")}
+    _corrupt_a_byte_of_w(url["corrupt"], options)
+    cases = {"pieces land": (_load_counting_copies, (url["pieces land"], options)),
+             "corrupt": (_load, (url["corrupt"], options, None)),
+             "failed get": (_load, (url["failed get"], options, 1)),
+             "failing feed": (_load_with_failing_feed, (url["failing feed"], options))}
+    return run_cases(cases, 2, timeout=280)
 
 
 def _load(rank, world, url, options, fail_rank):
@@ -298,6 +325,8 @@ def _load(rank, world, url, options, fail_rank):
         outcome = None
     except Exception as exc:  # the test compares every rank's
         outcome = (type(exc).__name__, str(exc))
+    finally:
+        ObjectStore.read_into = original  # for the next case on these ranks
     ckpt.close()
     equal = all(torch.equal(target[k], v) for k, v in _state().items() if k != "meta")
     return outcome, equal, len(calls)
@@ -314,26 +343,28 @@ def _load_counting_copies(rank, world, url, options):
         return original(self, piece, buffer)
 
     reader._Targets.deliver = deliver
-    ckpt = Checkpointer(url, storage_options=options, stripe_min_mb=0, read_config=ReadConfig(**CONFIG))
-    target = _zeros()
-    target["w"] = torch.zeros(1024, ROWS).t()  # the right shape, not contiguous: its rows are not its bytes
-    ckpt.load(target)
-    in_place = dict(copied)
-    copied.clear()
-    contiguous = _zeros()
-    ckpt.load(contiguous)
-    ckpt.close()
+    try:
+        ckpt = Checkpointer(url, storage_options=options, stripe_min_mb=0, read_config=ReadConfig(**CONFIG))
+        target = _zeros()
+        target["w"] = torch.zeros(1024, ROWS).t()  # the right shape, not contiguous: its rows are not its bytes
+        ckpt.load(target)
+        in_place = dict(copied)
+        copied.clear()
+        contiguous = _zeros()
+        ckpt.load(contiguous)
+        ckpt.close()
+    finally:
+        reader._Targets.deliver = original  # for the next case on these ranks
     equal = [all(torch.equal(t[k], v) for k, v in _state().items() if k != "meta") and t["meta"] == {"step": 5}
              for t in (target, contiguous)]
     return in_place, dict(copied), equal
 
 
-def test_pieces_land_straight_in_contiguous_destinations_and_others_are_copied(s3_server, saved):
+def test_pieces_land_straight_in_contiguous_destinations_and_others_are_copied(two_ranks):
     # GETs and receives of a tensor whose destination is contiguous with the stored dtype go into it directly
     # (no buffer, no copy), those of a pickled value into its own buffer; a non-contiguous destination takes its
     # pieces through a buffer: both load exactly
-    url, options = saved, s3_server.storage_options()
-    for strided, contiguous, equal in run_ranks(_load_counting_copies, 2, url, options, timeout=120):
+    for strided, contiguous, equal in two_ranks["pieces land"]:
         assert equal == [True, True]
         assert strided.get("w", 0) >= (ROWS * 1024 * 4) // PIECE and "b" not in strided, strided
         assert not contiguous, contiguous  # the pickled value landed in its buffer too
@@ -345,16 +376,8 @@ def test_loading_on_another_world_size_reshards_striped_reads_exactly(s3_server,
         assert outcome is None and equal
 
 
-def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range_and_tensor(s3_server, saved):
-    from multidc.plugins import ObjectStore
-
-    url, options = saved, s3_server.storage_options()
-    store = ObjectStore(url, storage_options=options)
-    key = "step_0000000001/data/rank00000.distcp"
-    data = bytearray(store.get(key))
-    data[1000] ^= 0x10  # inside the first rows of "w", which rank 0 wrote
-    store.put(key, bytes(data))
-    results = run_ranks(_load, 2, url, options, None, timeout=120)
+def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range_and_tensor(two_ranks):
+    results = two_ranks["corrupt"]  # a byte of "w" flipped in rank 0's shard (``_corrupt_a_byte_of_w``)
     # the same error everywhere; the other ranks' copy names the rank whose error it is ("rank 0: ...")
     outcomes = {(name, re.sub(r"^rank \d+: ", "", message)) for (name, message), _, _ in results}
     assert len(outcomes) == 1, outcomes
@@ -363,9 +386,8 @@ def test_a_corrupt_byte_fails_every_rank_with_the_same_error_naming_object_range
     assert "data/rank00000.distcp" in message and "bytes [0, " in message and "holding w" in message
 
 
-def test_a_failed_get_on_one_rank_stops_every_rank_and_raises_its_error_everywhere(s3_server, saved):
-    url, options = saved, s3_server.storage_options()
-    results = run_ranks(_load, 2, url, options, 1, timeout=120)
+def test_a_failed_get_on_one_rank_stops_every_rank_and_raises_its_error_everywhere(two_ranks):
+    results = two_ranks["failed get"]
     for outcome, _, _ in results:
         assert outcome is not None and outcome[0] == "ObjectStoreError", outcome
         assert "injected failure of rank 1's second GET" in outcome[1]
@@ -463,14 +485,15 @@ def _load_with_failing_feed(rank, world, url, options):
         outcome = "no error"
     except Exception as exc:  # the test compares every rank's
         outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        StripedRead._room = original
     return outcome, time.monotonic() - started
 
 
-def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(s3_server, saved):
+def test_a_failure_in_the_get_feed_fails_every_rank_promptly_instead_of_hanging(two_ranks):
     """Rank 1's read-ahead feeder fails allocating a buffer: every rank raises that error within seconds (before
     the fix the feeder thread died silently and every rank waited for the gloo timeout)."""
-    url, options = saved, s3_server.storage_options()
-    for outcome, seconds in run_ranks(_load_with_failing_feed, 2, url, options, timeout=60):
+    for outcome, seconds in two_ranks["failing feed"]:
         assert "injected allocation failure in rank 1's GET feed" in outcome, outcome
         assert seconds < 15
 
