@@ -36,7 +36,9 @@ class CrossSite:
     gradient accumulation)."""
 
     def before_step(self) -> None:
-        """Before the step's forward (and before its first micro-batch under gradient accumulation)."""
+        """Before the step's forward, and before its first micro-batch under gradient accumulation (a front-end
+        that can only call it later refuses accumulation when ``quorum_per_step``). Calling it again before the
+        step ends does nothing."""
 
     def after_backward(self, model: torch.nn.Module) -> None:
         """Right after the step's (last micro-batch's) backward returns; ``model``: what was attached or trained
@@ -50,7 +52,8 @@ class CrossSite:
         """After the optimizer step and whatever the loop steps with it (LR schedulers), before the next step."""
 
     def resume(self, step: int) -> None:
-        """The front-end restored a checkpoint of the job's optimizer step ``step`` before the first step."""
+        """The front-end restored a checkpoint of the job's optimizer step ``step`` before the first step (per-step
+        sites resume the job there; ``ElasticDiLoCo`` resumes from its own ``load_state_dict`` instead)."""
 
     @property
     def job_step(self) -> int | None:

@@ -77,7 +77,6 @@ class ElasticMixin:
             load_state_dict=load_schedulers, replica_group=self._replica_group(), site=self._site_name(),
             lighthouse=self._lighthouse, sites=self._elastic_sites,
         )
-        self._elastic_started = False
 
         def update_lr_schedulers(original, interval: str, update_plateau_schedulers: bool) -> None:
             if self.elastic_committed:  # a discarded step leaves the schedulers (and their progress) as they are
@@ -101,14 +100,22 @@ class ElasticMixin:
         site = getattr(self, "site", None)
         return str(site) if site is not None else None
 
+    def on_train_start(self) -> None:
+        """The job's first quorum, before the first (micro-)batch, after Lightning restored a checkpoint
+        (``ckpt_path``: the job's step is its step): a site that heals here computes its first gradients on the
+        live state."""
+        super().on_train_start()
+        sync = self.elastic_sync
+        if sync is not None:
+            sync.resume(self.lightning_module.trainer.global_step)
+            sync.before_step()
+            self._follow_job_step(sync.job_step)
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         sync = self.elastic_sync
         if sync is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not self._elastic_started:  # after Lightning restored a checkpoint (ckpt_path): the job's step is its step
-            self._elastic_started = True
-            sync.resume(self.lightning_module.trainer.global_step)
-        sync.before_step()
+        sync.before_step()  # the step's quorum (the first one formed at the train start)
         self._follow_job_step(sync.job_step)  # training_step sees the job's step (a rejoined site's too)
         result = closure()  # training_step + backward; DDP / FSDP2 reduce inside the site
         sync.after_backward(self.model)

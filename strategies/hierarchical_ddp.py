@@ -9,6 +9,7 @@ with a string name the site layout and WAN settings come from ``MULTIDC_NUM_SITE
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -190,9 +191,10 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
     and a failed site rejoins live when restarted. The step's quorum forms at ``fabric.strategy.job_step`` or the
     model's first training forward of the step, whichever comes first (a site that is behind receives the live
     model, optimizer and ``elastic_state`` there); ``optimizer.step()`` steps only if the step commits
-    (``fabric.strategy.elastic_committed``: step your LR schedulers only then). Loop on ``job_step``, which a
-    rejoined site takes from the live ones. One model and one optimizer (``fabric.setup(model, optimizer)``); no
-    gradient accumulation across a ``job_step`` read.
+    (``fabric.strategy.elastic_committed``: step your LR schedulers only then). Loop on ``job_step``, read once per
+    step at its top (a read after a step starts the next step's quorum), which a rejoined site takes from the live
+    ones. One model and one optimizer (``fabric.setup(model, optimizer)``). Call ``fabric.strategy.teardown()``
+    when training ends to leave the job (Fabric never calls it; multidc also does at interpreter exit).
 
     Args:
         num_sites, site, wan: as for ``HierarchicalDDPStrategy`` (elastic: ``num_sites`` counts the sites the job
@@ -263,24 +265,28 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
             state_dict=lambda: {key: obj.state_dict() for key, obj in self.elastic_state.items()},
             site=None if self.site is None else str(self.site), lighthouse=self._lighthouse, sites=self.num_sites,
         )
+        # Fabric never tears its strategy down: leave the job at exit at the latest (a torchft group left to
+        # interpreter shutdown aborts the process; see ElasticSite.close)
+        atexit.register(self._close_elastic)
         return optimizer
 
     @property
     def job_step(self) -> int:
         """Elastic mode: the job's committed steps; the first read of a step joins its quorum (collective over the
-        site: read it on every rank)."""
+        site: read it on every rank, once per step, at its top)."""
+        if self.elastic_sync is None:
+            raise RuntimeError("job_step is the elastic job's step: build the strategy with elastic=True (or "
+                               "MULTIDC_ELASTIC=1) and set up the model and its optimizer first (fabric.setup).")
         self._start_step()
         return self.elastic_sync.job_step
 
     def _before_forward(self, module, _args) -> None:
-        if module.training and torch.is_grad_enabled():
+        if self.elastic_sync is not None and module.training and torch.is_grad_enabled():
             with torch.inference_mode(False):
                 self._start_step()
 
     def _start_step(self) -> None:
         sync = self.elastic_sync
-        if sync is None:
-            raise RuntimeError("elastic mode: set up the model and its optimizer first (fabric.setup).")
         if self._open:
             return
         if self._joined:
@@ -304,13 +310,18 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
         self.elastic_committed = sync.commit()
         return super().optimizer_step(optimizer, **kwargs) if self.elastic_committed else None
 
+    def _close_elastic(self) -> None:
+        sync, self.elastic_sync = self.elastic_sync, None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if sync is not None:
+            atexit.unregister(self._close_elastic)
+            sync.close()
+
     def teardown(self) -> None:
         try:
-            sync, self.elastic_sync = self.elastic_sync, None
-            if self._hook is not None:
-                self._hook.remove()
-            if sync is not None:
-                sync.close()
+            self._close_elastic()
         finally:
             self.gradient_sync.close()
             super().teardown()

@@ -117,9 +117,9 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
             ``multidc.strategies._checkpointing``). ``False``: ``ModelParallelStrategy``'s full single file.
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one job
             per site; ``MULTIDC_SITE`` names it, ``num_sites`` / ``MULTIDC_NUM_SITES`` counts the sites the job starts
-            with, the layout's own ``num_sites`` is 1). FSDP2 (``dp_shard``) and replicas (``dp_replicate``) inside
-            the site; each rank's shards are averaged with (``"allreduce"``: every step; ``"diloco"``: every round)
-            and healed from the same-index rank of the other sites, so every site runs the same layout. Pipeline and
+            with, the layout's own ``num_sites`` is 1). FSDP2 (``dp_shard``) inside the site; each rank's shards
+            are averaged with (``"allreduce"``: every step; ``"diloco"``: every round) and healed from the
+            same-index rank of the other sites, so every site runs the same layout. ``dp_replicate``, pipeline and
             tensor parallelism are refused in this mode. See ``multidc.strategies._elastic``.
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         process_group_backend, timeout: as ``ModelParallelStrategy``.

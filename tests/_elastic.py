@@ -92,7 +92,8 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, 
                      script: str = SCRIPT, kill_at: int = KILL_AT, accelerate: list[str] | None = None,
                      hold: bool = False) -> dict:
     """Start the sites, SIGKILL ``victim`` once it committed ``kill_at`` steps, restart it with the same command
-    once the others committed a step without it (3 s at least, 23 s at most); every site must end cleanly. Returns
+    once the lighthouse dropped it and the others committed a step after that (20 s at most); every site must end
+    cleanly. Returns
     each rank's results and whether the others went on meanwhile. ``hold`` (a script with ``--hold-until``): the
     sites wait before their last step until the restarted victim's manager heartbeats to the lighthouse, so the job
     cannot end before it is back, however slowly it starts."""
@@ -106,9 +107,13 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, 
         wait_for_steps(tmp_path, {names[victim]: trees[names[victim]]}, kill_at, deadline)
         trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
         killed_at = progress(tmp_path, names[victim])
+        # down until the lighthouse dropped it (its heartbeat timeout, 2 s) and the others then committed a step (a
+        # round), which a quorum without it decided
+        while any(r.alive and r.site == names[victim] for r in heard_replicas(lighthouse)):
+            assert time.monotonic() < deadline, f"the lighthouse never dropped the killed {names[victim]}"
+            time.sleep(0.1)
         before = {n: progress(tmp_path, n) for n in names if n != names[victim]}
-        time.sleep(3)  # down for 3 s at least, and until the others committed a step (a round) without it: the
-        went_on = time.monotonic() + 20  # lighthouse drops it after its heartbeat timeout (2 s), then a quorum forms
+        went_on = time.monotonic() + 20
         while not (survivors_went_on := all(progress(tmp_path, n) > before[n] for n in before)):
             if time.monotonic() > went_on:
                 break

@@ -71,7 +71,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load ``optimizer_state`` of the same-index rank of another site into ``optimizer``: a per-parameter state
     tensor shaped like a ``DTensor`` parameter's local shard becomes a ``DTensor`` like that parameter (its mesh and
-    placements); scalars (``step``) stay as they are."""
+    placements); scalars (``step``) stay as they are. Right for the optimizers whose per-parameter state is shaped
+    like the parameter (SGD momentum, Adam / AdamW moments); a state of another shape (factored second moments)
+    stays a plain tensor."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not any(_is_dtensor(p) for p in params):
         optimizer.load_state_dict(state)
@@ -95,14 +97,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
 
 
 def check_elastic_layout(layout, owner: str) -> None:
-    """A ValueError unless elastic sites can run the resolved ``layout`` (a ``ParallelLayout``): data-parallel axes
-    only. Each rank's shards travel to the same-index rank and its gradients are averaged with that rank's, which
-    holds for FSDP2 (``dp_shard``) and replicas (``dp_replicate``); pipeline stages and tensor-parallel shards would
+    """A ValueError unless elastic sites can run the resolved ``layout`` (a ``ParallelLayout``): FSDP2 inside the
+    site (``dp_shard``) only. Each rank's shards travel to the same-index rank and its gradients are averaged with
+    that rank's; replicas inside the site (``dp_replicate``), pipeline stages and tensor-parallel shards would
     follow the same rule, but no test runs them yet, so they are refused rather than promised."""
-    extra = {name: size for name, size in (("pipeline_parallel_size", layout.pipeline_parallel_size),
+    extra = {name: size for name, size in (("dp_replicate", layout.dp_replicate),
+                                           ("pipeline_parallel_size", layout.pipeline_parallel_size),
                                            ("tensor_parallel_size", layout.tensor_parallel_size)) if size > 1}
     if extra:
         raise ValueError(
-            f"{owner} with elastic sites shards inside each site with FSDP2 (dp_shard) and replicates (dp_replicate) "
-            f"only; got {extra}. Set them to 1, or drop elastic."
+            f"{owner} with elastic sites shards inside each site with FSDP2 (dp_shard) only; got {extra}. Set them "
+            f"to 1, or drop elastic."
         )

@@ -1,10 +1,11 @@
-"""Elastic sites as a ``CrossSite`` sync, and the one driver that runs any sync from an optimizer's own calls.
+"""Elastic sites as a ``CrossSite`` sync, and a driver that runs a sync from an optimizer's own calls.
 
 ``elastic_sync`` builds the elastic variant of a job's cross-site method: ``ElasticSteps`` (``cross_site=
 "allreduce"``: a quorum, a gradient average over the sites present and a commit vote per optimizer step) or
 ``ElasticDiLoCo`` (a quorum per outer round). ``OptimizerDriver`` calls a sync's points from the optimizer the
-user's loop already calls (its ``step`` and ``zero_grad``) and from the model's first training forward: Fabric and
-Accelerate loops run unchanged.
+user's loop already calls (its ``step`` and ``zero_grad``) and from the model's first training forward, so an
+Accelerate loop runs unchanged (``MultiDCAccelerator``). The Lightning strategies call the points from their
+``optimizer_step``, the Fabric strategy from its ``optimizer_step`` and the model's forward.
 """
 
 from __future__ import annotations
@@ -37,18 +38,27 @@ class ElasticSteps(CrossSite):
 
         self.site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, wan=wan, **site_options)
         self.committed = False
-        self.joined = False
+        self.joined, self._open, self._sent = False, False, 0
 
     def before_step(self) -> None:
+        if self._open:  # this step's quorum formed already
+            return
         self.site.start_step()
-        self.joined = True
+        self.joined = self._open = True
 
     def after_backward(self, model: nn.Module) -> None:
         self.site.sync_gradients(model)
 
     def commit(self) -> bool:
+        self._open = False
         self.committed = self.site.commit()
         return self.committed
+
+    def metrics(self) -> dict[str, float]:
+        """``wan/bytes_sent``: bytes this rank sent to the other sites since the previous call."""
+        sent = self.site.wan_stats.snapshot()["bytes_sent"]
+        sent, self._sent = sent - self._sent, sent
+        return {"wan/bytes_sent": float(sent)}
 
     def resume(self, step: int) -> None:
         self.site.resume(step)
@@ -125,7 +135,7 @@ def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
 
 class OptimizerDriver:
-    """Runs ``sync`` from the calls a Fabric or Accelerate loop already makes: ``optimizer.step()`` (at a sync step:
+    """Runs ``sync`` from the calls an Accelerate loop already makes: ``optimizer.step()`` (at a sync step:
     ``after_backward``, ``commit``, then the step only if committed) and ``optimizer.zero_grad()`` (then
     ``after_step`` and, at a sync step, ``before_step``: the next step's quorum); the first ``before_step`` also
     comes at the model's first training forward. Wraps this optimizer instance's methods until ``close``.
@@ -133,7 +143,7 @@ class OptimizerDriver:
     Args:
         sync: the job's ``CrossSite``.
         model: what the loop trains (its first training forward joins the job); passed to ``after_backward``.
-        optimizer: the object whose ``step`` / ``zero_grad`` the loop calls (Fabric's or Accelerate's wrapper).
+        optimizer: the object whose ``step`` / ``zero_grad`` the loop calls (Accelerate's ``AcceleratedOptimizer``).
         sync_step: whether this optimizer step ends the accumulation (default: always).
         on_step: called with whether the step committed (Accelerate marks a skipped step for its schedulers).
     """

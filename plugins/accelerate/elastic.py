@@ -17,15 +17,15 @@ starts. Then:
 * ``cross_site="diloco"``: one quorum per outer round (``multidc.hierarchical.elastic.ElasticDiLoCo``).
 
 Both are the job's ``CrossSite`` sync (``multidc.hierarchical.elastic.steps.elastic_sync``), driven from the prepared
-optimizer by ``OptimizerDriver`` (``accelerator.elastic_steps``), as under Fabric.
+optimizer by ``OptimizerDriver`` (``accelerator.elastic_steps``).
 
 Loop on ``accelerator.job_step`` (the job's optimizer steps: committed steps, or inner steps under DiLoCo), which a
 rejoined site takes from the live ones. Checkpoints: ``save_state(url)`` on every site, as usual; only one site
 writes (``ElasticSite.save_once``; one copy of the job's state, named by ``job_step``), and ``load_state(url)``
 right after ``prepare`` resumes the job at the checkpoint's step (see ``multidc.plugins.accelerate.state``).
-With ``dp_shard`` / ``dp_replicate`` (FSDP2 inside each site) each rank's shards are
-averaged with, and healed from, the same-index rank of the other sites; every site must use the same layout.
-Pipeline and tensor parallelism are refused in this mode.
+With ``dp_shard`` (FSDP2 inside each site) each rank's shards are averaged with, and healed from, the same-index
+rank of the other sites; every site must use the same layout. ``dp_replicate``, pipeline and tensor parallelism are
+refused in this mode.
 """
 
 from __future__ import annotations

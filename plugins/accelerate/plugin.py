@@ -95,8 +95,8 @@ class MultiDCPlugin:
     """Elastic sites on torchft (env ``MULTIDC_ELASTIC``): this ``accelerate launch`` is one site (launch one per
     site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
     ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others training and
-    rejoins live when restarted. Data parallelism: DDP, or FSDP2 inside the site (``dp_shard`` /
-    ``dp_replicate``; pipeline and tensor parallelism are refused); ``save_state`` is written by one site,
+    rejoins live when restarted. Data parallelism: DDP, or FSDP2 inside the site (``dp_shard``;
+    ``dp_replicate``, pipeline and tensor parallelism are refused); ``save_state`` is written by one site,
     ``load_state`` right after ``prepare`` resumes the job; see ``multidc.plugins.accelerate.elastic``."""
 
     lighthouse: str | None = field(default=None, metadata={"help": "Lighthouse host:port. Env MULTIDC_LIGHTHOUSE."})

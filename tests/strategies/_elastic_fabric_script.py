@@ -80,7 +80,8 @@ def main() -> None:
                 "initial": initial, "final_step": strategy.elastic_sync.job_step, "num_sites": site.num_sites,
                 "lr": optimizer.param_groups[0]["lr"]},
                os.path.join(args.out, f"{args.site}_rank{fabric.global_rank}.pt"))
-    strategy.teardown()
+    if index == 0:  # as documented; site1 leaves the job at interpreter exit instead (multidc's atexit close)
+        strategy.teardown()
 
 
 if __name__ == "__main__":

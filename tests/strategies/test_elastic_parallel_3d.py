@@ -82,7 +82,8 @@ def test_a_killed_fsdp_site_rejoins_an_elastic_diloco_parallel_3d_fit_live(tmp_p
 
 
 @pytest.mark.parametrize(("sizes", "what"), [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-                                             ({"pipeline_parallel_size": 2}, "pipeline_parallel_size")])
+                                             ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+                                             ({"dp_replicate": 2}, "dp_replicate")])
 def test_elastic_parallel_3d_refuses_what_it_does_not_run(sizes, what):
     from multidc.hierarchical.elastic.shards import check_elastic_layout
 
