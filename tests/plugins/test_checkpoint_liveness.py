@@ -7,9 +7,12 @@ fails every rank within the timeout plus one beat, with an error naming the site
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from multidc.hierarchical.tools.ranks import run_ranks
+from tests._batched import run_cases
 
 TIMEOUT_S = 2.0
 SLOW_S = 3 * TIMEOUT_S  # longer than the timeout: without heartbeats the waiting rank would time out
@@ -172,9 +175,30 @@ def _load_failing_on_rank_1(rank, world, url, hook):
     return outcome, seconds
 
 
-@pytest.mark.parametrize("hook", ["state_dict", "load_state_dict"])
-def test_a_state_dict_or_restore_failing_on_one_rank_during_load_raises_on_every_rank(tmp_path, hook):
-    results = run_ranks(_load_failing_on_rank_1, 2, str(tmp_path / "ckpt"), hook, timeout=90)
+HOOKS = ["state_dict", "load_state_dict"]
+UPLOADS = {"parts-in-turn": (1, 0.5), "parts-in-flight": (8, 4.0)}  # (concurrency, part_s)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, s3_server):
+    """The 2-rank cases below whose Checkpointer stays usable after the failure they inject (each saves again
+    afterwards), on one set of spawned ranks (starting ranks is the slow part); each in its own folder or bucket,
+    named in ``two_ranks.where``."""
+    tmp = tmp_path_factory.mktemp("liveness")
+    options = s3_server.storage_options()
+    where = {hook: str(tmp / hook / "ckpt") for hook in HOOKS}
+    where |= {name: s3_server.make_bucket(f"t-upload-{uuid.uuid4().hex[:12]}") + "/run" for name in UPLOADS}
+    cases = {hook: (_load_failing_on_rank_1, (where[hook], hook)) for hook in HOOKS}
+    cases |= {name: (_upload_fails_on_rank_1, (where[name], options, *UPLOADS[name])) for name in UPLOADS}
+    results = run_cases(cases, 2, timeout=280)
+    results.where = where
+    return results
+
+
+@pytest.mark.timeout(420)  # the first to run sets up two_ranks
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_state_dict_or_restore_failing_on_one_rank_during_load_raises_on_every_rank(two_ranks, hook):
+    results = two_ranks[hook]
     assert results[1][0] == f"{hook} failed on purpose"
     assert results[0][0] == f"rank 1: {hook} failed on purpose"
     assert all(seconds < 20 for _, seconds in results)
@@ -234,21 +258,22 @@ def _upload_fails_on_rank_1(rank, world, url, options, concurrency, part_s):
     return message, failed_s, len(sent)
 
 
-@pytest.mark.parametrize(("concurrency", "part_s"), [(1, 0.5), (8, 4.0)], ids=["parts-in-turn", "parts-in-flight"])
-def test_an_upload_failing_on_one_rank_stops_the_others_uploads(s3_server, s3_bucket, concurrency, part_s):
+@pytest.mark.timeout(420)  # the first to run sets up two_ranks
+@pytest.mark.parametrize("case", list(UPLOADS))
+def test_an_upload_failing_on_one_rank_stops_the_others_uploads(s3_server, two_ranks, case):
     """Rank 1's first part is rejected; rank 0, whose upload alone would take at least 4 s (8 parts one at a time,
     or all 8 in flight at once), learns it from the next heartbeat (0.5 s) and cancels its parts, waiting or in
     flight; the save fails on both ranks with rank 1's error only, commits nothing and leaves no multipart upload
     behind; the next save succeeds."""
     from multidc.plugins import list_checkpoints
 
-    url, options = f"{s3_bucket}/run", s3_server.storage_options()
-    results = run_ranks(_upload_fails_on_rank_1, 2, url, options, concurrency, part_s, timeout=120)
+    url, options = two_ranks.where[case], s3_server.storage_options()
+    results = two_ranks[case]
     for message, failed_s, _ in results:
         assert message and "rank 1: ObjectStoreError" in message and "injected" in message, message
         assert "rank 0" not in message, message  # rank 0 stopped because of rank 1: not a second failure
         assert failed_s < 2.5, failed_s
     assert results[0][2] <= PARTS // 2, results[0][2]  # without the stop, all PARTS were sent
     assert [c.step for c in list_checkpoints(url, storage_options=options)] == [2]
-    uploads = s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=s3_bucket[5:])
+    uploads = s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=url[5:].split("/", 1)[0])
     assert not uploads.get("Uploads"), uploads
