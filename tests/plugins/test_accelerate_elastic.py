@@ -40,22 +40,32 @@ ACCELERATE = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "laun
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse):
-    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, "--steps", "30", "--sleep", "0.05",
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_a_killed_site_rejoins_an_accelerate_run_live(tmp_path, lighthouse, layout):
+    # fsdp: MultiDCPlugin(dp_shard=2), FSDP2 over each site's 2 processes; each rank's shards are averaged with, and
+    # healed from, the same-index rank of the other site
+    extra = ["--dp-shard", "2"] if layout == "fsdp" else []
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 2, 1, *extra, "--steps", "30", "--sleep", "0.05",
                            script=SCRIPT, kill_at=8, accelerate=ACCELERATE)
     _, survivor = check_rejoined(run, 2, 30)
     assert survivor["lr"] == run["ranks"][("site1", 0)]["lr"]  # the LR schedule followed the committed steps
+    assert set(survivor["sharded"]) == ({"DTensor"} if layout == "fsdp" else {"Parameter"})
     expected = reference(survivor["log"], 2, survivor["initial"], scheduled=True)
     for name, value in survivor["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 0), (2, 1)], ids=["plain", "streaming", "overlap"])
-def test_a_killed_one_process_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse, fragments, overlap):
-    run = run_with_a_kill(tmp_path, lighthouse.address, 2, 1, 1, "--diloco", "--fragments", str(fragments),
-                           "--overlap", str(overlap), "--steps", "8", "--sleep", "0.1", script=SCRIPT, kill_at=3,
-                           accelerate=ACCELERATE)
-    check_diloco_rejoined(run, 1, fragments, overlap)
+@pytest.mark.parametrize("fragments,overlap,dp_shard", [(1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 0, 2), (2, 1, 2)],
+                         ids=["plain", "streaming", "overlap", "fsdp-plain", "fsdp-streaming-overlap"])
+def test_a_killed_site_rejoins_an_elastic_diloco_run_live(tmp_path, lighthouse, fragments, overlap, dp_shard):
+    # one process per site, or (fsdp) MultiDCPlugin(dp_shard=2) over 2: a quorum per round; the restarted site's
+    # ranks receive their peers' (shards of the) global and local parameters and outer and inner optimizer states
+    extra, per_site = (["--dp-shard", str(dp_shard)], dp_shard) if dp_shard else ([], 1)
+    run = run_with_a_kill(tmp_path, lighthouse.address, 2, per_site, 1, *extra, "--diloco", "--fragments",
+                           str(fragments), "--overlap", str(overlap), "--steps", "8", "--sleep", "0.1", script=SCRIPT,
+                           kill_at=3, accelerate=ACCELERATE)
+    assert set(run["ranks"][("site0", 0)]["sharded"]) == ({"DTensor"} if dp_shard else {"Parameter"})
+    check_diloco_rejoined(run, per_site, fragments, overlap)
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "diloco"])
@@ -130,6 +140,11 @@ def test_elastic_settings_are_checked_at_construction(monkeypatch):
     monkeypatch.setenv("MULTIDC_LIGHTHOUSE", "127.0.0.1:29510")
     assert MultiDCPlugin().elastic and not MultiDCPlugin(elastic=False).elastic
     assert MultiDCPlugin(dp_shard=2).layout.num_sites == 1  # FSDP2 inside the site: this launch is one site
+    from multidc.hierarchical.elastic.shards import check_elastic_layout
+
+    for sizes in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"dp_replicate": 2}):
+        with pytest.raises(ValueError, match=next(iter(sizes))):  # refused at the launch, on every rank
+            check_elastic_layout(MultiDCPlugin(dp_shard=1, **sizes).layout.resolve(2), "MultiDCPlugin")
     overlapped = DiLoCoConfig(sync_every=4, fragments=2, overlap_steps=1)
     assert MultiDCPlugin(cross_site="diloco", diloco=overlapped).elastic  # every DiLoCo variant
     with pytest.raises(ValueError, match="overlap_steps=1 must be below the smallest gap between two fragments"):
