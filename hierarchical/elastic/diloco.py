@@ -138,8 +138,6 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
             self._own_group = self.site.intra_group = dist.new_group()
         self._round = None
         self.round_pending = True  # the first round: joined here, or by the caller's first start_round()
-        self.on_close: list[Callable[[], None]] = []
-        """Called by ``close()`` (a front-end's clean-up: hooks it put on the user's objects)."""
         if join:
             try:
                 self.start_round()
@@ -297,8 +295,6 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         try:
             super().close()
         finally:
-            for fn in self.on_close:
-                fn()
             self.site.close()
             if self._own_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._own_group)

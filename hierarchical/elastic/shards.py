@@ -20,10 +20,26 @@ def _is_dtensor(value) -> bool:
     return isinstance(value, DTensor)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard if a ``DTensor`` (a layout's parameter or gradient)."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part) as a tensor placed like ``param``: a ``DTensor`` on its mesh, with its
+    placements, global shape and stride, if ``param`` is one; else ``local`` itself."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def local_state(value):
     """``value`` (a nested state dict) with every ``DTensor`` replaced by this rank's local tensor."""
     if isinstance(value, torch.Tensor):
-        return value.to_local() if _is_dtensor(value) else value
+        return local_tensor(value)
     if isinstance(value, dict):
         return {key: local_state(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -55,7 +71,7 @@ def load_module_state(module: nn.Module, state: dict) -> None:
     with torch.no_grad():
         for key, target in own.items():
             if isinstance(target, torch.Tensor):
-                local = target.to_local() if _is_dtensor(target) else target
+                local = local_tensor(target)
                 if local.shape != state[key].shape:
                     raise RuntimeError(f"{key}: shard of shape {tuple(state[key].shape)}, here "
                                        f"{tuple(local.shape)}")
@@ -78,18 +94,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     if not any(_is_dtensor(p) for p in params):
         optimizer.load_state_dict(state)
         return
-    from torch.distributed.tensor import DTensor
-
     restored = {}
     for index, entry in state["state"].items():
         param = params[int(index)]
-        if not _is_dtensor(param):
-            restored[index] = entry
-            continue
-        shape = param.to_local().shape
+        shape = local_tensor(param).shape
         restored[index] = {
-            key: DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                    shape=param.shape, stride=param.stride())
+            key: placed_like(param, value.to(param.device))
             if isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0 else value
             for key, value in entry.items()
         }

@@ -49,6 +49,7 @@ from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic._patches import wrap_quorum_client
 from multidc.hierarchical.elastic.lighthouse import check_lighthouse, import_torchft
 from multidc.hierarchical.elastic.members import in_quorum_twice, quorum_change, wait_for_site_name
+from multidc.hierarchical.elastic.shards import local_tensor, placed_like
 from multidc.hierarchical.elastic.transport import QuorumIdentity, state_server
 from multidc.hierarchical.elastic.writer import CheckpointWriter, run_all
 from multidc.hierarchical.stats import WanStats
@@ -396,7 +397,7 @@ class ElasticSite:
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             return
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in params]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
         # DDP, or FSDP2 inside the site (a layout's reduce-scatter and replica hook): the replicas hold the site's
@@ -413,7 +414,7 @@ class ElasticSite:
             if not has_grad:
                 p.grad = None
             elif p.grad is None:
-                p.grad = _like(p, values.clone())
+                p.grad = placed_like(p, values.clone())
             else:
                 grad.copy_(values)
             offset += grad.numel()
@@ -550,23 +551,6 @@ def _site_votes(vote: _Vote, group) -> list[_Vote]:
     votes: list = [None] * dist.get_world_size()
     dist.all_gather_object(votes, tuple(vote), group=group)
     return [_Vote(*v) for v in votes]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its local shard if a ``DTensor`` (a layout's parameter or gradient)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A gradient for ``param`` from this rank's part ``local``: a ``DTensor`` placed as ``param`` if it is one."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
 
 
 def _to_cpu(value, *, copy: bool = False):

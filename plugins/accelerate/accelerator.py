@@ -275,15 +275,16 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         from multidc.hierarchical.elastic.steps import OptimizerDriver, elastic_sync
 
         refuse_loss_scaling(self.scaler, mode="elastic")
-        model, prepared, schedulers = self._models[0], self._optimizers[0], self._schedulers
+        prepared, schedulers = self._optimizers[0], self._schedulers
+        model = getattr(self._models[0], "_orig_mod", self._models[0])  # torch.compile wraps the DDP module
         sync = elastic_sync(
-            getattr(model, "_orig_mod", model), [prepared.optimizer], diloco=plugin.diloco, wan=plugin.wan,
+            model, [prepared.optimizer], diloco=plugin.diloco, wan=plugin.wan,
             state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
             load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]),
             replica_group=self.parallel.replica_group if self.parallel is not None else None, **site_options(plugin),
         )
         self.elastic_steps = OptimizerDriver(  # the prepared schedulers skip a step the job discarded
-            sync, getattr(model, "_orig_mod", model), prepared,
+            sync, model, prepared,
             sync_step=lambda: prepared.gradient_state.sync_gradients,
             on_step=lambda committed: mark_step_skipped(prepared, not committed))
 
