@@ -59,11 +59,16 @@ def run_doctor(tmp_path, *lab_args: str, env: dict | None = None, sites: int = 2
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def run_training_script(script: str, args: list[str], env: dict | None = None, timeout: float = 300) -> str:
-    """Run a training script that launches its own ranks; afterwards (also on timeout) kill every rank it started."""
+def start_training_script(script: str, args: list[str], env: dict | None = None) -> ProcessTree:
+    """Start a training script that launches its own ranks, with a clean environment; ``finish`` waits for it and
+    kills every rank it started."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in ("RANK", "WORLD_SIZE",
              "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
-    code, out = run_script([sys.executable, script, *args], {**clean, "OMP_NUM_THREADS": "1", **(env or {})},
-                            timeout)
+    return ProcessTree([sys.executable, script, *args], env={**clean, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def run_training_script(script: str, args: list[str], env: dict | None = None, timeout: float = 300) -> str:
+    """Run a training script that launches its own ranks; afterwards (also on timeout) kill every rank it started."""
+    code, out = finish(start_training_script(script, args, env), timeout)
     assert code == 0, out[-6000:]
     return out

@@ -10,6 +10,7 @@ clipping: ``ModelParallelStrategy`` cannot clip a model that mixes TP and non-TP
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from datetime import timedelta
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests._batched import run_cases
-from tests._launch import run_training_script
+from tests._launch import finish, start_training_script
 from tests._resources import require_module
 
 STEPS = 3  # tests/strategies/_model_parallel_script.STEPS; not imported: importing the script needs Lightning
@@ -163,12 +164,22 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same module under each strategy, one run after another; {run: log, losses, per-rank weights, bytes}."""
+    """The same module under each strategy, the runs at once (12 ranks on 2 cores: each run's first process imports
+    Lightning alone before it starts the others, which leaves a core idle); {run: log, losses, per-rank weights,
+    bytes}."""
     require_module("lightning", "lightning")
+    outs = {name: tmp_path_factory.mktemp(name) for name in RUNS}
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every run
+        trees = {name: stack.enter_context(start_training_script(SCRIPT, ["--out", str(outs[name]), "--clip", "0",
+                                                                          *args]))
+                 for name, args in RUNS.items()}
+        logs = {}
+        for name, tree in trees.items():
+            code, logs[name] = finish(tree, 240)
+            assert code == 0, f"{name}:\n{logs[name][-6000:]}"
     results = {}
-    for name, args in RUNS.items():
-        out = tmp_path_factory.mktemp(name)
-        log = run_training_script(SCRIPT, ["--out", str(out), "--clip", "0", *args], timeout=240)
+    for name, out in outs.items():
+        log = logs[name]
         with open(out / "run.json") as f:
             losses = json.load(f)["losses"]
         weights = [torch.load(out / f"weights_rank{rank}.pt") for rank in range(4)]
