@@ -6,6 +6,7 @@ the strategy name; the strategy launches its own ranks, as for a user running ``
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -26,6 +27,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 import multidc.strategies  # noqa: E402,F401  (registers the strategy names)
 from multidc.hierarchical import WanConfig  # noqa: E402
+from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 from multidc.strategies import HierarchicalDDPFabricStrategy, HierarchicalDDPStrategy  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_lightning_script.py")
@@ -33,23 +35,42 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "_lightning_script.py")
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
-def run_script(args: list[str], env: dict[str, str], timeout: float = 180) -> tuple[int, str]:
-    """Run the training script; afterwards (also on timeout) kill every rank it launched."""
+def start_script(args: list[str], env: dict[str, str]) -> ProcessTree:
+    """Start the training script with a clean environment; ``_launch.finish`` waits for it and kills every rank it
+    launched."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH_VARS}
-    return _launch.run_script([sys.executable, SCRIPT, *args],
-                              {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}, timeout)
+    return ProcessTree([sys.executable, SCRIPT, *args], env={**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                                             **env})
+
+
+# Every launch of this module: {name: (script arguments, environment)}.
+LAUNCHES = {
+    # 4 ranks, 2 sites from env, accumulation 2, 3 optimizer steps
+    "ddp": (["--strategy", "ddp", "--accumulate", "2"], {}),
+    "hierarchical_ddp": (["--strategy", "hierarchical_ddp", "--accumulate", "2"],
+                         {"MULTIDC_NUM_SITES": "2", "MULTIDC_WAN_CHUNK_MB": "0.0005", "MULTIDC_WAN_STREAMS": "3"}),
+    # Fabric, 2 ranks, 2 sites
+    "fabric": (["--fabric", "--strategy", "hierarchical_ddp", "--devices", "2"], {"MULTIDC_NUM_SITES": "2"}),
+}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One `ddp` and one `hierarchical_ddp` run: 4 ranks, 2 sites from env, accumulation 2, 3 optimizer steps."""
+def launches(tmp_path_factory):
+    """Every launch of ``LAUNCHES`` at once (10 ranks on 2 cores: each launch's first process imports Lightning
+    alone before it starts the others, which leaves a core idle); ``{name: (exit code, output, out dir)}``."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in LAUNCHES}
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every launch
+        trees = {name: stack.enter_context(start_script([*args, "--out", str(dirs[name])], env))
+                 for name, (args, env) in LAUNCHES.items()}
+        return {name: (*_launch.finish(tree, 180), dirs[name]) for name, tree in trees.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    """The `ddp` and the `hierarchical_ddp` Trainer runs: their reports, CSV rows and weights."""
     results = {}
-    for strategy, env in (
-        ("ddp", {}),
-        ("hierarchical_ddp", {"MULTIDC_NUM_SITES": "2", "MULTIDC_WAN_CHUNK_MB": "0.0005", "MULTIDC_WAN_STREAMS": "3"}),
-    ):
-        out_dir = tmp_path_factory.mktemp(strategy)
-        code, log = run_script(["--strategy", strategy, "--out", str(out_dir), "--accumulate", "2"], env)
+    for strategy in ("ddp", "hierarchical_ddp"):
+        code, log, out_dir = launches[strategy]
         assert code == 0, f"{strategy} run failed:\n{log[-6000:]}"
         with open(out_dir / "run.json") as f:
             report = json.load(f)
@@ -103,17 +124,14 @@ def test_wan_metrics_reach_the_csv_logger_and_progress_bar(runs):
     assert not any(k.startswith("wan/") for r in runs["ddp"]["csv"] for k, v in r.items() if v)
 
 
-def test_fabric_hierarchical_ddp_matches_single_process_reference(tmp_path):
-    code, log = run_script(
-        ["--fabric", "--strategy", "hierarchical_ddp", "--devices", "2", "--out", str(tmp_path)],
-        {"MULTIDC_NUM_SITES": "2"},
-    )
+def test_fabric_hierarchical_ddp_matches_single_process_reference(launches):
+    code, log, out_dir = launches["fabric"]
     assert code == 0, log[-6000:]
-    weights = torch.load(tmp_path / "weights.pt")
+    weights = torch.load(out_dir / "weights.pt")
     for name, reference in weights["reference"].items():
         assert not torch.allclose(reference, weights["initial"][name]), f"{name} did not train"
         torch.testing.assert_close(weights["final"][name], reference, rtol=1e-5, atol=1e-6, msg=name)
-    with open(tmp_path / "run.json") as f:
+    with open(out_dir / "run.json") as f:
         report = json.load(f)
     assert report["strategy_class"] == "HierarchicalDDPFabricStrategy"
     assert all(m["wan/bytes_sent"] > 0 for m in report["wan_metrics"])
@@ -127,12 +145,10 @@ def test_names_are_registered_with_trainer_and_fabric_registries(name, start_met
     assert type(fabric_strategy) is HierarchicalDDPFabricStrategy and fabric_strategy._start_method == start_method
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-
-
-def test_importing_twice_and_reloading_keeps_one_working_registration():
-    result = _python(
+NO_LIGHTNING = ["HierarchicalDDPStrategy", "Parallel3DStrategy", "DiLoCoStrategy"]
+# Code run by a fresh interpreter each: {name: code}.
+FRESH = {
+    "reload": (
         "import importlib, multidc.strategies, multidc.strategies.hierarchical_ddp as m\n"
         "import multidc.strategies\n"
         "m = importlib.reload(m); importlib.reload(multidc.strategies)\n"
@@ -143,7 +159,40 @@ def test_importing_twice_and_reloading_keeps_one_working_registration():
         "import os; os.environ['MULTIDC_DILOCO_SYNC_EVERY'] = '8'\n"
         "from multidc.strategies.diloco import DiLoCoStrategy\n"
         "assert type(R.get('diloco')) is DiLoCoStrategy and R.get('diloco_spawn')._start_method == 'spawn'\n"
-    )
+    ),
+    **{name: (
+        "import sys; sys.modules['lightning'] = None\n"
+        "import multidc.strategies\n"
+        "try:\n"
+        f"    multidc.strategies.{name}\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    ) for name in NO_LIGHTNING},
+}
+
+
+@pytest.fixture(scope="module")
+def interpreters():
+    """The checks that need an interpreter of their own (``FRESH``: a reload, each strategy without Lightning), all
+    started at once (each mostly imports, on one core); ``{name: completed process}``."""
+    procs = {}
+    try:
+        for name, code in FRESH.items():
+            procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+        results = {}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return results
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_importing_twice_and_reloading_keeps_one_working_registration(interpreters):
+    result = interpreters["reload"]
     assert result.returncode == 0, result.stderr
 
 
@@ -160,16 +209,9 @@ def test_strategies_pickle_for_spawn_launches():
         assert type(restored) is type(strategy) and restored.wan == strategy.wan
 
 
-@pytest.mark.parametrize("name", ["HierarchicalDDPStrategy", "Parallel3DStrategy", "DiLoCoStrategy"])
-def test_package_imports_without_lightning_and_the_strategy_says_what_to_install(name):
-    result = _python(
-        "import sys; sys.modules['lightning'] = None\n"
-        "import multidc.strategies\n"
-        "try:\n"
-        f"    multidc.strategies.{name}\n"
-        "except ImportError as exc:\n"
-        "    print('ImportError:', exc)\n"
-    )
+@pytest.mark.parametrize("name", NO_LIGHTNING)
+def test_package_imports_without_lightning_and_the_strategy_says_what_to_install(interpreters, name):
+    result = interpreters[name]
     assert result.returncode == 0, result.stderr
     assert "ImportError: multidc's Lightning strategies need Lightning" in result.stdout, result.stdout
     assert "pip install 'multidc[lightning]'" in result.stdout
