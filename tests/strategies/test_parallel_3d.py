@@ -7,6 +7,7 @@ every weight (the only differences are reduction order).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from multidc.hierarchical.tools.ranks import run_ranks
-from tests._launch import run_training_script
+from tests._launch import finish, start_training_script
 from tests._resources import require_module
 from tests._tiny_models import assert_parity, parallel_run, reference_run
 
@@ -147,6 +148,7 @@ def test_eight_ranks_train_like_one_process_with_a_fraction_of_the_memory(eight_
 # ------------------------------------------------------------------------------------------------ Lightning
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "gpt_3d.py")
+MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel_script.py")
 LIGHTNING_ARGS = dict(devices=4, sites=2, pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, hidden=16,
                       batch_size=4, max_steps=3, clip=0.05)
 LIGHTNING_LAYOUTS = {"sites2xpp2": dict(pp=2, tp=1), "sites2xtp2": dict(pp=1, tp=2)}
@@ -159,9 +161,20 @@ def _load_example():
     return module
 
 
-def _run_example(out_dir, a: dict) -> str:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in a.items()]
-    return run_training_script(EXAMPLE, [*args, "--out", str(out_dir)])
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    """The module's Lightning runs, 4 ranks each, all at once (each run's first process imports Lightning alone before
+    it starts the others, which leaves a core idle): examples/gpt_3d.py in each of ``LIGHTNING_LAYOUTS``, and
+    _model_parallel_script.py with 2 sites and tp 2; ``{name: (exit code, output, out dir)}``."""
+    require_module("lightning", "lightning")
+    runs = {layout: (EXAMPLE, [f"--{k.replace('_', '-')}={v}" for k, v in {**LIGHTNING_ARGS, **sizes}.items()], {})
+            for layout, sizes in LIGHTNING_LAYOUTS.items()}
+    runs["model_parallel"] = (MODEL_PARALLEL_SCRIPT, [], {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"})
+    dirs = {name: tmp_path_factory.mktemp(name) for name in runs}
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every run
+        trees = {name: stack.enter_context(start_training_script(script, [*args, "--out", str(dirs[name])], env))
+                 for name, (script, args, env) in runs.items()}
+        return {name: (*finish(tree, 300), dirs[name]) for name, tree in trees.items()}
 
 
 def _merged_weights(out_dir, ranks: int) -> dict:
@@ -205,44 +218,40 @@ def _example_reference(example, a: dict) -> dict:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", list(LIGHTNING_LAYOUTS))
-def test_lightning_parallel_3d_example_trains_like_one_process(tmp_path, layout):
+def test_lightning_parallel_3d_example_trains_like_one_process(lightning_runs, layout):
     """examples/gpt_3d.py on 4 ranks: pipeline (pipeline_step) or tensor parallel (configure_model) x 2 sites; the
     loss falls; then trainer.validate on the same, already parallel model (configure_model and setup run again)."""
-    require_module("lightning", "lightning")
     args = {**LIGHTNING_ARGS, **LIGHTNING_LAYOUTS[layout]}
-    out = _run_example(tmp_path, args)  # exits non-zero when the training loss does not fall
-    with open(tmp_path / "run.json") as f:
+    code, out, out_dir = lightning_runs[layout]
+    assert code == 0, out[-6000:]  # it exits non-zero when the training loss does not fall
+    with open(out_dir / "run.json") as f:
         run = json.load(f)
     assert len(run["losses"]) == args["max_steps"] and run["losses"][-1] < run["losses"][0], run["losses"]
     assert f"loss: first {run['losses'][0]:.3f} -> last {run['losses'][-1]:.3f}" in out
     reference = _example_reference(_load_example(), args)
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=1e-4, atol=2e-5)
     assert math.isclose(run["val_loss"], reference["val_loss"], rel_tol=1e-4, abs_tol=2e-5), (run, reference)
-    merged = _merged_weights(tmp_path, args["devices"])
+    merged = _merged_weights(out_dir, args["devices"])
     assert set(merged) == set(reference["params"])
     for name, value in merged.items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=2e-5, msg=name)
     assert run["wan"]["bytes_sent"] > 0
 
 
-MODEL_PARALLEL_SCRIPT = os.path.join(os.path.dirname(__file__), "_model_parallel_script.py")
-
-
 @pytest.mark.timeout(400)
-def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_them_hierarchically(tmp_path):
+def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_them_hierarchically(lightning_runs):
     """_model_parallel_script.py: TP + fully_shard over device_mesh["data_parallel"] in configure_model; its FSDP
     stays inside each site (test_model_parallel_dropin.py compares it with ModelParallelStrategy)."""
-    require_module("lightning", "lightning")
     import tests.strategies._model_parallel_script as script
     from tests._tiny_models import TinyGPT, loss_fn
 
-    env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_TP_SIZE": "2"}
-    out = run_training_script(MODEL_PARALLEL_SCRIPT, ["--out", str(tmp_path)], env)
+    code, out, out_dir = lightning_runs["model_parallel"]
+    assert code == 0, out[-6000:]
     assert "cross the WAN flat" not in out
-    with open(tmp_path / "bytes_rank0.json") as f:
+    with open(out_dir / "bytes_rank0.json") as f:
         sent = json.load(f)
     assert sent["fsdp_cross_site"] == 0 and sent["wan_stats"] > 0, sent
-    with open(tmp_path / "run.json") as f:
+    with open(out_dir / "run.json") as f:
         run = json.load(f)
     torch.manual_seed(0)  # seed_everything(0) before the module, as the script
     model = TinyGPT(2)
@@ -261,7 +270,7 @@ def test_model_parallel_strategy_module_runs_unchanged_with_sites_and_reduces_th
         opt.zero_grad()
         losses.append(loss.item())
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-4, atol=2e-5)
-    for name, value in _merged_weights(tmp_path, 4).items():
+    for name, value in _merged_weights(out_dir, 4).items():
         torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), rtol=1e-4, atol=2e-5)
 
 
