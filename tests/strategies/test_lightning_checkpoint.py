@@ -9,6 +9,7 @@ on the same global batches (rtol 1e-5 / 1e-4); RNG streams with the ones saved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 import tests.strategies._lightning_ckpt_script as script  # noqa: E402
+from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
 from multidc.plugins.checkpoint.format import decode_commit  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
@@ -38,12 +40,22 @@ pytestmark = pytest.mark.timeout(300)
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
-def _run(out_dir, args: list[str], env: dict[str, str], timeout: float = 240) -> dict:
-    """Run the script (it launches its own ranks); return its output and every rank's report and weights."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _run_at_once(runs: dict[str, tuple], timeout: float = 240) -> dict[str, dict]:
+    """Run the script (it launches its own ranks) once for each of ``runs`` (``{name: (out dir, args, env)}``), all
+    at once; ``{name: its output and every rank's report and weights}``."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIDC_", "AWS_")) and k not in _LAUNCH}
-    code, log = _launch.run_script([sys.executable, script.__file__, *args, "--out", str(out_dir)],
-                                   {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}, timeout)
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every run
+        trees = {}
+        for name, (out_dir, args, env) in runs.items():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            trees[name] = stack.enter_context(ProcessTree(
+                [sys.executable, script.__file__, *args, "--out", str(out_dir)],
+                env={**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}))
+        ended = {name: _launch.finish(tree, timeout) for name, tree in trees.items()}
+    return {name: _report(runs[name][0], *ended[name]) for name in runs}
+
+
+def _report(out_dir, code: int, log: str) -> dict:
     run = {"log": log, "code": code, "ranks": [], "weights": {}, "exits": {}}
     for rank in range(8):
         if (out_dir / f"exit_rank{rank}.json").exists():
@@ -93,28 +105,49 @@ def _assert_parity(run: dict, first_step: int, losses: list[float], params: dict
         torch.testing.assert_close(value, params[name], rtol=rtol, atol=atol, msg=name)
 
 
-# ----------------------------------------------------------------------------- hierarchical_ddp on S3
 @pytest.fixture(scope="module")
-def ddp_runs(s3_auth_server, tmp_path_factory):
-    """4 ranks / 2 sites, 8 steps, async saves every 4 steps to S3; then "last" on 2 ranks / 1 site to step 12."""
+def runs(s3_auth_server, tmp_path_factory):
+    """The runs of both strategies, the two first runs at once, then the two resumed ones at once (each launch's first
+    process imports Lightning alone before it starts the others, which leaves a core idle):
+
+    hierarchical_ddp: 4 ranks / 2 sites, 8 steps, async saves every 4 steps to S3; then "last" on 2 ranks / 1 site to
+    step 12. parallel_3d: dp_shard 2 x pp 2 on 4 ranks, 2 steps, default_root_dir local; then "last" on 2 ranks
+    (dp_shard 2, no pp). Half-written checkpoints are planted before each resume.
+    """
     bucket = s3_auth_server.make_bucket("lightning-ckpt")
     root = f"{bucket}/run"
     env = {"AWS_ENDPOINT_URL": s3_auth_server.endpoint, "AWS_ACCESS_KEY_ID": AUTH_KEYS[0],
            "AWS_SECRET_ACCESS_KEY": AUTH_KEYS[1], "AWS_DEFAULT_REGION": "us-east-1"}
-    tmp = tmp_path_factory.mktemp("ddp")
+    tmp, tmp_3d = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("p3d")
     common = ["--strategy", "hierarchical_ddp", "--root", root, "--every", "4"]
-    first = _run(tmp / "first", [*common, "--devices", "4", "--max-steps", "8", "--async"],
-                 {**env, "MULTIDC_NUM_SITES": "2"})
-    assert first["code"] == 0, first["log"][-6000:]
+    common_3d = ["--strategy", "parallel_3d", "--root", str(tmp_3d / "run"), "--every", "2"]
+    first = _run_at_once({
+        "ddp": (tmp / "first", [*common, "--devices", "4", "--max-steps", "8", "--async"],
+                {**env, "MULTIDC_NUM_SITES": "2"}),
+        "3d": (tmp_3d / "first", [*common_3d, "--devices", "4", "--pp", "2", "--max-steps", "2"], {})})
+    for name, run in first.items():
+        assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
     fs = s3_auth_server.filesystem()
     listing = sorted(p.split("/ckpts/", 1)[1] for p in fs.find(f"{root}/ckpts"))
     store = ObjectStore(f"{root}/ckpts", storage_options=s3_auth_server.storage_options())
     commit = decode_commit(store.get("last.ckpt/step_0000000008/COMMIT.json"), "last.ckpt")
     _plant_half_written(store, "last.ckpt/step_0000000012", "epoch=2-step=12.ckpt/step_0000000012")
-    resumed = _run(tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env)
-    assert resumed["code"] == 0, resumed["log"][-6000:]
-    reference = _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)
-    return {"first": first, "resumed": resumed, "listing": listing, "commit": commit, "reference": reference}
+    _plant_half_written(ObjectStore(tmp_3d / "run" / "checkpoints"), "epoch=9-step=99.ckpt/step_0000000099")
+    resumed = _run_at_once({
+        "ddp": (tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env),
+        "3d": (tmp_3d / "resumed", [*common_3d, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {})})
+    for name, run in resumed.items():
+        assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
+    return {"ddp": {"first": first["ddp"], "resumed": resumed["ddp"], "listing": listing, "commit": commit,
+                    "reference": _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)},
+            "3d": {"first": first["3d"], "resumed": resumed["3d"], "root": tmp_3d / "run",
+                   "reference": _reference(script.GPT, script.gpt_data(), script.GPT_ROWS, 4)}}
+
+
+# ----------------------------------------------------------------------------- hierarchical_ddp on S3
+@pytest.fixture(scope="module")
+def ddp_runs(runs):
+    return runs["ddp"]
 
 
 def test_ddp_resumes_last_from_s3_on_another_layout_like_an_unbroken_run(ddp_runs):
@@ -168,17 +201,8 @@ def test_credentials_never_reach_the_output(ddp_runs):
 
 # ----------------------------------------------------------------------------- parallel_3d on a local path
 @pytest.fixture(scope="module")
-def parallel_3d_runs(tmp_path_factory):
-    """dp_shard 2 x pp 2 on 4 ranks, 2 steps, default_root_dir local; then "last" on 2 ranks (dp_shard 2, no pp)."""
-    tmp = tmp_path_factory.mktemp("p3d")
-    common = ["--strategy", "parallel_3d", "--root", str(tmp / "run"), "--every", "2"]
-    first = _run(tmp / "first", [*common, "--devices", "4", "--pp", "2", "--max-steps", "2"], {})
-    assert first["code"] == 0, first["log"][-6000:]
-    _plant_half_written(ObjectStore(tmp / "run" / "checkpoints"), "epoch=9-step=99.ckpt/step_0000000099")
-    resumed = _run(tmp / "resumed", [*common, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {})
-    assert resumed["code"] == 0, resumed["log"][-6000:]
-    reference = _reference(script.GPT, script.gpt_data(), script.GPT_ROWS, 4)
-    return {"first": first, "resumed": resumed, "reference": reference, "root": tmp / "run"}
+def parallel_3d_runs(runs):
+    return runs["3d"]
 
 
 def test_parallel_3d_pipeline_checkpoint_resumes_without_pipeline_like_an_unbroken_run(parallel_3d_runs):
