@@ -24,7 +24,8 @@ from multidc.hierarchical._lazy import lazy_exports
 
 # name -> submodule; imported on first use (PEP 562), so tools that need no torch (`multidc lighthouse`) start fast
 _LAZY = {
-    "all_reduce": "all_reduce", "Chunk": "chunking", "CrossSite": "cross_site", "plan_chunks": "chunking",
+    "all_reduce": "all_reduce", "Chunk": "chunking", "CrossSite": "cross_site", "cross_site_sync": "cross_site",
+    "plan_chunks": "chunking",
     "get_codec": "compression",
     "WanConfig": "config", "HierarchicalHookState": "ddp_hook", "register_ddp_hook": "ddp_hook",
     "register_site_ddp_hook": "ddp_hook", "DiLoCo": "diloco", "DiLoCoConfig": "diloco", "DiLoCoStats": "diloco",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from multidc.hierarchical.chunking import Chunk, plan_chunks
     from multidc.hierarchical.compression import get_codec
     from multidc.hierarchical.config import WanConfig
-    from multidc.hierarchical.cross_site import CrossSite
+    from multidc.hierarchical.cross_site import CrossSite, cross_site_sync
     from multidc.hierarchical.ddp_hook import HierarchicalHookState, register_ddp_hook, register_site_ddp_hook
     from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig, DiLoCoStats
     from multidc.hierarchical.errors import WanError
@@ -60,6 +61,7 @@ __all__ = [
     "WanError",
     "WanStats",
     "all_reduce",
+    "cross_site_sync",
     "get_codec",
     "plan_chunks",
     "register_ddp_hook",

@@ -1,8 +1,11 @@
-"""Elastic sites under Lightning: ``elastic=True`` on ``HierarchicalDDPStrategy``, ``DiLoCoStrategy`` and
-``Parallel3DStrategy`` (env ``MULTIDC_ELASTIC=1``). Each site is its own Lightning job (its own launch, its own
-rendezvous; ``devices`` / ``num_nodes`` count that site's ranks); DDP or FSDP2 reduce inside the site, and the
-job's elastic sync (``multidc.hierarchical.elastic.steps.elastic_sync``: a quorum per step, or per DiLoCo round)
-crosses the WAN. ``optimizer_step`` calls it at the points of ``multidc.hierarchical.cross_site.CrossSite``:
+"""The one Lightning driver of a job's ``multidc.hierarchical.CrossSite`` sync (``CrossSiteMixin``), for
+``HierarchicalDDPStrategy``, ``DiLoCoStrategy`` and ``Parallel3DStrategy`` whatever crosses the WAN.
+
+Elastic sites under Lightning: ``elastic=True`` on any of them (env ``MULTIDC_ELASTIC=1``). Each site is its own
+Lightning job (its own launch, its own rendezvous; ``devices`` / ``num_nodes`` count that site's ranks); DDP or FSDP2
+reduce inside the site, and the job's elastic sync (``multidc.hierarchical.elastic.steps.ElasticSync``: a quorum per
+step, or per DiLoCo round) crosses the WAN. ``optimizer_step`` calls it at the points of
+``multidc.hierarchical.cross_site.CrossSite``:
 
 1. ``before_step()``: the quorum of sites present (per-step sites; DiLoCo: the first round); a (re)started site
    receives the model, optimizer and LR scheduler states from a live site here (not from storage);
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from multidc.hierarchical._gradient_sync import HasGradientSync
 from multidc.plugins._lightning_patches import (
     set_optimizer_steps,
     unwrap_lr_scheduler_updates,
@@ -32,76 +36,42 @@ from multidc.plugins._lightning_patches import (
 )
 
 
-class ElasticMixin:
-    """Mixed into a Lightning strategy before it: with ``elastic``, ``optimizer_step`` drives the job's elastic
-    ``CrossSite`` sync (``multidc.hierarchical.elastic.steps.elastic_sync``: a quorum per step, or per DiLoCo round)
-    at the protocol's points, the same for every cross-site method and layout."""
+class CrossSiteMixin(HasGradientSync):
+    """Mixed into a Lightning strategy before it: the one driver of the job's ``CrossSite`` sync
+    (``self.gradient_sync``, from ``multidc.hierarchical.cross_site_sync``), the same for every cross-site method,
+    elastic or not, and every layout. The strategy builds the topology and attaches DDP where Lightning sets them
+    up; ``_attach_sync`` attaches the model and optimizers at the end of ``setup``; a sync that ``drives_steps``
+    (elastic) runs its points from ``optimizer_step``."""
 
-    def _init_elastic(self, elastic: bool | None, lighthouse: str | None, sites: int | None) -> None:
-        from multidc.hierarchical.elastic import resolve_elastic
-
-        self.elastic = resolve_elastic(elastic, lighthouse)  # a missing or malformed address fails here
-        self.elastic_sync = None
-        """The running elastic ``CrossSite`` sync (elastic mode, during ``fit``), else None."""
-        self.elastic_committed = False
-        """Whether the last optimizer step committed (elastic mode)."""
-        self._lighthouse, self._elastic_sites = lighthouse, sites
-
-    @property
-    def elastic_site(self):
-        """The running ``ElasticSite`` (elastic mode, during ``fit``), else None."""
-        return getattr(self.elastic_sync, "site", None)
-
-    def _setup_elastic(self, trainer) -> None:
-        """At the end of ``setup`` (the model wrapped, the optimizers built): the elastic sync, when fitting."""
-        if not self.elastic or trainer.state.fn != "fit":  # validate / test / predict: no steps to agree on
+    def _attach_sync(self, trainer, parallel=None) -> None:
+        """At the end of ``setup`` when fitting (the model wrapped, the optimizers built, before Lightning restores
+        a checkpoint into them): attach the sync; one that drives the steps gets the LR scheduler hook."""
+        if trainer.state.fn != "fit":  # validate / test / predict: nothing crosses the WAN
             return
-        if not self.lightning_module.automatic_optimization:
+        sync = self.gradient_sync
+        if sync.drives_steps and not self.lightning_module.automatic_optimization:
             raise ValueError("elastic=True needs automatic optimization (the strategy decides whether a step commits).")
-        from multidc.hierarchical.diloco.config import refuse_loss_scaling
-        from multidc.hierarchical.elastic.steps import elastic_sync
-
-        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None), mode="elastic")
-        refuse_per_epoch_schedulers(self.lr_scheduler_configs)
-        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-
-        def load_schedulers(state: dict) -> None:
-            for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
-                scheduler.load_state_dict(saved)
-
+        if sync.drives_steps:
+            refuse_per_epoch_schedulers(self.lr_scheduler_configs)
         # a quorum in optimizer_step comes after the accumulated micro-batches: accumulation_steps refuses it there
-        self.elastic_sync = elastic_sync(
-            self.model, [getattr(o, "_optimizer", o) for o in self.optimizers], diloco=self._elastic_diloco(),
-            wan=self.wan, accumulation_steps=trainer.accumulate_grad_batches,
-            state_dict=lambda: {"schedulers": [scheduler.state_dict() for scheduler in schedulers]},
-            load_state_dict=load_schedulers, replica_group=self._replica_group(), site=self._site_name(),
-            lighthouse=self._lighthouse, sites=self._elastic_sites,
-        )
+        sync.attach([self.model], [getattr(o, "_optimizer", o) for o in self.optimizers], parallel=parallel,
+                    carry=[config.scheduler for config in self.lr_scheduler_configs],
+                    accumulation_steps=trainer.accumulate_grad_batches,
+                    scaler=getattr(self.precision_plugin, "scaler", None))
+        if not sync.drives_steps:
+            return
 
         def update_lr_schedulers(original, interval: str, update_plateau_schedulers: bool) -> None:
             if self.elastic_committed:  # a discarded step leaves the schedulers (and their progress) as they are
                 original(interval, update_plateau_schedulers)
-            sync = self.elastic_sync
-            if interval == "step" and sync is not None:  # between two steps, the schedulers stepped: a DiLoCo
+            if interval == "step" and sync.attached:  # between two steps, the schedulers stepped: a DiLoCo
                 sync.after_step()  # round's quorum here gives a joining site the state it holds between steps
                 self._follow_job_step(sync.job_step)
 
         wrap_lr_scheduler_updates(trainer, update_lr_schedulers)  # undone in teardown
 
-    def _elastic_diloco(self):
-        """The ``DiLoCoConfig`` of an elastic DiLoCo job; None: per-step sites."""
-        return None
-
-    def _replica_group(self):
-        """The ranks of this site holding this rank's parameters (``ElasticSite(replica_group=)``); None: all (DDP)."""
-        return None
-
-    def _site_name(self) -> str | None:
-        site = getattr(self, "site", None)
-        return str(site) if site is not None else None
-
     def on_train_start(self) -> None:
-        """The job's first quorum, before the first (micro-)batch, after Lightning restored a checkpoint
+        """An elastic job's first quorum, before the first (micro-)batch, after Lightning restored a checkpoint
         (``ckpt_path``: the job's step is its step): a site that heals here computes its first gradients on the
         live state."""
         super().on_train_start()
@@ -113,7 +83,7 @@ class ElasticMixin:
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         sync = self.elastic_sync
-        if sync is None:
+        if sync is None:  # the sync's work runs in hooks
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         sync.before_step()  # the step's quorum (the first one formed at the train start)
         self._follow_job_step(sync.job_step)  # training_step sees the job's step (a rejoined site's too)
@@ -126,44 +96,34 @@ class ElasticMixin:
         return output
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        """Elastic: one site writes (one copy of the identical state; collective over that site's ranks), so every
-        site may run the same ``ModelCheckpoint`` (``CrossSite.save_once``; who writes:
-        ``multidc.hierarchical.elastic.writer``)."""
-        sync = self.elastic_sync
-        if sync is None:  # not fitting: as the last step's leader decided (trainer.save_checkpoint after fit)
-            if self._elastic_leader():
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return None
+        """Written where ``CrossSite.save_once`` says: elastic, by one site (one copy of the identical state;
+        collective over that site's ranks; who writes: ``multidc.hierarchical.elastic.writer``), so every site may
+        run the same ``ModelCheckpoint``; else here."""
         from multidc.plugins.checkpoint.state import with_streams_of_now
 
         save = super().save_checkpoint  # Lightning built `checkpoint` now; the random streams are read at the save
-        sync.save_once(with_streams_of_now(lambda: save(checkpoint, filepath, storage_options=storage_options)))
-        return None
+        self.gradient_sync.save_once(
+            with_streams_of_now(lambda: save(checkpoint, filepath, storage_options=storage_options)))
 
     def remove_checkpoint(self, filepath) -> None:
-        """Elastic: only the leader site removes (what ``save_top_k`` drops), as only it writes."""
-        if not self._elastic_leader():
-            return None
-        return super().remove_checkpoint(filepath)
+        """Only a site that writes checkpoints removes (what ``save_top_k`` drops)."""
+        if self.gradient_sync.writes_checkpoints:
+            super().remove_checkpoint(filepath)
 
-    def _elastic_leader(self) -> bool:
-        """Whether this site writes checkpoints: outside elastic mode always; while fitting, the leader of the step's
-        quorum; after the fit, the leader of its last step (``trainer.save_checkpoint`` after ``fit``)."""
-        sync = self.elastic_sync
-        return sync.writes_checkpoints if sync is not None else getattr(self, "_was_leader", True)
+    def _checkpoint_sites(self) -> dict[str, Any]:
+        return self.gradient_sync.checkpoint_sites()
 
     def _follow_job_step(self, step: int) -> None:
         """Make the Trainer's ``global_step`` the job's ``step``."""
         set_optimizer_steps(self.lightning_module.trainer, step)
 
-    def _teardown_elastic(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            unwrap_lr_scheduler_updates(trainer)
-        sync, self.elastic_sync = self.elastic_sync, None
-        if sync is not None:
-            self._was_leader = sync.writes_checkpoints
-            sync.close()
+    def _close_sync(self) -> None:
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if trainer is not None:
+                unwrap_lr_scheduler_updates(trainer)
+        finally:
+            self.gradient_sync.close()
 
 
 def refuse_per_epoch_schedulers(configs) -> None:

@@ -20,7 +20,7 @@ class WanMetricsCallback(Callback):
 
     Values are this rank's (no cross-rank reduction, so logging costs no collective). Steps accumulated under
     ``no_sync`` are folded into the optimizer step that follows them, so ``wan/bytes_sent`` is per optimizer
-    step, as Lightning's step-level logging is. The strategy has ``gradient_sync`` (a ``GradientSync``) and
+    step, as Lightning's step-level logging is. The strategy has ``gradient_sync`` (a ``CrossSite``) and
     ``topology``.
     """
 
@@ -32,7 +32,7 @@ class WanMetricsCallback(Callback):
     def add_to(cls, trainer: pl.Trainer, strategy: Any) -> None:
         """Add one, when fitting with a topology (or an elastic sync), first: its ``on_after_backward`` then runs
         right after backward returns (see ``wan/wait_s`` in ``WanStepMeter``)."""
-        crosses = strategy.topology is not None or getattr(strategy, "elastic_sync", None) is not None
+        crosses = strategy.topology is not None or strategy.gradient_sync.drives_steps
         if trainer.state.fn != TrainerFn.FITTING or not crosses:
             return
         if not any(isinstance(c, cls) for c in trainer.callbacks):

@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.diloco import DiLoCo, DiLoCoConfig
-from multidc.hierarchical.diloco.config import refuse_loss_scaling
+from multidc.hierarchical.diloco import DiLoCoConfig
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
-from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy, pl
+from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy
 
 
 class DiLoCoStrategy(HierarchicalDDPStrategy):
@@ -74,16 +73,11 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     ) -> None:
         if diloco is not None and not isinstance(diloco, DiLoCoConfig):
             raise ValueError(f"diloco must be a multidc.hierarchical.DiLoCoConfig, not {type(diloco).__name__}.")
-        config = diloco if diloco is not None else DiLoCoConfig()
+        self._diloco_arg = diloco if diloco is not None else DiLoCoConfig()
         ddp_kwargs.setdefault("broadcast_buffers", False)  # each site keeps its own buffers: none cross the WAN
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
                          checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
                          lighthouse=lighthouse, **ddp_kwargs)
-        if self.elastic:
-            from multidc.hierarchical.elastic.diloco import check_elastic_config
-
-            check_elastic_config(config)
-        self.gradient_sync.diloco_config = config
 
     def _sharded_checkpoints(self) -> bool:
         return True
@@ -100,30 +94,6 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
                 "DiLoCo state, which a single-file CheckpointIO cannot; drop the plugin (checkpoints go to any fsspec "
                 "URL, s3:// included, through multidc's writer)."
             )
-
-    @property
-    def diloco_config(self) -> DiLoCoConfig:
-        return self.gradient_sync.diloco_config
-
-    @property
-    def diloco(self) -> DiLoCo | None:
-        """The running ``DiLoCo`` (stats, ``global_parameters()``), from setup of a fit to teardown; else None."""
-        return self.elastic_sync if self.elastic else self.gradient_sync.diloco
-
-    def setup(self, trainer: pl.Trainer) -> None:
-        refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
-        super().setup(trainer)  # DDP with the site-only hook, the optimizers (when fitting), the elastic sync
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if optimizers and not self.elastic:  # before a checkpoint is restored into it: Lightning restores after setup
-            self.gradient_sync.attach_optimizer(self.model, optimizers)
-
-    def _elastic_diloco(self) -> DiLoCoConfig:
-        return self.diloco_config  # elastic: ElasticDiLoCo, a quorum per round
-
-    def _checkpoint_sites(self) -> dict[str, Any]:
-        if self.elastic:  # the job's state, one site's copy (the round's leader writes it): read on every site
-            return {"site": 0, "diloco": self.diloco}
-        return {"site": self.topology.site, "diloco": self.diloco} if self.topology is not None else {}
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
 from multidc.hierarchical._compat import destroy_process_groups_at_exit
-from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
+from multidc.hierarchical._gradient_sync import HasGradientSync
 from multidc.hierarchical.config import WanConfig
 
 try:
@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
-from multidc.strategies._elastic import ElasticMixin
+from multidc.strategies._cross_site import CrossSiteMixin
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
@@ -40,12 +40,17 @@ _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_aver
 
 
 class _HierarchicalSync(HasGradientSync):
-    """What both strategies share: the site settings; the WAN work itself is a ``GradientSync``."""
+    """What both strategies share: the site settings; what crosses the WAN is the ``CrossSite`` sync
+    ``gradient_sync`` (``multidc.hierarchical.cross_site_sync``)."""
 
-    def _init_sites(self, num_sites: int | None, site: int | str | None, wan: WanConfig | None) -> None:
+    _diloco_arg = None  # DiLoCoStrategy's DiLoCoConfig
+
+    def _init_sites(self, num_sites: int | None, site: int | str | None, wan: WanConfig | None,
+                    elastic: bool | None, lighthouse: str | None) -> None:
         self.num_sites = _resolve_num_sites(num_sites)
         self.site = site
-        self.gradient_sync = GradientSync(wan)
+        self._init_cross_site(wan=wan, diloco=self._diloco_arg, elastic=elastic, lighthouse=lighthouse, site=site,
+                              sites=self.num_sites)
 
     @property
     def wan(self) -> WanConfig:
@@ -65,22 +70,16 @@ class _HierarchicalSync(HasGradientSync):
             )
 
     def _configure_launcher(self) -> None:
-        if not getattr(self, "elastic", False):  # elastic: this job is one site; num_sites counts the jobs
+        if not self.elastic:  # elastic: this job is one site; num_sites counts the jobs
             self._check_site_split(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     def _build_topology(self) -> None:
-        # collective; every rank reaches it in setup_environment
+        # collective; every rank reaches it in setup_environment (an elastic site builds none: its quorum decides)
         self.gradient_sync.build_topology(num_sites=self.num_sites, site=self.site)
 
-    def wan_metrics(self) -> dict[str, float]:
-        """WAN figures since the previous call (see ``multidc.hierarchical.stats.WanStepMeter``); ``{}`` before
-        a model is set up. Keys: ``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``."""
-        sync = getattr(self, "elastic_sync", None)  # elastic mode, while fitting
-        return (sync if sync is not None else self.gradient_sync).metrics()
 
-
-class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixin, DDPStrategy):
+class HierarchicalDDPStrategy(CrossSiteMixin, _HierarchicalSync, CheckpointingMixin, DDPStrategy):
     """Lightning ``DDPStrategy`` whose gradient all-reduce is hierarchical: site first, then the WAN.
 
     Checkpoints go through multidc's ``Checkpointer`` to any fsspec URL (``default_root_dir`` /
@@ -104,7 +103,7 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one
             job per site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
             ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others
-            training and rejoins live when restarted (see ``multidc.strategies._elastic``). Checkpoints are written
+            training and rejoins live when restarted (see ``multidc.strategies._cross_site``). Checkpoints are written
             once per save, by the first site of the step's quorum; no gradient accumulation in this mode.
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
@@ -133,10 +132,9 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
     ) -> None:
         _reject_hook_args(ddp_kwargs)
         super().__init__(**ddp_kwargs)
-        self._init_sites(num_sites, site, wan)
+        self._init_sites(num_sites, site, wan, elastic, lighthouse)
         self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
         self._user_checkpoint_io = self._checkpoint_io is not None
-        self._init_elastic(elastic, lighthouse, self.num_sites)
 
     def _sharded_checkpoints(self) -> bool:
         return not self._user_checkpoint_io  # a user's CheckpointIO: Lightning's rank-0 single-file checkpoints
@@ -153,26 +151,23 @@ class HierarchicalDDPStrategy(ElasticMixin, _HierarchicalSync, CheckpointingMixi
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_process_groups_at_exit()  # Lightning does so for NCCL only; gloo aborts at exit without it
-        if not self.elastic:  # elastic: the process group is this site's; the quorum decides the sites
-            self._build_topology()
+        self._build_topology()
 
     def _register_ddp_hooks(self) -> None:
         # Lightning registers user comm hooks on CUDA only; the hierarchical hook runs on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        if not self.elastic:  # elastic: DDP averages inside the site, ElasticSite across the sites present
-            self.gradient_sync.attach_ddp(self.model)
+        self.gradient_sync.attach_ddp(self.model)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        self._setup_elastic(trainer)
+        self._attach_sync(trainer)
         WanMetricsCallback.add_to(trainer, self)
 
     def teardown(self) -> None:
         WanMetricsCallback.remove_from(self.lightning_module)
         try:
-            self._teardown_elastic()
+            self._close_sync()  # the worker thread; groups stay valid and the next fit reuses them
         finally:
-            self.gradient_sync.close()  # the worker thread; groups stay valid and the next fit reuses them
             super().teardown()
 
     @classmethod
@@ -215,59 +210,36 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(**ddp_kwargs)
-        self._init_sites(num_sites, site, wan)
-        from multidc.hierarchical.elastic import resolve_elastic
-
-        self.elastic = resolve_elastic(elastic, lighthouse)  # a missing or malformed address fails here
-        self._lighthouse = lighthouse
-        self.elastic_sync = None
-        """Elastic mode: the job's ``CrossSite`` sync, once the optimizer is set up; else None."""
-        self.elastic_committed = False
-        """Elastic mode: whether the last optimizer step committed."""
+        self._init_sites(num_sites, site, wan, elastic, lighthouse)
         self.elastic_state: dict[str, Any] = {}
         """Elastic mode: more objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers) that a
         (re)joining site receives with the model and optimizer; fill it before the first step."""
-        self._ddp_model, self._hook, self._joined, self._open = None, None, False, False
+        self._sync_models: list[DistributedDataParallel] = []
+        self._sync_optimizers: list[torch.optim.Optimizer] = []
+        self._hook, self._joined, self._open = None, False, False
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
         destroy_process_groups_at_exit()
-        if not self.elastic:  # elastic: the process group is this site's; the quorum decides the sites
-            self._build_topology()
+        self._build_topology()
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp_model = super().setup_module(module)
-        if not self.elastic:
-            self.gradient_sync.attach_ddp(ddp_model)
-        elif self._ddp_model is not None:
-            raise ValueError("HierarchicalDDPFabricStrategy(elastic=True) trains one model (one quorum and one commit "
-                             "per step); set up one model and its one optimizer.")
-        else:  # the step's quorum at its first training forward, before DDP's forward
-            self._ddp_model = ddp_model
+        self.gradient_sync.attach_ddp(ddp_model)
+        self._sync_models.append(ddp_model)
+        if self.gradient_sync.drives_steps and self._hook is None:  # the step's quorum at its first training forward
             self._hook = ddp_model.register_forward_pre_hook(self._before_forward, prepend=True)
         return ddp_model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer = super().setup_optimizer(optimizer)
-        if not self.elastic:
-            return optimizer
-        if self._ddp_model is None or self.elastic_sync is not None:
-            raise ValueError("HierarchicalDDPFabricStrategy(elastic=True) trains one model with one optimizer: "
-                             "fabric.setup(model, optimizer), once.")
-        from multidc.hierarchical.elastic.steps import elastic_sync
-
-        def load_state(state: dict) -> None:
-            for key, obj in self.elastic_state.items():
-                obj.load_state_dict(state[key])
-
-        self.elastic_sync = elastic_sync(
-            self._ddp_model, [optimizer], wan=self.wan, load_state_dict=load_state,
-            state_dict=lambda: {key: obj.state_dict() for key, obj in self.elastic_state.items()},
-            site=None if self.site is None else str(self.site), lighthouse=self._lighthouse, sites=self.num_sites,
-        )
-        # Fabric never tears its strategy down: leave the job at exit at the latest (a torchft group left to
-        # interpreter shutdown aborts the process; see ElasticSite.close)
-        atexit.register(self._close_elastic)
+        sync = self.gradient_sync
+        self._sync_optimizers.append(optimizer)  # elastic: one model and one optimizer, else attach says what is wrong
+        sync.attach(self._sync_models, self._sync_optimizers, carry=self.elastic_state)
+        if sync.drives_steps:
+            # Fabric never tears its strategy down: leave the job at exit at the latest (a torchft group left to
+            # interpreter shutdown aborts the process; see ElasticSite.close)
+            atexit.register(self._close_sync)
         return optimizer
 
     @property
@@ -300,30 +272,28 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         sync = self.elastic_sync
-        if sync is None:
+        if sync is None:  # the sync's work runs in hooks
             return super().optimizer_step(optimizer, **kwargs)
         if not self._open:
             raise RuntimeError("elastic mode: optimizer.step() without a training forward (or job_step) since the "
                                "last step: every step's gradients come from a forward after its quorum.")
         self._open = False
-        sync.after_backward(self._ddp_model)
+        sync.after_backward(self._sync_models[0])
         self.elastic_committed = sync.commit()
         return super().optimizer_step(optimizer, **kwargs) if self.elastic_committed else None
 
-    def _close_elastic(self) -> None:
-        sync, self.elastic_sync = self.elastic_sync, None
+    def _close_sync(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if sync is not None:
-            atexit.unregister(self._close_elastic)
-            sync.close()
+        atexit.unregister(self._close_sync)
+        self._sync_models, self._sync_optimizers = [], []
+        self.gradient_sync.close()
 
     def teardown(self) -> None:
         try:
-            self._close_elastic()
+            self._close_sync()
         finally:
-            self.gradient_sync.close()
             super().teardown()
 
     @classmethod

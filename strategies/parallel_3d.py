@@ -40,13 +40,11 @@ from typing import Any
 
 import torch
 
-from multidc.hierarchical import DiLoCo, DiLoCoConfig, WanConfig, _env
+from multidc.hierarchical import DiLoCoConfig, WanConfig, _env
 from multidc.hierarchical._compat import destroy_process_groups_at_exit
-from multidc.hierarchical._gradient_sync import GradientSync
-from multidc.hierarchical.diloco.config import refuse_loss_scaling, resolve_cross_site
+from multidc.hierarchical.diloco.config import resolve_cross_site
 from multidc.hierarchical.elastic.shards import check_elastic_layout
 from multidc.hierarchical.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
-from multidc.hierarchical.parallel.diloco import DiLoCoShardState, build_diloco
 from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
 from multidc.hierarchical.parallel.parallelize import ParallelModel, adopt_sharded, layout_of, parallelize
 from multidc.hierarchical.parallel.pipeline import PipelineConfig
@@ -65,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from multidc.strategies._checkpointing import CheckpointingMixin
-from multidc.strategies._elastic import ElasticMixin
+from multidc.strategies._cross_site import CrossSiteMixin
 from multidc.strategies._registry import register, register_all
 from multidc.strategies._wan_metrics import WanMetricsCallback
 
@@ -78,7 +76,7 @@ _FLAT_WAN_WARNING = (
 )
 
 
-class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy):
+class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrategy):
     """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -120,7 +118,7 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
             with, the layout's own ``num_sites`` is 1). FSDP2 (``dp_shard``) inside the site; each rank's shards
             are averaged with (``"allreduce"``: every step; ``"diloco"``: every round) and healed from the
             same-index rank of the other sites, so every site runs the same layout. ``dp_replicate``, pipeline and
-            tensor parallelism are refused in this mode. See ``multidc.strategies._elastic``.
+            tensor parallelism are refused in this mode. See ``multidc.strategies._cross_site``.
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         process_group_backend, timeout: as ``ModelParallelStrategy``.
 
@@ -159,17 +157,12 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        self._init_elastic(elastic, lighthouse, _elastic_sites(num_sites))
-        self.diloco_config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
-        self.cross_site = "allreduce" if self.diloco_config is None else "diloco"
+        config = _diloco_config(cross_site, diloco, fsdp_across_sites, save_distributed_checkpoint)
+        self.cross_site = "allreduce" if config is None else "diloco"
+        self._init_cross_site(wan=wan, diloco=config, elastic=elastic, lighthouse=lighthouse, site=None,
+                              sites=_elastic_sites(num_sites))
         if self.elastic:  # this job is one site; the quorum decides the sites of each step (or round)
             num_sites = 1
-            if self.diloco_config is not None:
-                from multidc.hierarchical.elastic.diloco import check_elastic_config
-
-                check_elastic_config(self.diloco_config)
-        self.diloco: DiLoCo | None = None
-        """The running ``DiLoCo`` under ``cross_site="diloco"``, from setup of a fit to teardown; else None."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -183,7 +176,6 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
             schedule=pipeline_schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
             split_points=split_points,
         )
-        self.gradient_sync = GradientSync(wan)  # the replicas' topology is the layout's: adopted at setup
         self.fsdp_across_sites = fsdp_across_sites
         self._fsdp_within_sites = False
         self.parallel: ParallelModel | None = None
@@ -257,8 +249,9 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
             blocks = module.pipeline_blocks() if callable(getattr(module, "pipeline_blocks", None)) else None
             self.parallel = parallelize(
                 module, self.device_mesh, blocks=blocks, pipeline=self.pipeline_config, wan=self.wan,
-                wrap_root=False, device=self.root_device, cross_site=self._placement(),
+                wrap_root=False, device=self.root_device, cross_site=self.gradient_sync.placement,
             )
+        self.gradient_sync.place(self.parallel)  # its topology: the checkpoints' sites, the metrics
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -269,57 +262,19 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
         # Lightning has no strategy hook for clipping: the precision plugin clips with torch's per-process
         # clip_grad_norm_, which cannot see other stages' and shards' gradients. Route it to the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-        if self._placement() == "allreduce":
-            self.gradient_sync.adopt(self.topology)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self.diloco_config is not None:  # before a checkpoint is restored into it: Lightning restores later
-                refuse_loss_scaling(getattr(self.precision_plugin, "scaler", None))
-                if not self.elastic:
-                    self._build_diloco()
-            self._setup_elastic(trainer)
-            if self.elastic and self.diloco_config is not None:
-                self.diloco = self.elastic_sync
-            WanMetricsCallback.add_to(trainer, self)
-
-    def _placement(self) -> str:
-        """How the layout reduces replicas: elastic sites are one site each, whose replicas always average per
-        step (the sites meet through the elastic sync, after backward or at DiLoCo's rounds)."""
-        return "allreduce" if self.elastic else self.cross_site
-
-    def _elastic_diloco(self) -> DiLoCoConfig | None:
-        return self.diloco_config
-
-    def _build_diloco(self) -> None:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"cross_site='diloco' steps DiLoCo after the inner optimizer, so it needs exactly one optimizer; got "
-                f"{len(self.optimizers)}. Put every parameter group in one optimizer (configure_optimizers)."
-            )
-        self._close_diloco()
-        optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
-        self.diloco = build_diloco(self.parallel, optimizer, self.diloco_config, wan=self.wan)
-
-    def _close_diloco(self) -> None:
-        diloco, self.diloco = self.diloco, None
-        if diloco is not None and not self.elastic:  # elastic: the elastic sync's, closed with it
-            diloco.close()
-
-    def _checkpoint_sites(self) -> dict[str, Any]:
-        if self.diloco_config is None or (self.topology is None and not self.elastic):
-            return {}
-        state = DiLoCoShardState(self.diloco, self.device_mesh) if self.diloco is not None else None
-        # elastic: the job's state, one site's copy (the round's leader writes it), read on every site
-        return {"site": 0 if self.elastic else self.topology.site, "diloco": state}
+        self._attach_sync(trainer, parallel=self.parallel)  # before Lightning restores a checkpoint into it
+        WanMetricsCallback.add_to(trainer, self)
 
     def _adopt_sharded_module(self, module: pl.LightningModule) -> ParallelModel:
         """A module that ``configure_model`` sharded itself: add the hierarchical replica reduction to its units
         over ``"dp_shard"`` (where ``model_sharded_context`` put its ``fully_shard`` over ``"data_parallel"``), and
         warn about units whose gradients still cross sites flat."""
         mesh = self.device_mesh
-        parallel = adopt_sharded(module, mesh, wan=self.wan, cross_site=self._placement())
+        parallel = adopt_sharded(module, mesh, wan=self.wan, cross_site=self.gradient_sync.placement)
         if fsdp_mesh_crosses_sites(module, mesh):
-            if self.diloco_config is not None:
+            if self.gradient_sync.placement == "diloco":
                 raise ValueError(
                     "configure_model applied fully_shard over a mesh that spans sites, but with cross_site='diloco' "
                     "each site must train alone; shard over self.device_mesh['data_parallel'] (the strategy keeps it "
@@ -333,17 +288,6 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
                 why = "that mesh is not device_mesh['data_parallel'] (only a fully_shard over that one is moved)"
             rank_zero_warn(_FLAT_WAN_WARNING.format(why=why))
         return parallel
-
-    def wan_metrics(self) -> dict[str, float]:
-        """WAN figures since the previous call (``wan/bytes_sent``, ``wan/comm_s``, ``wan/MBps``, ``wan/wait_s``).
-
-        The FSDP hook runs the replica reduction inside backward and backward waits for it, so ``wan/wait_s``
-        equals ``wan/comm_s``. Under ``cross_site="diloco"``: ``DiLoCo.metrics()`` (``wan/bytes_sent``,
-        ``wan/outer_syncs``, ``wan/exposed_s``), ``{}`` when not fitting.
-        """
-        if self.diloco_config is not None:
-            return self.diloco.metrics() if self.diloco is not None else {}
-        return self.gradient_sync.metrics()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -403,18 +347,11 @@ class Parallel3DStrategy(ElasticMixin, CheckpointingMixin, ModelParallelStrategy
 
         clip_grad_norm_(params, clip_val, self.device_mesh, per_site=self.parallel.site_groups)
 
-    def _replica_group(self):
-        return self.parallel.replica_group  # each rank's shards cross the WAN to the same-index ranks
-
     def teardown(self) -> None:
         WanMetricsCallback.remove_from(self.lightning_module)
         try:
-            self._teardown_elastic()
-            self._close_diloco()  # a sync in flight finishes (every rank)
+            self._close_sync()  # a sync in flight finishes (every rank); the groups stay for a later fit
         finally:
-            self.gradient_sync.close()
-            if self.diloco_config is not None and self.topology is not None:
-                self.topology.close()  # its worker thread; the groups stay for a later fit
             super().teardown()
 
     @classmethod

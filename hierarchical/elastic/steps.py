@@ -10,7 +10,7 @@ Accelerate loop runs unchanged (``MultiDCAccelerator``). The Lightning strategie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.cross_site import CrossSite
 from multidc.hierarchical.elastic.shards import load_module_state, load_optimizer_state, module_state, optimizer_state
+from multidc.hierarchical.stats import WanStepMeter
 
 
 class ElasticSteps(CrossSite):
@@ -38,7 +39,8 @@ class ElasticSteps(CrossSite):
 
         self.site = ElasticSite(state_dict=state_dict, load_state_dict=load_state_dict, wan=wan, **site_options)
         self.committed = False
-        self.joined, self._open, self._sent = False, False, 0
+        self.joined, self._open = False, False
+        self._meter = WanStepMeter(self.site.wan_stats, [])
 
     def before_step(self) -> None:
         if self._open:  # this step's quorum formed already
@@ -55,10 +57,12 @@ class ElasticSteps(CrossSite):
         return self.committed
 
     def metrics(self) -> dict[str, float]:
-        """``wan/bytes_sent``: bytes this rank sent to the other sites since the previous call."""
-        sent = self.site.wan_stats.snapshot()["bytes_sent"]
-        sent, self._sent = sent - self._sent, sent
-        return {"wan/bytes_sent": float(sent)}
+        """This rank's figures since the previous call, as ``WanStepMeter`` reports them (``wan/bytes_sent``,
+        ``wan/comm_s``, ``wan/MBps``) over the site's WAN counters; ``wan/wait_s`` = ``wan/comm_s``: the step waits
+        for the whole average (``after_backward``)."""
+        metrics = self._meter.take()
+        metrics["wan/wait_s"] = metrics["wan/comm_s"]
+        return metrics
 
     def resume(self, step: int) -> None:
         self.site.resume(step)
@@ -79,8 +83,7 @@ class ElasticSteps(CrossSite):
 
 
 def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, diloco=None,
-                 wan: WanConfig | None = None, state_dict: Callable[[], dict] | None = None,
-                 load_state_dict: Callable[[dict], None] | None = None, replica_group=None,
+                 wan: WanConfig | None = None, carry: Sequence | Mapping = (), replica_group=None,
                  accumulation_steps: int = 1, **site_options) -> CrossSite:
     """The elastic sync of one site's job, every rank of the site (after its process group exists).
 
@@ -90,7 +93,8 @@ def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
         diloco: a ``DiLoCoConfig``: ``ElasticDiLoCo`` (its first round's quorum at the first ``before_step``, the
             next ones at ``after_step``); None: ``ElasticSteps``.
         wan: WAN settings of the rail hop.
-        state_dict, load_state_dict: more state that travels to a (re)joining site (LR schedulers).
+        carry: more objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers), a list or a dict read
+            whenever the state travels, that a (re)joining site receives with the model and optimizers.
         replica_group: a parallel layout's ``ParallelModel.replica_group`` (see ``ElasticSite``).
         accumulation_steps: micro-batches whose gradients accumulate before the front-end calls ``before_step``
             (Lightning calls it in the optimizer step): more than 1 is refused for per-step sites, whose quorum may
@@ -99,7 +103,7 @@ def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
     Raises:
         ValueError: DiLoCo with other than one optimizer; accumulation before a per-step quorum; bad settings (see
-            ``ElasticSite``, ``ElasticDiLoCo``).
+            ``ElasticSite``, ``ElasticDiLoCo``); at a heal, a live site that carries other objects than this one.
     """
     if diloco is None and accumulation_steps != 1:
         raise ValueError(
@@ -107,7 +111,21 @@ def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
             f"live state mid-accumulation would mix two models' gradients. Use a larger batch."
         )
     wan = wan if wan is not None else WanConfig()
-    extra, load_extra = state_dict or (lambda: {}), load_state_dict or (lambda state: None)
+
+    def extra() -> dict:
+        return {key: obj.state_dict() for key, obj in _items(carry)}
+
+    def load_extra(state: dict) -> None:
+        mine = dict(_items(carry))
+        if mine.keys() != state.keys():
+            raise ValueError(
+                f"this site carries {len(mine)} objects to a joining site ({sorted(mine)}: LR schedulers), the live "
+                f"site {len(state)} ({sorted(state)}): every site must set up the same LR schedulers (under "
+                f"Accelerate: prepare them with the model and optimizer, in one accelerator.prepare call)."
+            )
+        for key, obj in mine.items():
+            obj.load_state_dict(state[key])
+
     if diloco is not None:
         from multidc.hierarchical.elastic.diloco import ElasticDiLoCo
 
@@ -132,6 +150,140 @@ def elastic_sync(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
     return ElasticSteps(state_dict=live_state, load_state_dict=load_live_state, wan=wan,
                         replica_group=replica_group, **site_options)
+
+
+def _items(carry: Sequence | Mapping):
+    return carry.items() if isinstance(carry, Mapping) else enumerate(carry)
+
+
+class ElasticSync(CrossSite):
+    """The elastic variant of a job's cross-site method, as the front-end holds it from its construction on
+    (``multidc.hierarchical.cross_site_sync(elastic=True)``): this launch is one site; ``attach`` builds the
+    ``elastic_sync`` (a quorum per step, or per DiLoCo round) that the points then run, until ``close``. Nothing
+    crosses sites in hooks: a layout's or DDP's replicas average inside the site (``placement = "allreduce"``).
+
+    Args:
+        wan: WAN settings of the rail hop; default ``WanConfig()``.
+        diloco: a ``DiLoCoConfig`` for elastic DiLoCo (checked by ``check_elastic_config`` here); None: per-step.
+        **site_options: ``site``, ``lighthouse``, ``sites``: see ``ElasticSite`` (checked at ``attach``).
+    """
+
+    drives_steps = True
+
+    def __init__(self, wan: WanConfig | None = None, diloco=None, **site_options) -> None:
+        if diloco is not None:
+            from multidc.hierarchical.elastic.diloco import check_elastic_config
+
+            check_elastic_config(diloco)
+        self.wan = wan if wan is not None else WanConfig()
+        self.diloco_config, self.site_options = diloco, site_options
+        self.sites_differ = diloco is not None
+        self.quorum_per_step = diloco is None
+        self.inner: CrossSite | None = None
+        """The running ``ElasticSteps`` / ``ElasticDiLoCo``, from ``attach`` to ``close``."""
+        self._mesh, self._was_leader = None, True
+
+    def __getstate__(self) -> dict:  # Lightning pickles the strategy for spawn launches: before any attach
+        return {**self.__dict__, "inner": None}
+
+    def __getattr__(self, name: str):
+        # what the running sync has beyond the points (``committed``, ``stats``, ``global_parameters``, ...)
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (before attach: nothing runs)")
+        return getattr(inner, name)
+
+    def place(self, parallel) -> None:
+        self._mesh = parallel.mesh
+
+    @property
+    def attached(self) -> bool:
+        return self.inner is not None
+
+    def attach(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *, parallel=None,
+               carry: Sequence | Mapping = (), accumulation_steps: int = 1, scaler=None) -> CrossSite:
+        """Build the job's elastic sync over the one model (what trains: DDP inside the site, or ``parallel``'s
+        model, whose ranks then average their own shards with the same-index rank of the other sites) and its one
+        optimizer; ``carry``: see ``elastic_sync``. Collective over the site. Closes the one attached before.
+
+        Raises:
+            ValueError: not one model and one optimizer; fp16 loss scaling (``scaler``); see ``elastic_sync``.
+        """
+        from multidc.hierarchical._gradient_sync import one_model_one_optimizer
+        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+
+        one_model_one_optimizer(models, optimizers, "an elastic site votes on one model's step")
+        refuse_loss_scaling(scaler, mode="elastic")
+        self.close()
+        self.inner = elastic_sync(
+            models[0], optimizers, diloco=self.diloco_config, wan=self.wan, carry=carry,
+            replica_group=parallel.replica_group if parallel is not None else None,
+            accumulation_steps=accumulation_steps, **self.site_options)
+        self._mesh = parallel.mesh if parallel is not None else None
+        return self.inner
+
+    def _running(self) -> CrossSite:
+        if self.inner is None:
+            raise RuntimeError("the elastic sync runs between attach(model, optimizer) and close(): attach it first.")
+        return self.inner
+
+    @property
+    def site(self):
+        """The running ``ElasticSite``, else None."""
+        return getattr(self.inner, "site", None)
+
+    @property
+    def diloco(self):
+        """The running ``ElasticDiLoCo`` (elastic DiLoCo), else None."""
+        return self.inner if self.diloco_config is not None else None
+
+    def before_step(self) -> None:
+        self._running().before_step()
+
+    def after_backward(self, model: nn.Module) -> None:
+        self._running().after_backward(model)
+
+    def commit(self) -> bool:
+        return self._running().commit()
+
+    def after_step(self) -> None:
+        self._running().after_step()
+
+    def resume(self, step: int) -> None:
+        self._running().resume(step)
+
+    @property
+    def job_step(self) -> int | None:
+        return self.inner.job_step if self.inner is not None else None
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """While attached, whether this site writes now; after ``close``, whether it wrote for the last step."""
+        return self.inner.writes_checkpoints if self.inner is not None else self._was_leader
+
+    def save_once(self, save: Callable[[], object]) -> None:
+        if self.inner is not None:
+            self.inner.save_once(save)
+        elif self._was_leader:  # after the fit: as its last step's leader decided
+            save()
+
+    def checkpoint_sites(self) -> dict:
+        """Elastic DiLoCo: the job's state, one site's copy (the writing site's) as site 0, read on every site."""
+        if self.diloco_config is None:
+            return {}
+        from multidc.hierarchical._gradient_sync import diloco_state
+
+        return {"site": 0, "diloco": diloco_state(self.diloco, self._mesh)}
+
+    def metrics(self) -> dict[str, float]:
+        return self.inner.metrics() if self.inner is not None else {}
+
+    def close(self) -> None:
+        """Leave the job (every rank of the site); ``attach`` may build another."""
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            self._was_leader = inner.writes_checkpoints
+            inner.close()
 
 
 class OptimizerDriver:

@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import _env
 from multidc.hierarchical._compat import destroy_process_groups_at_exit
-from multidc.hierarchical._gradient_sync import GradientSync, HasGradientSync
+from multidc.hierarchical._gradient_sync import HasGradientSync
+from multidc.hierarchical.cross_site import cross_site_sync
 
 try:
     from accelerate import Accelerator
@@ -39,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from multidc.plugins.accelerate import parallel as _par
 from multidc.plugins.accelerate._patches import mark_step_skipped
-from multidc.plugins.accelerate.elastic import ensure_process_group, load_schedulers, site_options
+from multidc.plugins.accelerate.elastic import ensure_process_group, site_options
 from multidc.plugins.accelerate.plugin import MultiDCPlugin
 from multidc.plugins.accelerate.state import StateMixin
 
@@ -95,7 +96,8 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         device_mesh: the layout's ``DeviceMesh`` (``None`` for plain data parallelism).
         parallel: the ``ParallelModel`` from ``prepare`` (layout only).
         hook_states: one ``HierarchicalHookState`` per prepared DDP model.
-        gradient_sync: what keeps the topology, the hooks and the WAN meter behind ``wan_metrics``.
+        gradient_sync: the job's ``multidc.hierarchical.CrossSite`` sync (``cross_site_sync`` of the plugin's
+            settings): what crosses the WAN, behind ``wan_metrics``, ``diloco`` and the checkpoints' per-site state.
 
     Raises:
         ValueError: bad settings, a layout that cannot split the processes (on every rank, during construction,
@@ -117,17 +119,18 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
                 f"MultiDCAccelerator, which installs its own DDP comm hook. For WAN compression use "
                 f"MultiDCPlugin(wan=WanConfig(compression='bf16'|'int8')) or MULTIDC_WAN_COMPRESSION."
             )
-        if plugin.diloco is not None:  # each site keeps its own buffers (BatchNorm statistics): none cross the WAN
+        self.gradient_sync = cross_site_sync(wan=plugin.wan, diloco=plugin.diloco, elastic=plugin.elastic,
+                                             **site_options(plugin))
+        if self.gradient_sync.sites_differ:  # each site keeps its own buffers (BatchNorm statistics): none cross
             if self.ddp_handler is None:
                 self.ddp_handler = DistributedDataParallelKwargs()
             self.ddp_handler.broadcast_buffers = False
         self.device_mesh = None
         self.layout: ParallelLayout | None = None
         self.parallel: ParallelModel | None = None
-        self.gradient_sync = GradientSync(plugin.wan, plugin.diloco)
         self.elastic_steps: OptimizerDriver | None = None
         """Elastic mode: what drives the job's elastic sync (``.sync``) from the prepared optimizer; else None."""
-        self._own_group = False
+        self._own_group, self._attached = False, (0, 0)
         destroy_process_groups_at_exit()  # when the script ends without end_training (torch aborts otherwise)
         if plugin.elastic:  # this launch is one site: no topology, the quorum decides the sites of each step
             self._own_group = ensure_process_group()
@@ -191,8 +194,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             if blocks is not None:
                 raise ValueError("prepare(blocks=...) needs a parallel layout (MultiDCPlugin sizes); this run is DDP.")
             prepared = super().prepare(*args, device_placement=device_placement)
-            self._attach_diloco()
-            self._attach_elastic()
+            self._attach()
             return prepared
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self.parallel is not None):
@@ -204,8 +206,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             for optimizer in optimizers:
                 self.parallel.rebind_optimizer(optimizer)
         prepared = super().prepare(*args, device_placement=device_placement)
-        self._attach_diloco()
-        self._attach_elastic()
+        self._attach()
         return prepared
 
     def _parallelize(self, model: torch.nn.Module, optimizers: list, blocks) -> None:
@@ -216,77 +217,38 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             blocks = model.pipeline_blocks()
         if self.device_placement:
             model.to(self.device)
-        # an elastic launch is one site, whose replicas average every step; the sites meet in the elastic sync
-        placement = "allreduce" if plugin.elastic else plugin.cross_site
         self.parallel = prepare_parallel(
             model, optimizers, self.device_mesh, blocks=blocks, tensor_parallel=plugin.tensor_parallel,
-            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device, cross_site=placement,
+            pipeline=plugin.pipeline, wan=plugin.wan, device=self.device, cross_site=self.gradient_sync.placement,
         )
         model._is_accelerate_prepared = True  # Accelerate must not wrap it (DDP) or move it again
-        if placement == "allreduce":
-            self.gradient_sync.adopt(self.parallel.topology)  # the FSDP hook reduces replicas inside backward
+        self.gradient_sync.place(self.parallel)
 
-    def _attach_diloco(self) -> None:
-        """``cross_site="diloco"``: once ``prepare`` has seen the model and its optimizer, build ``DiLoCo`` on them
-        (collective: every rank prepares alike). Exactly one of each."""
-        sync = self.gradient_sync
-        if sync.diloco_config is None or not self._optimizers or not self._models:
+    def _attach(self) -> None:
+        """Once ``prepare`` has seen the model and its optimizer (and again when a later ``prepare`` adds some):
+        attach the job's ``CrossSite`` sync to them (collective: every rank prepares alike); one that drives the
+        steps (elastic) runs from the prepared optimizer's ``step`` / ``zero_grad`` (``OptimizerDriver``; the first
+        quorum forms at the first ``job_step``, training forward or ``zero_grad``)."""
+        sync, prepared = self.gradient_sync, self._optimizers
+        optimizers = [o.optimizer for o in prepared]
+        stepped = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
+        models = [getattr(m, "_orig_mod", m) for m in self._models  # torch.compile wraps the DDP module
+                  if any(id(p) in stepped for p in m.parameters())]  # not a frozen / evaluation-only one
+        counts = (len(models), len(optimizers))
+        if not all(counts) or counts == self._attached:
             return
-        if self.multidc_plugin.elastic:  # the elastic sync (_attach_elastic) is the DiLoCo
-            return
-        from multidc.hierarchical.diloco.config import refuse_loss_scaling
+        # the prepared schedulers, live: a rejoining site receives their states (``carry``)
+        sync.attach(models, optimizers, parallel=self.parallel, carry=self._schedulers, scaler=self.scaler)
+        self._attached = counts
+        if sync.drives_steps:
+            from multidc.hierarchical.elastic.steps import OptimizerDriver
 
-        refuse_loss_scaling(self.scaler)
-        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
-        if sync.diloco is not None and len(optimizers) == 1:
-            return
-        if self.parallel is not None:  # each rank syncs its own shard with the same shard's ranks in other sites
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"MultiDCPlugin(cross_site='diloco') steps DiLoCo after the inner optimizer, so it needs exactly "
-                    f"one optimizer; prepare got {len(optimizers)}. Put every parameter group in one optimizer."
-                )
-            from multidc.hierarchical.parallel import build_diloco
-
-            sync.adopt_diloco(build_diloco(self.parallel, optimizers[0], sync.diloco_config, wan=sync.wan))
-            return
-        ddp_models = sync.ddp_models()
-        if len(ddp_models) != 1:
-            raise ValueError(
-                f"MultiDCPlugin(cross_site='diloco') trains one DDP model; prepare wrapped {len(ddp_models)}. "
-                "Prepare the one model you train, with its optimizer."
-            )
-        sync.attach_optimizer(ddp_models[0], optimizers)
-
-    def _attach_elastic(self) -> None:
-        """Elastic: once ``prepare`` has seen the one model and its one optimizer, the job's elastic sync
-        (``elastic_sync``: a quorum per step, or per DiLoCo round), driven from the prepared optimizer's ``step`` /
-        ``zero_grad`` (``OptimizerDriver``; the first quorum forms at the first ``job_step``, training forward or
-        ``zero_grad``)."""
-        plugin = self.multidc_plugin
-        if not (plugin.elastic and self._optimizers and self._models) or self.elastic_steps is not None:
-            return
-        if len(self._models) != 1 or len(self._optimizers) != 1:
-            raise ValueError(
-                f"MultiDCPlugin(elastic=True) trains one model with one optimizer (one quorum and one commit per "
-                f"step, or round); prepare got {len(self._models)} models and {len(self._optimizers)} optimizers."
-            )
-        from multidc.hierarchical.diloco.config import refuse_loss_scaling
-        from multidc.hierarchical.elastic.steps import OptimizerDriver, elastic_sync
-
-        refuse_loss_scaling(self.scaler, mode="elastic")
-        prepared, schedulers = self._optimizers[0], self._schedulers
-        model = getattr(self._models[0], "_orig_mod", self._models[0])  # torch.compile wraps the DDP module
-        sync = elastic_sync(
-            model, [prepared.optimizer], diloco=plugin.diloco, wan=plugin.wan,
-            state_dict=lambda: {"schedulers": [s.scheduler.state_dict() for s in schedulers]},
-            load_state_dict=lambda state: load_schedulers(schedulers, state["schedulers"]),
-            replica_group=self.parallel.replica_group if self.parallel is not None else None, **site_options(plugin),
-        )
-        self.elastic_steps = OptimizerDriver(  # the prepared schedulers skip a step the job discarded
-            sync, model, prepared,
-            sync_step=lambda: prepared.gradient_state.sync_gradients,
-            on_step=lambda committed: mark_step_skipped(prepared, not committed))
+            if self.elastic_steps is not None:
+                self.elastic_steps.close()
+            self.elastic_steps = OptimizerDriver(  # the prepared schedulers skip a step the job discarded
+                sync, models[0], prepared[0],
+                sync_step=lambda: prepared[0].gradient_state.sync_gradients,
+                on_step=lambda committed: mark_step_skipped(prepared[0], not committed))
 
     @property
     def job_step(self) -> int:
@@ -297,26 +259,12 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             return self.elastic_steps.job_step  # joins the first quorum if not yet
         return self.step
 
-    @property
-    def elastic_site(self):
-        """The running ``multidc.hierarchical.elastic.ElasticSite`` (elastic mode, after ``prepare``), else None."""
-        return self.elastic_steps.sync.site if self.elastic_steps is not None else None
-
-    @property
-    def diloco(self):
-        """The running ``multidc.hierarchical.DiLoCo`` (``cross_site="diloco"``, after ``prepare``), else None:
-        ``stats``, ``global_parameters()``."""
-        if self.multidc_plugin.elastic and self.multidc_plugin.diloco is not None:
-            return self.elastic_steps.sync if self.elastic_steps is not None else None  # an ElasticDiLoCo
-        return self.gradient_sync.diloco
-
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode=False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if self.device_mesh is not None or self.multidc_plugin.elastic:  # elastic: plain DDP inside the site
+        if self.device_mesh is not None:
             return prepared
         ddp_model = getattr(prepared, "_orig_mod", prepared)  # torch.compile wraps the DDP module
-        if isinstance(ddp_model, DistributedDataParallel):
-            assert self.topology is not None, "a DDP model implies a multi-process run, which built a topology"
+        if isinstance(ddp_model, DistributedDataParallel):  # elastic: DDP averages inside the site, nothing here
             self.gradient_sync.attach_ddp(ddp_model)
         elif self.topology is not None and self.topology.num_sites > 1 and not evaluation_mode:
             if any(p.requires_grad for p in prepared.parameters()):
@@ -403,16 +351,6 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
         per_site = self.parallel.site_groups if self.parallel is not None else None  # DiLoCo: the site's own norm
         return clip_grad_norm_(list(parameters), max_norm, self.device_mesh, norm_type=norm_type, per_site=per_site)
 
-    def wan_metrics(self) -> dict[str, float]:
-        """This rank's WAN figures since the previous call; call once per optimizer step (when
-        ``sync_gradients``) and pass to ``accelerator.log``. Keys: ``wan/bytes_sent`` (bytes), ``wan/comm_s``,
-        ``wan/MBps``, ``wan/wait_s`` (see ``multidc.hierarchical.stats.WanStepMeter``; with a layout the FSDP
-        reduction runs inside backward, so ``wan/wait_s`` = ``wan/comm_s``); ``{}`` before a model is prepared.
-        With ``cross_site="diloco"``: ``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s`` (seconds the
-        optimizer step waited for syncs)."""
-        steps = self.elastic_steps  # elastic: the elastic sync's (DiLoCo's figures under DiLoCo)
-        return (steps.sync if steps is not None else self.gradient_sync).metrics()
-
     def end_training(self) -> None:
         try:
             self._close_checkpointers()  # waits for an async save_state and raises its error
@@ -420,8 +358,7 @@ class MultiDCAccelerator(StateMixin, HasGradientSync, Accelerator):
             steps, self.elastic_steps = self.elastic_steps, None
             if steps is not None:
                 steps.close()  # the optimizer's own methods back
-                steps.sync.close()  # leave the job
-            self.gradient_sync.close()  # the topology's worker, before Accelerate destroys the process group
+            self.gradient_sync.close()  # the topology's worker (elastic: leave the job), before the group goes
             # Accelerate destroys the process group while the user's DDP models live on; their reducers must not
             # be the groups' last holders, or a rank can hang at exit (see release_reducer).
             self.gradient_sync.release_ddp()

@@ -42,17 +42,6 @@ def site_options(plugin) -> dict:
             "sites": plugin.num_sites}
 
 
-def load_schedulers(schedulers: list, states: list) -> None:
-    """Load the live sites' LR scheduler states into this site's prepared schedulers."""
-    if len(schedulers) != len(states):
-        raise ValueError(
-            f"this site prepared {len(schedulers)} LR schedulers, the live site {len(states)}: in elastic mode "
-            f"prepare the model, its optimizer and its LR schedulers in one accelerator.prepare(...) call."
-        )
-    for scheduler, state in zip(schedulers, states):
-        scheduler.scheduler.load_state_dict(state)
-
-
 def ensure_process_group() -> bool:
     """A one-process site started without a launcher (``python train.py``: Accelerate starts no process group): a
     one-rank gloo group of its own, as torchrun would make, whose store (``MASTER_ADDR`` / ``MASTER_PORT``, on

@@ -144,7 +144,7 @@ class StateMixin:
                 raise ValueError("with MultiDCPlugin(elastic=True) save_state / load_state need a URL or directory "
                                  "(one site writes the job's checkpoint there, through multidc).")
             return True
-        if self.gradient_sync.diloco_config is not None:  # every site's model and the DiLoCo state: only multidc's
+        if self.gradient_sync.sites_differ:  # every site's model and the DiLoCo state: only multidc's
             if path is None:
                 raise ValueError(
                     "with cross_site='diloco' save_state / load_state need a URL or directory: the checkpoint holds "
@@ -180,23 +180,10 @@ class StateMixin:
         models = {f"model{index}": ModelState(model, owned)
                   for index, (model, owned) in enumerate(_pair_optimizers(self._models, optimizers))}
         sync = self.gradient_sync
-        if sync.diloco_config is None:
-            state: dict = dict(models)
-        else:  # DiLoCo: each site's model differs between syncs; the DiLoCo state is the same everywhere
-            if self.multidc_plugin.elastic:  # one site's copy, the writing site's (the quorum's first)
-                site = 0
-            elif sync.topology is not None:
-                site = sync.topology.site
-            else:
-                site = self.device_mesh.get_local_rank("site")
-            state = {site_key(site): StatefulDict(models)}
-            diloco = self.diloco
-            if diloco is not None and self.device_mesh is not None:  # a DiLoCo state per shard of the layout
-                from multidc.hierarchical.parallel import DiLoCoShardState
-
-                state["diloco"] = DiLoCoShardState(diloco, self.device_mesh)
-            elif diloco is not None:
-                state["diloco"] = diloco
+        sites = sync.checkpoint_sites()  # DiLoCo: each site's model differs between syncs
+        state: dict = {site_key(sites["site"]): StatefulDict(models)} if sites else dict(models)
+        if sites.get("diloco") is not None:  # the same on every site (per shard of a layout)
+            state["diloco"] = sites["diloco"]
         for index, scheduler in enumerate(self._schedulers):
             state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)
         for index, obj in enumerate(self._custom_objects):
@@ -205,8 +192,8 @@ class StateMixin:
             state["scaler"] = self.scaler
         state["rng"] = RNGState()
         state["accelerator"] = {"step": self.step, "iteration": step}
-        if self.elastic_steps is not None and self.multidc_plugin.diloco is None:  # elastic DiLoCo: in its state
-            state["accelerator"]["job_step"] = self.elastic_steps.sync.job_step  # the committed steps (no join)
+        if sync.quorum_per_step:  # per-step elastic: the job's committed steps (read without joining), where the
+            state["accelerator"]["job_step"] = sync.job_step  # job resumes (elastic DiLoCo: in its own state)
         return state
 
 

@@ -37,6 +37,7 @@ APART_CONFIG = {"sync_every": 6, "fragments": 3}
 MANUAL_CONFIG = {"sync_every": 4}
 RESUME_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 COMPRESSIONS = ["int4", "int8", "bf16"]
+PROTOCOL_CASES = {"allreduce": None, "diloco": REFERENCE_CONFIG}
 
 
 def _compressed_case(compression: str) -> dict:
@@ -68,6 +69,7 @@ def four_ranks(saved_dirs):
     cases |= {f"fragments {layout}": (_start, (_fragments_case(layout),)) for layout in ("2x2", "3+1")}
     cases["unbroken"] = (_train, ({"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG, "save_at": 6,
                                    "ckpt": saved_dirs["mid_sync"]},))  # 6: a sync in flight
+    cases |= {f"protocol {mode}": (_protocol, (config,)) for mode, config in PROTOCOL_CASES.items()}
     return run_cases(cases, 4, timeout=540)
 
 
@@ -204,6 +206,70 @@ def test_diloco_equals_single_process_reference(four_ranks, two_ranks, layout):
         assert r["stats"]["outer_syncs"] == 3 and r["stats"]["inner_steps"] == 12
         if r["stats"]["bytes_sent"]:  # a rank on a rail: bytes on sync steps only
             assert syncs == [4, 8, 12], r["sent"]
+
+
+def _protocol(rank: int, world: int, config: dict | None) -> dict:
+    """A raw ``torch.distributed`` loop that knows only the ``CrossSite`` protocol (no topology, hook or DiLoCo built
+    by hand), 2 sites x 2 ranks: ``cross_site_sync`` picks per-step all-reduce or DiLoCo from the settings."""
+    from multidc.hierarchical import cross_site_sync
+
+    sync = cross_site_sync(diloco=DiLoCoConfig(**config) if config else None)
+    topo = sync.build_topology(site=LAYOUTS["2x2"][rank])
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    sync.attach_ddp(ddp)
+    opt = _inner(ddp.parameters())
+    sync.attach([ddp], [opt])
+    sent = []
+    for t in range(1, 13):
+        x, y = _rows(topo.site, topo.local_rank_in_site, t)
+        sync.before_step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        sync.backward_done()
+        sync.after_backward(ddp)
+        if sync.commit():
+            opt.step()
+        sync.after_step()
+        sent.append(sync.metrics().get("wan/bytes_sent", 0))
+    sites, diloco = sync.checkpoint_sites(), sync.diloco
+    state = diloco.state_dict() if diloco is not None else None
+    sync.close()
+    glob = _flat(_named_global(model, diloco, state) if diloco is not None else dict(model.named_parameters()))
+    return {"local": {n: p.detach().clone() for n, p in model.named_parameters()}, "global": glob.detach().clone(),
+            "digest": _digest(glob.detach()), "site": topo.site, "sent": sent, "drives_steps": sync.drives_steps,
+            "sites": {key: type(value).__name__ for key, value in sites.items()}, "placement": sync.placement}
+
+
+def _allreduce_reference(steps: int) -> dict:
+    """One process, every rank's rows in one batch: what per-step averaging over all 4 ranks computes."""
+    model = _model()
+    opt = _inner(model.parameters())
+    for t in range(1, steps + 1):
+        rows = [_rows(site, local, t) for site, local in ((0, 0), (0, 1), (1, 0), (1, 1))]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.cat([r[0] for r in rows])), torch.cat([r[1] for r in rows])).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", sorted(PROTOCOL_CASES))
+def test_a_raw_loop_driven_by_the_cross_site_protocol_alone_equals_the_reference(four_ranks, mode):
+    results = four_ranks[f"protocol {mode}"]
+    assert {r["placement"] for r in results} == {mode} and not any(r["drives_steps"] for r in results)
+    if mode == "diloco":
+        _check(results, _reference(LAYOUTS["2x2"], 12, REFERENCE_CONFIG))
+        assert [r["sites"] for r in results] == [{"site": "int", "diloco": "DiLoCo"}] * 4
+        assert [r["site"] for r in results] == LAYOUTS["2x2"]
+        # the WAN is crossed at the syncs only (every sync_every=4 steps)
+        assert all([t for t, sent in enumerate(r["sent"], 1) if sent] == [4, 8, 12] for r in results), results[0]
+        return
+    reference = _allreduce_reference(12)
+    for r in results:
+        for name, value in r["local"].items():
+            torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-6)
+        assert r["sites"] == {} and all(sent > 0 for sent in r["sent"])
+    assert len({r["digest"] for r in results}) == 1, "ranks hold different parameters"
 
 
 def test_streaming_fragments_with_overlap_follow_the_merge_rule(four_ranks):

@@ -49,6 +49,8 @@ def main() -> None:
     accelerator = MultiDCAccelerator(multidc_plugin=plugin, gradient_accumulation_steps=args.accumulate)
     model = _model()
     blocks = {"blocks": list(model)} if layout else {}
+    if not layout:  # a frozen model prepared first (a distillation teacher): DiLoCo takes the one it trains
+        accelerator.prepare_model(_model().requires_grad_(False), evaluation_mode=True)
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), **blocks)
     start_bytes = accelerator.topology.wan_stats.snapshot()["bytes_sent"]  # DiLoCo started in prepare
     first = 1

@@ -123,9 +123,10 @@ def test_plugin_reads_cross_site_and_diloco_from_the_environment(monkeypatch):
 def test_diloco_checkpoints_never_fall_back_to_accelerates_format():
     from types import SimpleNamespace
 
+    from multidc.hierarchical import cross_site_sync
     from multidc.plugins.accelerate.state import StateMixin
 
-    stub = SimpleNamespace(gradient_sync=SimpleNamespace(diloco_config=DiLoCoConfig(sync_every=4)), device_mesh=None,
+    stub = SimpleNamespace(gradient_sync=cross_site_sync(diloco=DiLoCoConfig(sync_every=4)), device_mesh=None,
                            multidc_plugin=SimpleNamespace(shard_local_checkpoints=False, elastic=False))
     assert StateMixin._through_multidc(stub, "plain/local/dir", loading=False)  # every site's model + DiLoCo state
     with pytest.raises(ValueError, match="need a URL or directory"):

@@ -165,7 +165,8 @@ def main() -> None:
                 "num_sites": module.num_sites, "sharded": [type(p).__name__ for p in module.net.parameters()],
                 "discarded": module.discarded, "joined_at": module.joined_at, "initial": module.initial,
                 "written": module.written, "rng_at_save": module.rng_at_save,
-                "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step},
+                "first_quorum_s": module.first_quorum_s, "final_step": trainer.global_step,
+                "wan": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("wan/")}},
                os.path.join(args.out, f"{args.site}_rank{trainer.global_rank}.pt"))
 
 

@@ -69,6 +69,12 @@ class Net(pl.LightningModule):
         data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         return DataLoader(data, batch_size=len(batches[0][0]))
 
+    def on_train_start(self) -> None:  # after Lightning restored ckpt_path
+        self.report["start"] = full(self.model.named_parameters())
+
+    def validation_step(self, batch, batch_idx):
+        self.report["validated"] = full(self.model.named_parameters())  # as the checkpoint loaded them
+
     def on_train_end(self) -> None:  # DiLoCo still runs: teardown comes after
         diloco = self.trainer.strategy.diloco
         with diloco.global_parameters():
@@ -84,11 +90,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--root", required=True)
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--validate", action="store_true", help="after the fit, a fresh Trainer and module "
+                        "validate --ckpt-path (each site must load its own model from the per-site checkpoint)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    strategy = Parallel3DStrategy(num_sites=2, tensor_parallel_size=args.tp, cross_site="diloco",
+    def make_strategy():
+        return Parallel3DStrategy(num_sites=2, tensor_parallel_size=args.tp, cross_site="diloco",
                                   diloco=DiLoCoConfig(**json.loads(args.config)))
+
+    strategy = make_strategy()
     module = Net(args.steps_per_epoch)
     checkpoints = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.steps_per_epoch,
                                   save_top_k=-1)
@@ -100,7 +111,15 @@ def main() -> None:
     trainer.fit(module, ckpt_path=args.ckpt_path)
     rank = trainer.global_rank
     local = full(module.model.named_parameters())
-    torch.save({"local": local, "global": module.report["global"]}, os.path.join(args.out, f"weights_rank{rank}.pt"))
+    weights = {"local": local, "global": module.report["global"], "start": module.report["start"]}
+    if args.validate:
+        fresh = Net(args.steps_per_epoch)
+        loader = DataLoader(TensorDataset(*rows(0, 0, 1)), batch_size=len(rows(0, 0, 1)[0]))
+        pl.Trainer(strategy=make_strategy(), accelerator="cpu", devices=4, use_distributed_sampler=False,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   limit_val_batches=1).validate(fresh, loader, ckpt_path=args.ckpt_path)
+        weights["validated"] = fresh.report["validated"]
+    torch.save(weights, os.path.join(args.out, f"weights_rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"site": strategy.topology.site, "stats": module.report["stats"],
                    "global_step": trainer.global_step, "batches_run": module.batches_run}, f)

@@ -56,6 +56,10 @@ def test_a_killed_site_rejoins_a_lightning_fit_live(tmp_path, lighthouse, accele
     assert [e["step"] for e in survivor["log"]] == list(range(survivor["joined_at"], MAX_STEPS))
     assert any(e["sites"] == [0] and e["step"] > killed_at for e in survivor["log"])  # trained on alone
     assert restarted["joined_at"] > killed_at and all(e["sites"] == [0, 1] for e in restarted["log"])
+    for rank in (survivor, restarted):  # the last step's WAN figures, logged as under hierarchical_ddp
+        wan = rank["wan"]
+        assert sorted(wan) == ["wan/MBps", "wan/bytes_sent", "wan/comm_s", "wan/wait_s"], wan
+        assert wan["wan/bytes_sent"] > 0 and wan["wan/comm_s"] == wan["wan/wait_s"] > 0 and wan["wan/MBps"] > 0, wan
     # the LR schedule follows the committed steps: a discarded step (the one in flight at the kill) steps nothing;
     # the replay runs on the CPU: GPU rounding differs a little from it, never between the sites
     expected = reference(survivor["log"], 1, survivor["initial"], scheduled=True)

@@ -298,7 +298,7 @@ def trainer_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("p3d_diloco")
     unbroken = _trainer_run(tmp / "unbroken", tmp / "root")
     saved = tmp / "root" / "ckpts" / f"epoch=0-step={PER_EPOCH}.ckpt"
-    resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved))
+    resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved), "--validate")
     return unbroken, resumed
 
 
@@ -332,6 +332,10 @@ def test_trainer_resume_with_a_sync_in_flight_ends_like_the_unbroken_run(trainer
         for kind in ("local", "global"):
             for name in a[kind]:
                 assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+        # a fresh Trainer's validate(ckpt_path=) loads each site's own model, as the resumed fit did
+        assert set(b["validated"]) == set(b["start"])
+        for name, value in b["start"].items():
+            assert torch.equal(b["validated"][name], value), name
 
 
 def test_strategy_settings_that_cannot_work_fail_at_construction(monkeypatch):
