@@ -5,6 +5,7 @@ sync in flight ends bitwise where the unbroken run ends."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -23,6 +24,7 @@ from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 
 import tests.strategies._diloco_script as script  # noqa: E402
 from multidc.hierarchical import DiLoCoConfig  # noqa: E402
+from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 from multidc.strategies import DiLoCoStrategy  # noqa: E402
 from tests.diloco_reference import LR, run_reference  # noqa: E402
 from tests.diloco_reference import model as _model  # noqa: E402
@@ -34,13 +36,17 @@ STEPS, ACCUMULATE, PER_EPOCH = 11, 2, 6  # a sync starts at step 6 and merges at
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
-def _run(out_dir, root, *extra: str) -> dict:
+def _start(out_dir, root, *extra: str) -> ProcessTree:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
     argv = [sys.executable, script.__file__, "--config", json.dumps(CONFIG), "--max-steps", str(STEPS),
             "--accumulate", str(ACCUMULATE), "--steps-per-epoch", str(PER_EPOCH), "--root", str(root),
             "--out", str(out_dir), *extra]
-    code, log = _launch.run_script(argv, {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, 300)
+    return ProcessTree(argv, env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def _result(out_dir, tree: ProcessTree) -> dict:
+    code, log = _launch.finish(tree, 300)
     assert code == 0, log
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
     weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(4)]
@@ -50,12 +56,28 @@ def _run(out_dir, root, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launches(tmp_path_factory):
+    """The unbroken run and examples/lightning_diloco.py at once (each launch's first process imports Lightning alone
+    before it starts the others, which leaves a core idle), then the run resumed from the unbroken run's checkpoint;
+    ``{"unbroken": run, "resumed": run, "example": (exit code, output)}``."""
     tmp = tmp_path_factory.mktemp("diloco")
-    unbroken = _run(tmp / "unbroken", tmp / "root")
+    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "lightning_diloco.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills both
+        unbroken = stack.enter_context(_start(tmp / "unbroken", tmp / "root"))
+        example_run = stack.enter_context(ProcessTree(
+            [sys.executable, example, "--max-steps", "20", "--sync-every", "10", "--out", str(tmp / "example")],
+            env={**env, "OMP_NUM_THREADS": "1"}))
+        runs = {"example": _launch.finish(example_run, 300), "unbroken": _result(tmp / "unbroken", unbroken)}
     saved = tmp / "root" / "ckpts" / f"epoch=0-step={PER_EPOCH}.ckpt"
-    resumed = _run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved))
-    return unbroken, resumed
+    with _start(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved)) as resumed:
+        runs["resumed"] = _result(tmp / "resumed", resumed)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    return launches["unbroken"], launches["resumed"]
 
 
 def _site_batch(site: int, step: int):
@@ -116,11 +138,8 @@ def test_a_single_file_checkpoint_io_is_refused_with_the_reason():
         pl.Trainer(strategy=strategy, plugins=[TorchCheckpointIO()], accelerator="cpu", devices=1, logger=False)
 
 
-def test_the_example_trains_across_two_sites_and_reports_both_validation_losses(tmp_path):
-    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "lightning_diloco.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
-    code, log = _launch.run_script([sys.executable, example, "--max-steps", "20", "--sync-every", "10",
-                                    "--out", str(tmp_path)], {**env, "OMP_NUM_THREADS": "1"}, 300)
+def test_the_example_trains_across_two_sites_and_reports_both_validation_losses(launches):
+    code, log = launches["example"]
     assert code == 0, log
     # sync_every 10, 2 fragments, 2 overlap steps: syncs start at 5, 10, 15, 20 and merge 2 steps later
     assert "done: 4 ranks in 2 sites [2, 2]" in log and "step   20" in log
