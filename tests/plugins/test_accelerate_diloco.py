@@ -7,6 +7,7 @@ plugin's validation, in process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -34,24 +35,42 @@ CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 STEPS, ACCUMULATE, SAVE_AT = 9, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
 
 
-def _launch(tmp_path, name: str, layout: dict | None, *extra: str) -> list[dict]:
-    out = tmp_path / name
-    out.mkdir()
-    args = [SCRIPT, "--config", json.dumps(CONFIG), "--steps", str(STEPS), "--accumulate", str(ACCUMULATE),
-            "--ckpt", f"file://{tmp_path}/ckpt", "--out", str(out), *extra]
-    args += ["--layout", json.dumps(layout)] if layout else []
-    with launch(args, {"MULTIDC_NUM_SITES": "2"}, tmp_path) as tree:
-        code, log = finish(tree, LAUNCH_TIMEOUT_S)
-    assert code == 0, log[-6000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+LAYOUTS = {"ddp": None, "sites2xdp_shard2": {"dp_shard": 2}}  # under DDP; under a layout (FSDP2 inside each site)
 
 
-@pytest.fixture(scope="module", params=[None, {"dp_shard": 2}], ids=["ddp", "sites2xdp_shard2"])
-def runs(request, tmp_path_factory):
+def _launch_at_once(tmps: dict, name: str, *extra: str) -> dict[str, list[dict]]:
+    """Run ``name`` (``extra``: its arguments) in each of ``LAYOUTS`` at once, each in its ``tmps[layout]``
+    (each launch is single-core while accelerate and torchrun start, which leaves a core idle); ``{layout: each
+    rank's results}``."""
+    outs, trees = {}, {}
+    with contextlib.ExitStack() as stack:  # a failed or interrupted wait still kills every launch
+        for key, layout in LAYOUTS.items():
+            tmp = tmps[key]
+            outs[key] = tmp / name
+            outs[key].mkdir()
+            args = [SCRIPT, "--config", json.dumps(CONFIG), "--steps", str(STEPS), "--accumulate", str(ACCUMULATE),
+                    "--ckpt", f"file://{tmp}/ckpt", "--out", str(outs[key]), *extra]
+            args += ["--layout", json.dumps(layout)] if layout else []
+            trees[key] = stack.enter_context(launch(args, {"MULTIDC_NUM_SITES": "2"}, tmp))
+        for key, tree in trees.items():
+            code, log = finish(tree, LAUNCH_TIMEOUT_S)
+            assert code == 0, f"{key}:\n{log[-6000:]}"
+    return {key: [torch.load(out / f"rank{r}.pt") for r in range(4)] for key, out in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory):
+    """The unbroken runs of every layout at once, then the resumed ones at once: ``{layout: (unbroken, resumed)}``."""
+    tmps = {key: tmp_path_factory.mktemp("accelerate_diloco") for key in LAYOUTS}
+    unbroken = _launch_at_once(tmps, "unbroken", "--save-at", str(SAVE_AT))
+    resumed = _launch_at_once(tmps, "resumed", "--resume")
+    return {key: (unbroken[key], resumed[key]) for key in LAYOUTS}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, all_runs):
     """The unbroken and the resumed run, under DDP and under a layout (FSDP2 inside each site)."""
-    tmp, layout = tmp_path_factory.mktemp("accelerate_diloco"), request.param
-    return (_launch(tmp, "unbroken", layout, "--save-at", str(SAVE_AT)),
-            _launch(tmp, "resumed", layout, "--resume"))
+    return all_runs[request.param]
 
 
 def _site_batch(site: int, step: int):
