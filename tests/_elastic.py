@@ -202,11 +202,12 @@ def site_logs(out: Path, name: str) -> str:
 
 def check_odd_site_fails_alone(tmp_path: Path, lighthouse: str, live: list[str], per_site: int, odd: list[str],
                                messages: list[str], script: str = SCRIPT) -> None:
-    """Two sites train (``live`` arguments: long enough to be there when the odd site comes); a third site with
-    ``odd`` arguments and ``per_site`` ranks must fail alone, its log saying it cannot join and ``messages``, while
-    the two go on, finish and end identical."""
-    names = ["site0", "site1"]
-    trees = {name: start_site(name, 1, 2, lighthouse, tmp_path, *live, script=script) for name in names}
+    """Two sites train (``live`` arguments; the job goes on until the odd site is done: the script's ``--until``); a
+    third site with ``odd`` arguments and ``per_site`` ranks must fail alone, its log saying it cannot join and
+    ``messages``, while the two go on, then finish (5 steps or rounds later) and end identical."""
+    names, end = ["site0", "site1"], tmp_path / "end-at"
+    trees = {name: start_site(name, 1, 2, lighthouse, tmp_path, *live, "--until", str(end), script=script)
+             for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         wait_for_steps(tmp_path, trees, KILL_AT, deadline)
@@ -216,6 +217,9 @@ def check_odd_site_fails_alone(tmp_path: Path, lighthouse: str, live: list[str],
         log = site_logs(tmp_path, "site2")
         assert "site 'site2' cannot join: it differs from site 'site" in log, log
         assert all(message in log for message in messages), log
+        assert all(tree.process.poll() is None for tree in trees.values()), "the job ended before the odd site failed"
+        (tmp_path / "end-at.tmp").write_text(str(max(progress(tmp_path, n) for n in names) + 5))
+        (tmp_path / "end-at.tmp").rename(end)  # every site reads it before that step
         for name, tree in trees.items():  # the live sites went on without it and finished
             code, _ = tree.wait(max(1.0, deadline - time.monotonic()))
             assert code == 0, f"{name}:\n{site_logs(tmp_path, name)}"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import DiLoCoConfig, WanConfig  # noqa: E402
 from multidc.hierarchical.elastic import ElasticDiLoCo  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows  # noqa: E402
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, job_end, model, rows  # noqa: E402
 
 SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9
 
@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: the model's two Linear layers")
     parser.add_argument("--overlap", type=int, default=0, help="overlap_steps: the sync runs while training goes on")
     parser.add_argument("--seed-per-site", action="store_true", help="each site starts from other weights")
+    parser.add_argument("--until", help="the job ends at the round this file holds, once a test wrote it (a round "
+                        "ahead of every site); until then it goes on, to --max-rounds at most")
     parser.add_argument("--fail-first-flight", action="store_true", help="--overlap: report an error while the "
                         "first sync is in flight, taking the DiLoCo state before and after")
     parser.add_argument("--out", required=True)
@@ -95,8 +97,8 @@ def main() -> None:
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(diloco.outer_steps))
-        done = diloco.outer_steps
-        if (done >= args.rounds and last_step == done - 1 and len(last) == args.sites) or done >= args.max_rounds:
+        done, rounds = diloco.outer_steps, args.rounds if not args.until else job_end(args.until, args.max_rounds)
+        if (done >= rounds and last_step == done - 1 and len(last) == args.sites) or done >= args.max_rounds:
             break
         time.sleep(args.sleep)
         sites, t0, step = round_start()

@@ -24,16 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import WanConfig  # noqa: E402
 from multidc.hierarchical.elastic.site import ElasticSite  # noqa: E402
-from tests.hierarchical.elastic_reference import LR, MAX_SITES, model, rows, wait_for_file  # noqa: E402
-
-
-def job_end(path: str, otherwise: int) -> int:
-    """The step a test wrote into ``path`` (atomically: renamed into place), else ``otherwise``."""
-    try:
-        with open(path) as f:
-            return int(f.read())
-    except FileNotFoundError:
-        return otherwise
+from tests.hierarchical.elastic_reference import LR, MAX_SITES, job_end, model, rows, wait_for_file  # noqa: E402
 
 
 def main() -> None:

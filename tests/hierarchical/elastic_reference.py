@@ -155,6 +155,15 @@ def _train(net: nn.Module, site: int, steps: range, per_site: int, scheduled: bo
         inner.step()
 
 
+def job_end(path: str, otherwise: int) -> int:
+    """The step (or round) a test wrote into ``path`` (atomically: renamed into place), else ``otherwise``."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except FileNotFoundError:
+        return otherwise
+
+
 def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
     """Wait until ``path`` exists (a test tells a site's script it may go on), at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -96,7 +96,7 @@ def test_the_sites_survive_a_lighthouse_restart(tmp_path, lighthouse):
     (2, [], "site_size: 2 here, 1 there"),
 ], ids=["another-model", "another-site-size"])
 def test_a_site_that_differs_fails_alone_with_what_differs(tmp_path, lighthouse, per_site, extra, message):
-    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--steps", "250"], per_site, list(extra),
+    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--steps", "20"], per_site, list(extra),
                                [message])
 
 

@@ -72,7 +72,7 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
                                          (["--outer-lr", "0.5"], ("outer_lr=0.7", "outer_lr=0.5"))],
                          ids=["sync-every", "outer-lr"])
 def test_a_site_with_other_diloco_settings_fails_alone(tmp_path, lighthouse, odd, message):
-    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--rounds", "60", "--sleep", "0.2"], 1,
+    check_odd_site_fails_alone(tmp_path, lighthouse.address, ["--rounds", "10", "--sleep", "0.2"], 1,
                                ["--rounds", "60", *odd], ["the DiLoCo settings differ", *message], script=SCRIPT)
 
 
