@@ -21,6 +21,7 @@ from multidc.plugins import Checkpointer, RNGState, list_checkpoints  # noqa: E4
 from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy  # noqa: E402
 from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
+    Lighthouse,
     check_second_member_refused,  # noqa: E402
     finish_all,
     first_quorum_beside_an_idle_site,
@@ -221,20 +222,39 @@ def test_elastic_diloco_checkpoints_are_saved_once_by_the_sites_present_and_resu
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--precision", "16-mixed"], "elastic with fp16 loss scaling"),
-    (["--interval", "epoch"], "elastic=True steps LR schedulers once per committed step; LambdaLR has "
-                              "interval='epoch'"),
-], ids=["loss-scaling", "epoch-scheduler"])
-def test_a_fit_that_elastic_mode_cannot_follow_is_refused_before_training(tmp_path, lighthouse, extra, message):
-    tree = start_site("site0", 1, 1, lighthouse.address, tmp_path, "--max-steps", "5", *extra, script=SCRIPT)
+# A fit that elastic mode cannot follow: {case: (the script's arguments, what its refusal says)}.
+REFUSED = {
+    "loss-scaling": (["--precision", "16-mixed"], "elastic with fp16 loss scaling"),
+    "epoch-scheduler": (["--interval", "epoch"], "elastic=True steps LR schedulers once per committed step; LambdaLR "
+                                                 "has interval='epoch'"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused_fits(tmp_path_factory):
+    """Each fit of ``REFUSED``, a one-site job of its own, all at once (each is one process beside its torchrun);
+    ``{case: (exit code, its log, its folder)}``."""
+    lighthouse, trees, ended = Lighthouse(), {}, {}
     try:
-        code, _ = tree.wait(TIMEOUT_S)
+        for case, (extra, _) in REFUSED.items():
+            out = tmp_path_factory.mktemp(case)
+            trees[case] = (start_site("site0", 1, 1, lighthouse.address, out, "--max-steps", "5", *extra,
+                                      script=SCRIPT), out)
+        for case, (tree, out) in trees.items():
+            code, _ = tree.wait(TIMEOUT_S)
+            ended[case] = (code, site_logs(out, "site0"), out)
     finally:
-        tree.kill()
-    log = site_logs(tmp_path, "site0")
-    assert code != 0 and message in log, log
-    assert not (tmp_path / "site0.progress").exists()  # no step ran
+        for tree, _ in trees.values():
+            tree.kill()
+        lighthouse.server.shutdown()
+    return ended
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_fit_that_elastic_mode_cannot_follow_is_refused_before_training(refused_fits, case):
+    code, log, out = refused_fits[case]
+    assert code != 0 and REFUSED[case][1] in log, log
+    assert not (out / "site0.progress").exists()  # no step ran
 
 
 def test_a_site_in_its_setup_holds_up_no_quorum(tmp_path):
