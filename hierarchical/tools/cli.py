@@ -1,5 +1,6 @@
 """The ``multidc`` command: ``multidc bench allreduce|diloco``, ``multidc lab run``, ``multidc lighthouse``,
-``multidc doctor``.
+``multidc doctor``, and the commands the installed layers above declare under the ``multidc.commands`` entry point
+group (``multidc ckpt ls|verify|rm``, from ``multidc.plugins``: this layer names none of them).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up and imports just the module of the subcommand being run.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+_GROUP = "multidc.commands"
 
 # subcommand path -> (module, help)
 _COMMANDS = {
@@ -24,11 +27,20 @@ _COMMANDS = {
 }
 
 
+def _commands() -> dict[tuple[str, ...], tuple[str, str]]:
+    """This layer's commands, then those declared by the installed package under ``multidc.commands`` (name ->
+    module; not imported here: their help is their own)."""
+    from importlib.metadata import entry_points
+
+    declared = {(ep.name,): (ep.value, f"see: multidc {ep.name} --help") for ep in entry_points(group=_GROUP)}
+    return {**_COMMANDS, **{path: spec for path, spec in declared.items() if path not in _COMMANDS}}
+
+
 def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multidc", description="multidc: train one model across datacenters.")
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for path, (module_name, help_text) in _COMMANDS.items():
+    for path, (module_name, help_text) in _commands().items():
         if len(path) == 1:
             sub = top.add_parser(path[0], help=help_text, description=help_text)
         else:
@@ -38,6 +50,8 @@ def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
         if path == selected:
             module = importlib.import_module(module_name)
+            if path not in _COMMANDS and module.__doc__:  # a declared command describes itself
+                sub.description = module.__doc__.split("\n\n")[0].replace("``", "")
             module.add_arguments(sub)
             sub.set_defaults(_run=module.run)
     return parser
@@ -45,7 +59,7 @@ def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
 
 def _selected(argv: list[str]) -> tuple[str, ...] | None:
     words = [a for a in argv if not a.startswith("-")]
-    for path in _COMMANDS:
+    for path in _commands():
         if tuple(words[: len(path)]) == path:
             return path
     return None

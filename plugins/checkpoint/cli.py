@@ -1,4 +1,5 @@
-"""``python -m multidc.plugins.checkpoint ls|verify|rm URL``: inspect, check and delete checkpoints.
+"""``multidc ckpt ls|verify|rm URL`` (also ``python -m multidc.plugins.checkpoint ...``): inspect, check and
+delete checkpoints.
 
 Any fsspec URL (``s3://bucket/prefix``, ``file:///dir``, a path). Credentials and endpoint come from the same
 standard places as in training: the AWS environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
@@ -32,9 +33,10 @@ OK, CORRUPT, MISSING, ACCESS, UNEXPECTED = 0, 1, 2, 3, 4
 _MIB = 1 << 20
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m multidc.plugins.checkpoint", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``ls`` / ``verify`` / ``rm`` subcommands, under ``parser`` (``multidc ckpt``, or
+    ``python -m multidc.plugins.checkpoint``)."""
+    commands = parser.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("ls", "list committed checkpoints: step, size, sites, layout"),
                        ("verify", "check every shard's size and every item's CRC-32, without loading a model"),
                        ("rm", "delete one committed checkpoint (--step) or every committed checkpoint under the URL "
@@ -56,17 +58,22 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--slice-mb", type=float, default=SLICE_BYTES / _MIB,
                              help="bytes read per ranged GET, MiB (memory: slice x --concurrency)")
             sub.add_argument("--concurrency", type=int, default=8, help="ranged GETs in flight")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m multidc.plugins.checkpoint") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``ls`` / ``verify`` / ``rm``; returns the exit status (see the module docstring)."""
     try:
         store = ObjectStore(args.url, storage_options={"endpoint_url": args.endpoint_url} if args.endpoint_url
                             else None)
-        if args.command == "rm" or store.is_s3 or store.fs.exists(store.root):  # else: nothing there, create none
-            store.check_access()
-        return {"ls": _ls, "verify": _verify, "rm": _rm}[args.command](store, args)
+        if args.ckpt_command == "rm" or store.is_s3 or store.fs.exists(store.root):  # else: nothing there, create
+            store.check_access()  # none
+        return {"ls": _ls, "verify": _verify, "rm": _rm}[args.ckpt_command](store, args)
     except (ValueError, FileNotFoundError) as exc:  # ObjectStoreNotFoundError is a FileNotFoundError
         code = ACCESS if isinstance(exc, ObjectStoreError) else MISSING
         return _fail(code, str(exc))

@@ -75,6 +75,9 @@ def test_wheel_declares_the_multidc_console_script(wheel):
     entry_points.read_string(_dist_info(wheel, "entry_points.txt"))
     assert entry_points["console_scripts"]["multidc"] == "multidc.hierarchical.tools.cli:main"
     assert "multidc/hierarchical/tools/cli.py" in wheel.namelist()
+    # `multidc ckpt`: the plugins' command, declared for the CLI, which names no layer above its own
+    assert dict(entry_points["multidc.commands"]) == {"ckpt": "multidc.plugins.checkpoint.cli"}
+    assert "multidc/plugins/checkpoint/cli.py" in wheel.namelist()
 
 
 def test_wheel_metadata_requires_torch_and_offers_the_extras(wheel):

@@ -1,5 +1,5 @@
-"""``python -m multidc.plugins.checkpoint ls|verify|rm``: against a SeaweedFS server with S3 authentication,
-credentials from the standard AWS environment variables only.
+"""``multidc ckpt ls|verify|rm`` (and ``python -m multidc.plugins.checkpoint``): against a SeaweedFS server with S3
+authentication, credentials from the standard AWS environment variables only.
 
 One run is a real ``python -m`` subprocess (the module entry point, credentials read by a fresh interpreter); the
 others call the same ``cli.main`` in this process with the same environment variables and argv, and capture its
@@ -36,11 +36,15 @@ def _aws_env(server, secret: str) -> dict[str, str]:
             "AWS_ENDPOINT_URL": server.endpoint}
 
 
-def _cli_subprocess(server, *args: str, secret: str = AUTH_KEYS[1]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env |= {**_aws_env(server, secret), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "multidc.plugins.checkpoint", *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+def _cli_subprocess(server, *args: str, secret: str = AUTH_KEYS[1],
+                    command: tuple[str, ...] = ("multidc", "ckpt")) -> subprocess.CompletedProcess:
+    """The installed ``multidc ckpt`` console script (default; ``command`` may name ``python -m ...``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTHONPATH"))} | _aws_env(server, secret)
+    if command[0] == "multidc":  # as installed: the package's metadata declares `ckpt`
+        argv = [str(Path(sys.executable).with_name("multidc")), *command[1:]]
+    else:
+        argv, env["PYTHONPATH"] = [sys.executable, *command], str(ROOT)
+    return subprocess.run([*argv, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def _main(args: tuple[str, ...]) -> subprocess.CompletedProcess:
@@ -98,6 +102,8 @@ def test_ls_verify_and_rm_report_and_exit_as_documented(s3_auth_server):
     assert [r["step"] for r in rows] == [10, 20] and all(r["world_size"] == 1 and r["bytes"] > 1_200_000 for r in rows)
     table = _cli(s3_auth_server, "ls", url)
     assert table.returncode == 0 and "1 ranks, 1 shards" in table.stdout and "        20" in table.stdout
+    module = _cli_subprocess(s3_auth_server, "ls", url, command=("-m", "multidc.plugins.checkpoint"))
+    assert module.returncode == 0 and module.stdout == table.stdout, module.stderr  # the module form, the same
 
     checked = _cli(s3_auth_server, "verify", url, "--all", "--slice-mb", "0.1")  # items span many slices
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -211,3 +217,18 @@ def test_an_unexpected_error_exits_4_with_one_line_not_1_which_means_corrupt(tmp
     assert cli.main(["ls", str(tmp_path / "run")]) == 4
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "unexpected TypeError: injected bug" in err
+
+
+def test_the_multidc_command_runs_ckpt_as_its_own_subcommand(tmp_path, capsys):
+    from multidc.hierarchical.tools import cli as multidc_cli
+
+    with pytest.raises(SystemExit) as listed:
+        multidc_cli.main(["--help"])
+    assert listed.value.code == 0 and "ckpt" in capsys.readouterr().out  # declared by the plugins, listed
+    assert multidc_cli.main(["ckpt", "ls", str(tmp_path / "none")]) == 0
+    assert "no committed checkpoint under" in capsys.readouterr().out
+    with Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save(_state(3), step=3)
+    assert multidc_cli.main(["ckpt", "verify", str(tmp_path / "run")]) == 0
+    assert multidc_cli.main(["ckpt", "rm", str(tmp_path / "run"), "--step", "3"]) == 0
+    assert multidc_cli.main(["ckpt", "verify", str(tmp_path / "run")]) == 2  # nothing left: the documented 2
