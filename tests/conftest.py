@@ -8,6 +8,8 @@ calls ``run_ranks`` or uses ``s3_server`` is marked without further work.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import inspect
 import multiprocessing
 import subprocess
@@ -21,7 +23,7 @@ import torch.multiprocessing
 from multidc.hierarchical.tools import processes, ranks
 from multidc.hierarchical.tools.lab import Lab
 from multidc.hierarchical.tools.launch import SiteJob
-from multidc.hierarchical.tools.seaweed import SeaweedS3
+from multidc.hierarchical.tools.seaweed import SeaweedS3, weed_binary
 from tests import _launch
 from tests._resources import require_weed
 
@@ -34,15 +36,49 @@ AUTH_KEYS = ("MDCTESTACCESSKEY", "mdc-test-secret-9f2c41d7")
 READONLY_KEYS = ("MDCREADONLYKEY", "mdc-readonly-secret-51b0e2aa")
 
 
-def _start(tmp_path_factory, name: str, **kwargs) -> SeaweedS3:
+# The session's S3 servers: {fixture: (folder name, SeaweedS3.start arguments)}.
+_SERVERS = {"s3_server": ("seaweed", {}),
+            "s3_auth_server": ("seaweed-auth", {"auth": AUTH_KEYS, "readonly": READONLY_KEYS})}
+# Servers started at the session's start (``pytest_collection_finish``), not yet taken by their fixture.
+_EARLY: dict[str, concurrent.futures.Future] = {}
+
+
+def _start(tmp_path_factory, fixture: str) -> SeaweedS3:
+    early = _EARLY.pop(fixture, None)
+    if early is not None:
+        return early.result()  # a failed start raises here, in the first test that needs the server
     require_weed()
+    name, kwargs = _SERVERS[fixture]
     return SeaweedS3.start(tmp_path_factory.mktemp(name), **kwargs)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the servers that the selected tests use, in the background: a start mostly waits for the server to be
+    ready (seconds), which then overlaps the first tests instead of holding up the first test that needs it. Only
+    with the ``weed`` binary there (else the fixture reports it missing, as ever)."""
+    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in _SERVERS}
+    if not wanted or weed_binary() is None or session.config.option.collectonly:
+        return
+    factory = session.config._tmp_path_factory  # what the tmp_path_factory fixture returns
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="seaweed-start")
+    for fixture in sorted(wanted):
+        name, kwargs = _SERVERS[fixture]
+        _EARLY[fixture] = pool.submit(SeaweedS3.start, factory.mktemp(name), **kwargs)
+    pool.shutdown(wait=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the servers started early that no test took (an interrupted or deselected run)."""
+    for early in _EARLY.values():
+        with contextlib.suppress(Exception):
+            early.result().stop()
+    _EARLY.clear()
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A SeaweedFS S3 gateway on loopback that accepts anonymous requests."""
-    server = _start(tmp_path_factory, "seaweed")
+    server = _start(tmp_path_factory, "s3_server")
     yield server
     server.stop()
 
@@ -50,7 +86,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_auth_server(tmp_path_factory):
     """A SeaweedFS S3 gateway on loopback that only accepts ``AUTH_KEYS`` (and ``READONLY_KEYS``: no writes)."""
-    server = _start(tmp_path_factory, "seaweed-auth", auth=AUTH_KEYS, readonly=READONLY_KEYS)
+    server = _start(tmp_path_factory, "s3_auth_server")
     yield server
     server.stop()
 
