@@ -47,9 +47,13 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
     Args:
         diloco: ``DiLoCoConfig``; default ``DiLoCoConfig()`` from ``MULTIDC_DILOCO_*``, built here, so a missing
             ``sync_every`` fails at construction.
-        num_sites, site, wan, checkpoint_async, checkpoint_storage_options, **ddp_kwargs: as for
-            ``HierarchicalDDPStrategy``; ``wan`` carries the syncs (its ``compression`` is replaced by
+        num_sites: as for ``HierarchicalDDPStrategy``.
+        site: as for ``HierarchicalDDPStrategy``.
+        wan: as for ``HierarchicalDDPStrategy``; it carries the syncs (its ``compression`` is replaced by
             ``diloco.compression``).
+        checkpoint_async: as for ``HierarchicalDDPStrategy``.
+        checkpoint_storage_options: as for ``HierarchicalDDPStrategy``.
+        **ddp_kwargs: as for ``HierarchicalDDPStrategy``.
 
     Raises:
         ValueError: bad settings, at construction; not exactly one optimizer, or differing settings or models

@@ -192,8 +192,9 @@ class HierarchicalDDPFabricStrategy(_HierarchicalSync, _FabricDDPStrategy):
     when training ends to leave the job (Fabric never calls it; multidc also does at interpreter exit).
 
     Args:
-        num_sites, site, wan: as for ``HierarchicalDDPStrategy`` (elastic: ``num_sites`` counts the sites the job
-            starts with, ``site`` names this one).
+        num_sites: as for ``HierarchicalDDPStrategy`` (elastic: the sites the job starts with).
+        site: as for ``HierarchicalDDPStrategy`` (elastic: this site's name).
+        wan: as for ``HierarchicalDDPStrategy``.
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``).
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
         **ddp_kwargs: passed to Fabric's ``DDPStrategy``.

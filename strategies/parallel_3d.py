@@ -80,15 +80,21 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
     """Site x data (FSDP2 / replicated) x pipeline x tensor parallelism for the Lightning ``Trainer``.
 
     Args:
-        num_sites, dp_replicate, dp_shard, pipeline_parallel_size, tensor_parallel_size: see ``ParallelLayout``
-            (``None`` = ``MULTIDC_*`` env, then default; one may be ``-1``/``"auto"``; ``dp_shard`` defaults to
-            auto, or to 1 when another size is auto; ``num_sites`` defaults to the number of ``MULTIDC_SITE``
+        num_sites: see ``ParallelLayout`` (``None`` = ``MULTIDC_NUM_SITES``, else the number of ``MULTIDC_SITE``
             names when every rank sets one, else 1).
+        dp_replicate: see ``ParallelLayout`` (``None`` = ``MULTIDC_DP_REPLICATE``, then default).
+        dp_shard: see ``ParallelLayout`` (``None`` = ``MULTIDC_DP_SHARD``; default auto, or 1 when another size is
+            auto).
+        pipeline_parallel_size: see ``ParallelLayout`` (``None`` = ``MULTIDC_PP_SIZE``, then 1).
+        tensor_parallel_size: see ``ParallelLayout`` (``None`` = ``MULTIDC_TP_SIZE``, then 1). One of the sizes
+            may be ``-1``/``"auto"``.
         data_parallel_size: as ``ModelParallelStrategy``'s: the data-parallel ranks over ALL sites, i.e.
             ``num_sites x dp_replicate x dp_shard`` (``dp_shard`` follows from it when unset). ``None``/``"auto"``
             = whatever the other sizes leave (not ``ModelParallelStrategy``'s "number of nodes").
-        pipeline_schedule, microbatches, stages_per_rank, split_points: see ``PipelineConfig`` (env
-            ``MULTIDC_PP_SCHEDULE`` / ``MULTIDC_PP_MICROBATCHES``).
+        pipeline_schedule: see ``PipelineConfig`` (env ``MULTIDC_PP_SCHEDULE``).
+        microbatches: see ``PipelineConfig`` (env ``MULTIDC_PP_MICROBATCHES``).
+        stages_per_rank: see ``PipelineConfig``.
+        split_points: see ``PipelineConfig``.
         wan: cross-site reduction settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
         fsdp_across_sites: ``False`` (default): a ``fully_shard`` over ``device_mesh["data_parallel"]`` in
             ``configure_model`` shards inside each site, and the sites' replicas are reduced hierarchically
@@ -120,7 +126,8 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
             same-index rank of the other sites, so every site runs the same layout. ``dp_replicate``, pipeline and
             tensor parallelism are refused in this mode. See ``multidc.strategies._cross_site``.
         lighthouse: the torchft lighthouse's ``host:port`` (default ``MULTIDC_LIGHTHOUSE``), elastic mode only.
-        process_group_backend, timeout: as ``ModelParallelStrategy``.
+        process_group_backend: as ``ModelParallelStrategy``'s.
+        timeout: as ``ModelParallelStrategy``'s.
 
     Raises:
         ValueError: bad sizes at construction (a ``data_parallel_size`` that ``num_sites x dp_replicate x dp_shard``

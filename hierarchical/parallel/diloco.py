@@ -117,7 +117,8 @@ def build_diloco(
         optimizer: the inner optimizer over ``parallel.parameters()``: DiLoCo steps after each of its steps.
             ``None``: call ``diloco.step()`` after every inner step yourself.
         config: ``DiLoCoConfig``; ``None`` builds ``DiLoCoConfig()`` (env ``MULTIDC_DILOCO_*``) on every rank.
-        wan, outer_optimizer: as for ``DiLoCo``; ``wan`` defaults to the topology's.
+        wan: as for ``DiLoCo``; defaults to the topology's.
+        outer_optimizer: as for ``DiLoCo``.
 
     Raises:
         ValueError: on every rank alike: the model was not placed with ``cross_site="diloco"``, bad settings,
