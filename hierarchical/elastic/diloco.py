@@ -57,13 +57,16 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         diloco.close()
 
     Args:
-        model, inner_optimizer, outer_optimizer, blocks: as for ``DiLoCo``; ``inner_optimizer`` is required (its
-            state travels to a rejoining site).
+        model: as for ``DiLoCo``.
+        inner_optimizer: as for ``DiLoCo``, but required (its state travels to a rejoining site).
+        outer_optimizer: as for ``DiLoCo``.
+        blocks: as for ``DiLoCo``.
         config: ``DiLoCoConfig`` (plain, streaming, overlapped); ``None``: ``DiLoCoConfig()``.
         wan: WAN settings of the syncs (``timeout_s``: how long a round's sync waits for a dead site before the
             round is discarded); ``config.compression`` is its codec.
-        state_dict, load_state_dict: more state that travels to a rejoining site (LR schedulers, data loader
-            position): called on a live site's ranks / on the rejoining site's ranks.
+        state_dict: more state that travels to a rejoining site (LR schedulers, data loader position), called on a
+            live site's ranks.
+        load_state_dict: loads what ``state_dict`` returned, called on the rejoining site's ranks.
         start_rounds: ``step()`` joins the next round's quorum right after a sync; False: call ``start_round()``
             yourself between steps, after stepping what ``state_dict`` holds (LR schedulers), so a rejoining site
             receives it in the state it has between steps (the Lightning and Accelerate front-ends do).

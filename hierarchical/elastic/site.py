@@ -143,8 +143,9 @@ class ElasticSite:
             the WAN to the same-index rank of the other sites); None: every rank of the site (DDP).
 
     Raises:
-        ImportError: torchft is missing. ValueError: bad settings, before connecting. LighthouseUnreachable: no
-        lighthouse answers within ``quorum_timeout_s``, on every rank.
+        ImportError: torchft is missing.
+        ValueError: bad settings, before connecting.
+        LighthouseUnreachable: no lighthouse answers within ``quorum_timeout_s``, on every rank.
     """
 
     def __init__(

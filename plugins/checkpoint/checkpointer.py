@@ -54,15 +54,15 @@ Guarantees:
   answering (a cut link, a hung or dead process); uploads, downloads and the commit run under a heartbeat
   between the ranks, so they may take as long as they need.
 * **Verified.** Every item read on load is checked against the CRC-32 in the commit record;
-  a mismatch raises :class:`CheckpointCorruptError` naming the shard object, the byte range and the tensor, on
+  a mismatch raises ``CheckpointCorruptError`` naming the shard object, the byte range and the tensor, on
   every rank.
 * **Striped loads in bounded memory.** Loads use ranged GETs, each piece copied into the restored tensors as it
   arrives; what several ranks of a site need is read once per site, an equal share per rank, and exchanged inside
-  the site (:class:`ReadConfig` sets piece size and buffers). An async save holds this rank's share once (the
+  the site (``ReadConfig`` sets piece size and buffers). An async save holds this rank's share once (the
   snapshot); a sync save of CPU tensors holds no copy of it.
 * **Resume anywhere.** Loading goes through DCP resharding: another world size, other dp/pp/tp sizes, other
-  number of sites. Use :class:`ModelState` for model + optimizer, pass LR schedulers (Stateful) directly, use
-  :class:`RNGState` for random streams, plain ints / dicts for counters (restored in place).
+  number of sites. Use ``ModelState`` for model + optimizer, pass LR schedulers (Stateful) directly, use
+  ``RNGState`` for random streams, plain ints / dicts for counters (restored in place).
 * **Safe loading.** Tensors are read as raw bytes; the commit record is JSON; other values are loaded with
   ``torch.load(weights_only=True)`` only (``trusted=True`` lifts that for stores you fully control).
 
