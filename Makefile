@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test test-fast lint bench bench-allreduce bench-diloco bench-checkpoint bench-pipeline faults clean
+.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-checkpoint bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(BIN)/python:
 # torch first and pinned: any other spec pulls a multi-GB CUDA build on this machine class.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[all,test,bench]"
+	$(BIN)/pip install --quiet -e ".[all,test,bench,docs]"
 	touch $(STAMP)
 
 # The main demo: an ordinary Lightning script (strategy="hierarchical_ddp") trained by 2 sites x 2 ranks. As root
@@ -35,7 +35,12 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Benchmarks (figures in README.md): all of them, or one at a time.
+# The documentation site (mkdocs.yml, docs/): guides and the API reference from the docstrings, into build/site/.
+# --strict: a broken link, a missing reference or a docstring griffe cannot parse fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Benchmarks (figures in docs/benchmarks.md): all of them, or one at a time.
 bench: bench-allreduce bench-diloco bench-checkpoint bench-pipeline
 
 bench-allreduce: $(STAMP)
@@ -52,7 +57,7 @@ bench-checkpoint: $(STAMP)
 bench-pipeline: $(STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py
 
-# The long fault scripts (figures in README.md): >= 50 random-rank kills mid-save on a local dir and on SeaweedFS S3,
+# The long fault scripts (figures in docs/faults.md): >= 50 random-rank kills mid-save on a local dir and on SeaweedFS S3,
 # then WAN cuts in the lab, then elastic sites under random kills, cuts and lighthouse restarts (needs root:
 # network namespaces). Each exits non-zero on a lost or corrupt checkpoint, a late or silent failure, a resume
 # that lost a committed step, or an elastic step lost, applied twice, stalled too long or diverged.
