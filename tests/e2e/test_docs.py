@@ -1,0 +1,82 @@
+"""The documentation: ``make docs``'s strict build, and every ```python block of README.md and docs/ runs.
+
+A block either runs as it stands (on one rank, in a subprocess: ``tests/_doc_snippets.py``) or is an excerpt of an
+example in ``examples/`` that the tests run; see ``tests/_doc_snippets.py`` for the rule.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._doc_snippets import ROOT, all_blocks, excerpt_mismatches
+from tests._resources import require_module
+
+BLOCKS = all_blocks()
+EXCERPTS = [block for block in BLOCKS if block.excerpt_of]
+API_PAGES = sorted((ROOT / "docs" / "api").glob("*.md"))
+
+
+def _output(proc: subprocess.CompletedProcess) -> str:
+    return (proc.stdout + proc.stderr)[-6000:]
+
+
+def test_docs_build_strict(tmp_path):
+    """``mkdocs build --strict`` (what ``make docs`` runs) succeeds: no broken link, reference or docstring."""
+    require_module("mkdocs", "docs")
+    require_module("mkdocstrings_handlers.python", "docs")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    proc = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, _output(proc)
+    assert (tmp_path / "site" / "api" / "hierarchical" / "index.html").exists()
+
+
+def test_python_blocks_that_are_not_excerpts_run():
+    """Each such block of README.md and docs/ runs to its end on one rank (all of them in one interpreter)."""
+    run = [block for block in BLOCKS if not block.excerpt_of]
+    assert len(run) >= 10, "the README and the guides lost their runnable blocks"
+    proc = subprocess.run([sys.executable, "-m", "tests._doc_snippets"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, _output(proc)
+    for block in run:
+        assert f"ok  {block.where}" in proc.stdout, f"{block.where} did not run\n{_output(proc)}"
+
+
+@pytest.mark.parametrize("block", EXCERPTS, ids=[block.where for block in EXCERPTS])
+def test_excerpt_quotes_an_example_the_tests_run(block):
+    """An excerpt's lines are lines of its example, and some test runs that example."""
+    example = ROOT / block.excerpt_of
+    assert block.excerpt_of.startswith("examples/") and example.is_file(), f"{block.where}: no {block.excerpt_of}"
+    missing = excerpt_mismatches(block)
+    assert not missing, f"{block.where}: lines not in {block.excerpt_of}: {missing}"
+    tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py"]
+    assert any(example.name in p.read_text() for p in tests), f"{block.excerpt_of}: no test runs it"
+
+
+@pytest.mark.parametrize("package", ["multidc.hierarchical", "multidc.strategies", "multidc.plugins"])
+def test_api_reference_documents_every_public_name(package):
+    """Every name in a package's ``__all__`` has a ``::: <defining module>.<name>`` entry in docs/api/."""
+    import importlib
+
+    require_module("lightning", "lightning")  # multidc.strategies' names are defined by Lightning strategies
+    module = importlib.import_module(package)
+    documented = {line.removeprefix("::: ").strip() for page in API_PAGES
+                  for line in page.read_text().splitlines() if line.startswith("::: ")}
+    missing = [name for name in module.__all__
+               if f"{getattr(module, name).__module__}.{name}" not in documented]
+    assert not missing, f"{package}: not in docs/api/*.md: {missing}"
+
+
+def test_readme_stays_short_and_links_existing_pages():
+    """The README sells and starts (at most about 250 lines); the docs pages it links exist."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = re.findall(r"\]\((docs/[^)#]+)", readme)
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert links and not missing, missing
