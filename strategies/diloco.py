@@ -3,7 +3,7 @@
 ``Trainer(strategy="diloco")`` (or ``"diloco_spawn"``) takes every setting from the environment
 (``MULTIDC_NUM_SITES`` / ``MULTIDC_SITE``, ``MULTIDC_WAN_*``, ``MULTIDC_DILOCO_*``; ``MULTIDC_DILOCO_SYNC_EVERY``
 is required); ``DiLoCoStrategy(diloco=DiLoCoConfig(...))`` takes them as arguments. See
-``multidc.hierarchical.DiLoCo`` for the algorithm and README "Low-bandwidth sites: DiLoCo".
+``multidc.hierarchical.DiLoCo`` for the algorithm and docs/guides/diloco.md.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ class ElasticSite:
         lighthouse: ``host:port`` of ``multidc lighthouse`` (default ``MULTIDC_LIGHTHOUSE``).
         min_sites: sites a step needs to commit. Use a majority of the sites (and the same ``--min-sites`` on
             the lighthouse) if the lighthouse may restart mid-run: with fewer, a restarted lighthouse can form two
-            quorums on the same step, and their sites' weights stay apart (see the README's lighthouse section).
+            quorums on the same step, and their sites' weights stay apart (docs/guides/elastic.md, "The
+            lighthouse").
         sites: the sites the job starts with (default ``MULTIDC_NUM_SITES``, else 1). A site that has not trained
             with the job yet waits until it either receives the live state from a peer or, at step 0, every one of
             these sites is present: a (re)started site never trains alone beside the job.
