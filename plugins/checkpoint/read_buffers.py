@@ -2,9 +2,9 @@
 
 Invariant (what the memory bound of docs/guides/checkpoints.md rests on): the bytes of GET buffers this rank has
 allocated, in use or kept for reuse, never exceed ``limit``, except for one GET's larger than ``limit``, held
-alone. Reuse never depends on a piece's exact size: a piece of more than half a slot gets a whole slot (``slot`` bytes) and uses
-its first ``size`` bytes; smaller and larger pieces get a buffer of their own size, freed when released. Free
-slots are dropped whenever keeping them would push the total over ``limit``.
+alone. Reuse never depends on a piece's exact size: a piece of more than half a slot gets a whole slot (``slot``
+bytes) and uses its first ``size`` bytes; smaller and larger pieces get a buffer of their own size, freed when
+released. Free slots are dropped whenever keeping them would push the total over ``limit``.
 """
 
 from __future__ import annotations
