@@ -39,6 +39,8 @@ def test_docs_build_strict(tmp_path):
 
 def test_python_blocks_that_are_not_excerpts_run():
     """Each such block of README.md and docs/ runs to its end on one rank (all of them in one interpreter)."""
+    for module, extra in (("lightning", "lightning"), ("accelerate", "accelerate"), ("torchft", "elastic")):
+        require_module(module, extra)  # the blocks use every extra
     run = [block for block in BLOCKS if not block.excerpt_of]
     assert len(run) >= 10, "the README and the guides lost their runnable blocks"
     proc = subprocess.run([sys.executable, "-m", "tests._doc_snippets"], cwd=ROOT, capture_output=True, text=True,
