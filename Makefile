@@ -48,8 +48,9 @@ bench-allreduce: $(STAMP)
 		--compression none,bf16,int8 --repeats 5
 
 # Hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone: utilization at 10/50/200 mbit, loss at equal tokens.
+# Rewrites the figure and data of docs/benchmarks.md (docs/bench_diloco.png, .json).
 bench-diloco: $(STAMP)
-	$(BIN)/multidc bench diloco --rates 10mbit,50mbit,200mbit --json bench-results/diloco.json
+	$(BIN)/multidc bench diloco --rates 10mbit,50mbit,200mbit --json docs/bench_diloco.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png
