@@ -22,7 +22,10 @@ def link_packages(root: Path = ROOT) -> Path:
     for name in PACKAGES:
         link = target / name
         if not link.is_symlink():
-            os.symlink(root / name, link, target_is_directory=True)
+            try:
+                os.symlink(root / name, link, target_is_directory=True)
+            except FileExistsError:  # a build running beside this one made it
+                pass
     return target.parent
 
 
