@@ -15,15 +15,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[all,test,bench,docs]"
 	touch $(STAMP)
 
-# The main demo: an ordinary Lightning script (strategy="hierarchical_ddp") trained by 2 sites x 2 ranks. As root
-# the sites are network namespaces joined by a 100 mbit shaped WAN; otherwise loopback (`multidc lab run` says
-# which). Then a small GPT with site x pipeline x tensor parallelism (parallel_3d, 8 ranks, 2 sites). Then, at a
-# low WAN rate (10 mbit), the compute utilization of hierarchical DDP next to streaming DiLoCo (speed only).
+# The main demo (examples/demo.py): an ordinary Lightning script (strategy="hierarchical_ddp") trained by 2 sites x 2
+# ranks over a 100 mbit lab WAN (network namespaces as root, else loopback); a small GPT with site x pipeline x tensor
+# parallelism (parallel_3d, 8 ranks, 2 sites); at 10 mbit, hierarchical DDP next to streaming DiLoCo (speed only).
+# One line per part on screen, a summary table at the end; every run's whole output in demo-logs/<part>.log.
 demo: $(STAMP)
-	$(BIN)/multidc lab run --sites 2 --ranks-per-site 2 --wan-rate 100mbit -- \
-		$(BIN)/python examples/lightning_hierarchical_ddp.py --max-steps 60 --out demo-logs/lightning
-	$(BIN)/python examples/gpt_3d.py --max-steps 30
-	$(BIN)/multidc bench diloco --quick --rates 10mbit --json demo-logs/diloco.json
+	$(BIN)/python examples/demo.py --out demo-logs
 
 test: $(STAMP)
 	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q --durations=20

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +27,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from multidc.strategies import Parallel3DStrategy, apply_tensor_parallel  # multidc
+
+# FSDP2 warns when a sharded unit returns a view (nn.Linear over a 3-D input does, e.g. the head): only an in-place op
+# on that output would lose its pre-backward hook, and none happens here (the pipeline sends stage outputs on as they
+# are; the loss reads them). Exactly that warning, for the units this model has:
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Sequential|Head|Block|Embedding)\) returned a "
+                        r"view tensor", category=UserWarning)
 
 
 class Attention(nn.Module):

@@ -560,6 +560,8 @@ def test_a_rank_stuck_in_user_code_fails_the_others_save_and_load_within_the_wan
             # timed out, or lost the connection to a rank that timed out first and closed the group
             assert message.startswith(f"agreeing on the checkpoint path to {what} ") and \
                 "between site '0' and site '1' " in message, (what, rank, message)
-            assert seconds < WAN_TIMEOUT_S + 5, (what, rank, seconds)  # the timeout + a margin for a loaded machine
+            # the WAN timeout, not the default group's 30 min; the clock also counts Lightning's own set-up from the
+            # hook to the agreement, which took 11 s more once on a loaded 2-core machine (4 ranks)
+            assert seconds < WAN_TIMEOUT_S + 20, (what, rank, seconds)
     assert [info.step for info in list_checkpoints(tmp_path / "epoch=0-step=2.ckpt")] == [2]
     assert list_checkpoints(tmp_path / "epoch=0-step=4.ckpt") == []  # the failed save committed nothing
