@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from multidc.hierarchical.tools.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = re.compile(r"#\s*excerpt:\s*(\S+)\s*$")
@@ -78,18 +79,12 @@ def excerpt_mismatches(block: Block) -> list[str]:
     return [line for line in body if line.strip() and line.strip() not in source]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_block(block: Block) -> str | None:
     """Execute one block as described above; the traceback if it raised, else None."""
     import torch.distributed as dist
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     here = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="multidc-snippet-") as folder:
         os.chdir(folder)

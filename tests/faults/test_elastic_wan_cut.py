@@ -49,7 +49,7 @@ def test_a_site_whose_link_is_cut_leaves_the_others_training_and_rejoins(tmp_pat
         trees = {name: start_site(name, 1, 3, address, tmp_path, *extra, lab=lab) for name in names}
         try:
             deadline = time.monotonic() + TIMEOUT_S
-            wait_for_steps(tmp_path, {"site2": trees["site2"]}, KILL_AT, deadline)
+            wait_for_steps(tmp_path, trees, KILL_AT, deadline, ["site2"])
             lab.set_link(2, up=False)
             cut_at = progress(tmp_path, "site2")
             before = {n: progress(tmp_path, n) for n in names[:2]}

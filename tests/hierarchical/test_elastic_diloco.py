@@ -11,7 +11,6 @@ discarded rounds and the state a restarted site received."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
     check_odd_site_fails_alone,
     check_rejoined,
+    free_port,
     run_alone,
     run_with_a_kill,
 )
@@ -116,9 +116,8 @@ def _step_twice_elastic(rank: int, world: int, lighthouse: str) -> dict:
 def test_a_second_step_of_elastic_diloco_for_the_same_inner_step_raises(lighthouse):
     from multidc.hierarchical.tools.ranks import run_ranks
 
-    with socket.socket() as probe:  # torchft's manager finds its store at MASTER_ADDR:MASTER_PORT
-        probe.bind(("127.0.0.1", 0))
-        env = {0: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(probe.getsockname()[1])}}
+    # torchft's manager finds its store at MASTER_ADDR:MASTER_PORT
+    env = {0: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}}
     (result,) = run_ranks(_step_twice_elastic, 1, lighthouse.address, env=env, timeout=120)
     assert result["error"].startswith("ElasticDiLoCo.step() was called, but it was built with an inner optimizer"), \
         result

@@ -58,7 +58,7 @@ def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_i
     trees = {name: start_site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        wait_for_steps(tmp_path, {"site1": trees["site1"]}, KILL_AT, deadline)
+        wait_for_steps(tmp_path, trees, KILL_AT, deadline, ["site1"])
         trees["site1"].kill()  # every process of the site
         killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()

@@ -197,3 +197,19 @@ def test_lab_run_reports_a_failed_rank(tmp_path, capfd):
     code, out = _lab_run(tmp_path, capfd, env={"FAIL_RANK": "2"})
     assert code == 1
     assert "{2: 3}" in out.err
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_kernels_port_0_range():
+    # a port the kernel hands to a port-0 bind (a store, a gloo pair, a torchft manager) could be taken again
+    # before the process it was picked for binds it: a site's torchrun once failed with EADDRINUSE that way
+    import socket
+
+    from multidc.hierarchical.tools.launch import _ephemeral_range, free_port
+
+    ports = [free_port() for _ in range(64)]
+    assert len(set(ports)) == len(ports)
+    low, _ = _ephemeral_range()
+    assert all(1024 <= port < low for port in ports)
+    for port in ports[:4]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

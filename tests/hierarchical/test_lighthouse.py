@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from multidc.hierarchical.tools.launch import free_port
 from multidc.hierarchical.tools.processes import ProcessTree
 from tests._resources import require_torchft
 
@@ -28,12 +28,6 @@ from multidc.hierarchical.elastic import (  # noqa: E402
 from tests._launch import run_doctor  # noqa: E402
 
 MULTIDC = [sys.executable, "-m", "multidc.hierarchical.tools.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -84,7 +78,7 @@ def test_the_lazily_imported_names_are_the_functions_whatever_was_imported_first
 
 
 def test_unreachable_lighthouse_says_where_and_what_to_do():
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(LighthouseUnreachable) as err:
         check_lighthouse(address, timeout_s=1)
@@ -122,7 +116,7 @@ def test_doctor_checks_every_rank_reaches_the_lighthouse(lighthouse_cli, tmp_pat
 
 
 def test_doctor_fails_when_the_lighthouse_is_not_there(tmp_path):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     proc, report = run_doctor(tmp_path, "--loopback", env={"MULTIDC_LIGHTHOUSE": address})
     assert proc.returncode != 0
     assert report["lighthouse"]["unreachable_from"] == [0, 1, 2, 3]

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ from tests._resources import require_module
 require_module("accelerate", "accelerate")
 
 from multidc.hierarchical import WanConfig  # noqa: E402
+from multidc.hierarchical.tools.launch import free_port  # noqa: E402
 from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 from tests._launch import LAUNCH_TIMEOUT_S, ROOT, finish, launch  # noqa: E402
 
@@ -38,12 +38,6 @@ EXAMPLE = os.path.join(ROOT, "examples", "accelerate_hierarchical.py")
 def read_run(out_dir) -> dict:
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
     return {"ranks": ranks, "weights": torch.load(out_dir / "weights.pt")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def launches(tmp_path_factory):
     for d in dirs.values():
         d.mkdir()
     wan = {"MULTIDC_WAN_CHUNK_MB": "0.0005", "MULTIDC_WAN_STREAMS": "3"}
-    port = _free_port()
+    port = free_port()
 
     def machine(index: int, site: str) -> ProcessTree:
         machine_args = ["--num_machines", "2", "--machine_rank", str(index), "--main_process_ip", "127.0.0.1",
