@@ -2,9 +2,10 @@
 
 A block is either *run*: self-contained, it is executed as it stands, on one rank (``RANK=0``, ``WORLD_SIZE=1``,
 a free ``MASTER_PORT``: what ``torchrun`` sets, so a block may call ``init_process_group``), in a fresh temp
-folder, each block in a fresh namespace, any process group it left destroyed after it; or an *excerpt*: its first
-line is ``# excerpt: examples/<file>.py``, every other non-blank line of it, stripped, is a stripped line of that
-file, and the tests run that file. So no block in the docs can drift from code that runs.
+folder, each block in a fresh namespace, any process group it left destroyed and Accelerate's process-wide state
+reset after it; or an *excerpt*: its first line is ``# excerpt: examples/<file>.py``, every other non-blank line of
+it, stripped, is a stripped line of that file, and the tests run that file. So no block in the docs can drift from
+code that runs.
 """
 
 from __future__ import annotations
@@ -96,7 +97,17 @@ def run_block(block: Block) -> str | None:
             os.chdir(here)
             if dist.is_initialized():
                 dist.destroy_process_group()
+            _reset_accelerate()
     return None
+
+
+def _reset_accelerate() -> None:
+    """Forget the Accelerate singletons a block's ``Accelerator`` set up: the next block's starts afresh."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def main() -> int:
