@@ -305,7 +305,7 @@ class ElasticSite:
             self.topology.close()
         if self._manager is None:  # before this site registers with the lighthouse
             self._wait_for_name()
-        deadline, manager = time.monotonic() + self._quorum_timeout_s, self.manager
+        deadline, manager, pause = time.monotonic() + self._quorum_timeout_s, self.manager, 0.1
         while True:
             try:
                 manager.start_quorum()
@@ -332,7 +332,10 @@ class ElasticSite:
                     f"with within {self._quorum_timeout_s:g} s (quorum of {self.manager.num_participants()}): start "
                     f"the other sites, or check that they reach the lighthouse (multidc doctor)."
                 )
-            time.sleep(0.1)
+            # each quorum of a job that has not started sends the whole state to the sites behind its first site
+            # (torchft's step-0 sync): while the others are awaited, not ten times a second
+            time.sleep(pause)
+            pause = min(2.0, pause * 2)
         deferred = self.writer.settle(write)
         # the same on every rank of the site: one step everywhere, one quorum
         if manager.current_step() == 0 and manager.num_participants() > 1 and self._replicas() > 1:

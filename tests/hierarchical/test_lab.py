@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +17,9 @@ import time
 
 import pytest
 
-from multidc.hierarchical.tools import cli
+from multidc.hierarchical.tools import bench, cli
 from multidc.hierarchical.tools.lab import Lab, lab_available, parse_rate
+from tests._resources import require_module
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
 
@@ -25,6 +27,12 @@ needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN una
 def _netns() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _left_behind() -> set[str]:
+    """Lab namespaces whose process has ended (``mdc<pid>-...``): leaked. Another lab may be live meanwhile (the
+    tests run in several workers), so a namespace of a live process does not count."""
+    return {n for n in _netns() if (m := re.fullmatch(r"mdc(\d+)-\S+", n)) and not os.path.exists(f"/proc/{m[1]}")}
 
 
 @pytest.mark.parametrize("text, bps", [("400mbit", 4e8), ("1gbit", 1e9), ("50000kbit", 5e7), (" 2.5Mbit ", 2.5e6)])
@@ -139,19 +147,39 @@ def test_bench_on_loopback_compares_flat_and_hierarchical_in_one_run(tmp_path, c
 
 @needs_lab
 def test_bench_in_lab_reads_interface_counters_and_leaves_no_namespace(tmp_path):
-    before = _netns()
-    result = _bench(tmp_path, "--wan-rate", "200mbit")
+    require_module("matplotlib", "bench")
+    result = _bench(tmp_path, "--wan-rate", "200mbit", "--plot", str(tmp_path / "bench.png"))
     assert result["config"]["shaped"]
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     hier = result["summary"][1]
     # interface bytes = payload + TCP/IP headers: a little over the 1 MiB payload
     assert (1 << 20) <= hier["wan_bytes_per_site"] < 1.2 * (1 << 20)
     assert 0 < hier["line_rate_share"] <= 1.05
-    assert _netns() == before
+    assert not _left_behind()
 
 
 def test_bench_rejects_unknown_compression_before_launching(capsys):
     assert cli.main(["bench", "allreduce", "--compression", "none,zstd"]) == 2
     assert "zstd" in capsys.readouterr().err
+
+
+def _summary_row(mode: str, median_s: float, wan_mb: float | None, shaped: bool) -> dict:
+    return {"mode": mode, "median_s": median_s, "min_s": 0.9 * median_s, "max_s": 1.1 * median_s,
+            "speedup_vs_flat": 2.0 / median_s, "max_rel_error_vs_flat": 1e-3,
+            "wan_bytes_per_site": None if wan_mb is None else wan_mb * 1e6,
+            "wan_MBps": None if wan_mb is None else wan_mb / median_s,
+            "bound_s": wan_mb * 1e6 / 5e7 if shaped else None, "line_rate_share": 0.9 if shaped else None}
+
+
+@pytest.mark.parametrize("shaped", [True, False], ids=["lab", "loopback"])
+def test_bench_plot_writes_a_png_from_a_summary(tmp_path, shaped):
+    require_module("matplotlib", "bench")
+    rows = [_summary_row("flat", 2.0, 100.0 if shaped else None, shaped), _summary_row("hier", 1.4, 67.0, shaped),
+            _summary_row("hier+int8", 0.5, 17.0, shaped)]  # on loopback the flat ring's WAN bytes are unknown
+    config = {"size_mb": 64.0, "sites": 2, "ranks_per_site": 2, "wan_rate": "400mbit", "shaped": shaped}
+    bench.plot(rows, config, str(tmp_path / "figs" / "allreduce.png"))
+    png = (tmp_path / "figs" / "allreduce.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 _RANK_SCRIPT = textwrap.dedent("""
