@@ -26,6 +26,11 @@ class Codec:
         """Elementwise bound on ``|decode(encode(x)) - x|``."""
         raise NotImplementedError
 
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes of ``encode``'s output for a shard of ``numel`` elements. A function of ``numel`` only, so every
+        site's row of the all-gather has the same size without a size exchange."""
+        raise NotImplementedError
+
     def decode_sum(self, gathered: torch.Tensor, numel: int) -> torch.Tensor:
         """Sum of the decoded rows of ``gathered`` (one row per site), added in row order in float32."""
         total = self.decode(gathered[0], numel).clone()
@@ -47,6 +52,9 @@ class _CastCodec(Codec):
 
     def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
         return wire.float()
+
+    def wire_bytes(self, numel: int) -> int:
+        return numel * self.dtype.itemsize
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         # Round to nearest: half an ulp, i.e. eps/2 relative; ``tiny`` covers values in the subnormal range.
@@ -77,6 +85,9 @@ class Fp16Codec(Codec):
     def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
         scale = wire[numel : numel + 2].clone().view(torch.float32)
         return wire[:numel].float() / scale
+
+    def wire_bytes(self, numel: int) -> int:
+        return 2 * numel + 4
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -111,6 +122,9 @@ class Int8Codec(Codec):
     def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
         scale = wire[numel : numel + 4].clone().view(torch.float32)
         return wire[:numel].view(torch.int8).float() * scale
+
+    def wire_bytes(self, numel: int) -> int:
+        return numel + 4
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         # Half a quantisation step, plus float32 rounding of the division and the product.
@@ -151,13 +165,166 @@ class Int4Codec(Codec):
         q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel]
         return (q.float() - 8) * scale
 
+    def wire_bytes(self, numel: int) -> int:
+        return (numel + 1) // 2 + 4
+
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return _int_scale(xf, 7).expand(x.shape) / 2 + xf.abs() * torch.finfo(torch.float32).eps
 
 
+# Defaults: SparseLoCo's density (1/64, 1.56%) and 2-bit values. A chunk of 256 is the largest whose positions fit
+# one byte (512 would need two: +8 bits per kept value, i.e. +0.125 bit/param at this density) while its float32 scale
+# costs 32/256 = 0.125 bit/param; a smaller chunk pays more for scales (64: 0.5 bit/param), a larger one about the
+# same in two-byte positions (4096: 0.29 bit/param in all) and has one scale for 64 kept values instead of 4.
+_TOPK_DENSITY = 1 / 64
+_TOPK_BITS = 2
+_TOPK_CHUNK = 256
+
+
+class TopKCodec(Codec):
+    """Chunk-wise top-k with ``bits``-bit values: for DiLoCo's pseudo-gradients, with error feedback.
+
+    The shard is cut into chunks of ``chunk`` elements (the last one padded with zeros). Each chunk sends exactly
+    ``k = max(1, round(density * chunk))`` entries, its largest by magnitude, so the wire size is a function of the
+    shard's length only (``wire_bytes``). A kept value ``x`` of a chunk whose largest magnitude is ``m`` is sent as
+    the nearest of ``2**bits`` symmetric levels ``m * (2j + 1) / (2**bits - 1)``, ``j = -2**(bits-1) ..
+    2**(bits-1) - 1``: no zero level (the kept values are the chunk's largest), and ``±m`` are levels, so ``m`` is
+    sent exactly and re-encoding a decoded shard gives it back bit for bit.
+
+    Error (``max_abs_error``): a dropped value is not sent, its error is itself (error feedback sends it later);
+    a kept one is off by at most ``m / (2**bits - 1)`` (a third of ``m`` at 2 bits) plus float32 rounding. A kept
+    zero of a chunk with fewer than ``k`` non-zero values decodes to the smallest positive level. A shard holding
+    ``nan`` or ``inf`` decodes to all ``nan``; an all-zero chunk to exact zeros.
+
+    Wire (uint8), for ``c = ceil(numel / chunk)`` chunks: ``c`` float32 scales ``m`` (native byte order) | ``c * k``
+    positions within the chunk, one byte each when ``chunk <= 256``, else two (low byte first) | ``c * k`` level
+    codes of ``bits`` bits, packed low bits first. That is ``(k * (8 * position_bytes + bits) + 32) / chunk`` bits
+    per parameter: ``(4 * (8 + 2) + 32) / 256 = 0.28`` at the defaults (density 1/64, 2 bits, chunk 256, k = 4),
+    114x fewer bytes than float32.
+
+    Args:
+        density: fraction of each chunk sent, in (0, 1].
+        bits: bits per kept value: 1, 2, 4 or 8.
+        chunk: elements per chunk, 1 to 65536.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    def __init__(self, density: float = _TOPK_DENSITY, bits: int = _TOPK_BITS, chunk: int = _TOPK_CHUNK) -> None:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"TopKCodec density={density!r} must be a fraction in (0, 1], e.g. {_TOPK_DENSITY}.")
+        if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
+            raise ValueError(f"TopKCodec bits={bits!r} must be 1, 2, 4 or 8, e.g. {_TOPK_BITS}.")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 65536:
+            raise ValueError(f"TopKCodec chunk={chunk!r} must be an integer from 1 to 65536, e.g. {_TOPK_CHUNK}.")
+        self.density, self.bits, self.chunk = float(density), bits, chunk
+        self.k = max(1, round(density * chunk))
+        self.position_bytes = 1 if chunk <= 256 else 2
+        defaults = (self.density, bits, chunk) == (_TOPK_DENSITY, _TOPK_BITS, _TOPK_CHUNK)
+        self.name = "topk" if defaults else f"topk:{self.density!r}:{bits}:{chunk}"  # a spelling get_codec takes
+        half = 2 ** (bits - 1)
+        self._half = half
+        # level j + half's fraction of the scale: (2j + 1) / (2 * half - 1); the outermost two are exactly -1 and 1
+        self._levels = torch.arange(-half, half, dtype=torch.float64).mul(2).add(1).div(2 * half - 1).float()
+
+    def wire_bytes(self, numel: int) -> int:
+        chunks = -(-numel // self.chunk)
+        kept = chunks * self.k
+        return 4 * chunks + self.position_bytes * kept + -(-kept * self.bits // 8)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.reshape(-1).float()
+        _, positions, kept = self._select(xf)
+        scale = self._scale(kept, xf)
+        # nearest level: floor(x / m * (2 * half - 1) / 2); |x| <= m keeps it in -half .. half - 1
+        ratio = kept / torch.where(scale > 0, scale, 1.0)[:, None]  # an all-zero chunk: code `half`, decodes to +0
+        q = torch.floor(ratio * (self._half - 0.5)).clamp_(-self._half, self._half - 1).nan_to_num_(0)
+        codes = (q + self._half).to(torch.uint8).reshape(-1)
+        wire = torch.empty(self.wire_bytes(xf.numel()), dtype=torch.uint8, device=xf.device)
+        at = scale.numel() * 4
+        wire[:at].copy_(scale.view(torch.uint8))
+        wire[at : at + self.position_bytes * codes.numel()].copy_(_pack_positions(positions, self.position_bytes))
+        wire[at + self.position_bytes * codes.numel() :].copy_(_pack_bits(codes, self.bits))
+        return wire
+
+    def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
+        chunks = -(-numel // self.chunk)
+        kept = chunks * self.k
+        at = 4 * chunks
+        scale = wire[:at].clone().view(torch.float32)
+        positions = _unpack_positions(wire[at : at + self.position_bytes * kept], self.position_bytes)
+        codes = _unpack_bits(wire[at + self.position_bytes * kept :], self.bits, kept)
+        values = self._levels.to(wire.device)[codes.long()].view(chunks, self.k) * scale[:, None]
+        # zeros, or nan for every chunk of a shard that held nan / inf (its scales are all nan)
+        rows = (scale * 0)[:, None].expand(chunks, self.chunk).contiguous()
+        rows.scatter_(1, positions.view(chunks, self.k), values)
+        return rows.view(-1)[:numel]
+
+    def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.reshape(-1).float()
+        rows, positions, kept = self._select(xf)
+        scale = self._scale(kept, xf)[:, None]
+        eps = torch.finfo(torch.float32).eps
+        # half a level spacing, float32 rounding of the ratio and of the decoded product, one subnormal step
+        kept_bound = scale / (2 * self._half - 1) + 2 * eps * kept.abs() + 2 * eps * scale + 2.0**-149
+        # a dropped value: itself (all nan, like the decoded shard, when the shard holds nan / inf)
+        bound = (rows.abs() + scale * 0).scatter_(1, positions, kept_bound)
+        return bound.view(-1)[: xf.numel()].view(x.shape)
+
+    def _select(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The shard as ``(chunks, chunk)`` rows (zero-padded), each row's kept positions and their values."""
+        pad = -xf.numel() % self.chunk
+        rows = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(-1, self.chunk)
+        positions = rows.abs().topk(self.k, dim=1, sorted=False).indices
+        return rows, positions, rows.gather(1, positions)
+
+    def _scale(self, kept: torch.Tensor, xf: torch.Tensor) -> torch.Tensor:
+        """Each chunk's largest kept magnitude; all ``nan`` when the shard holds a non-finite value."""
+        scale = kept.abs().amax(dim=1) if kept.numel() else kept.new_zeros(kept.shape[0])
+        return torch.where(torch.isfinite(xf).all(), scale, torch.nan)
+
+
+def _pack_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    flat = positions.reshape(-1)
+    if width == 1:
+        return flat.to(torch.uint8)
+    return torch.stack([flat & 255, flat >> 8], dim=1).to(torch.uint8).reshape(-1)
+
+
+def _unpack_positions(packed: torch.Tensor, width: int) -> torch.Tensor:
+    if width == 1:
+        return packed.long()
+    pairs = packed.view(-1, 2).long()
+    return pairs[:, 0] | (pairs[:, 1] << 8)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    pad = -codes.numel() % per_byte
+    groups = torch.nn.functional.pad(codes, (0, pad)).view(-1, per_byte).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (groups << shifts).sum(dim=1).to(torch.uint8)  # the fields do not overlap: the sum is their bitwise or
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    if bits == 8:
+        return packed[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:count]
+
+
 def get_codec(name: str) -> Codec | None:
-    """The codec for a ``WanConfig.compression`` value; ``None`` for ``"none"``."""
+    """The codec for a ``WanConfig.compression`` value; ``None`` for ``"none"``.
+
+    ``"topk"`` is ``TopKCodec()`` (density 1/64, 2 bits, chunk 256: 0.28 bit per parameter);
+    ``"topk:DENSITY[:BITS[:CHUNK]]"`` sets its arguments, e.g. ``"topk:0.02:4"``.
+    """
+    if isinstance(name, str) and (name == "topk" or name.startswith("topk:")):
+        return _topk_codec(name)
     codecs = {
         "none": None,
         "bf16": _CastCodec("bf16", torch.bfloat16),
@@ -166,5 +333,22 @@ def get_codec(name: str) -> Codec | None:
         "int4": Int4Codec(),
     }
     if name not in codecs:
-        raise ValueError(f"unknown WAN compression {name!r}; use one of {sorted(codecs)}.")
+        raise ValueError(
+            f"unknown WAN compression {name!r}; use one of {sorted([*codecs, 'topk'])} "
+            f"(topk also as 'topk:DENSITY[:BITS[:CHUNK]]')."
+        )
     return codecs[name]
+
+
+def _topk_codec(name: str) -> TopKCodec:
+    fields = name.split(":")[1:]
+    try:
+        if len(fields) > 3:
+            raise ValueError("more than three fields")
+        kinds = (float, int, int)
+        return TopKCodec(*(kind(field) for kind, field in zip(kinds, fields)))
+    except ValueError as exc:
+        raise ValueError(
+            f"WAN compression {name!r}: {str(exc).rstrip('.')}; write 'topk' or 'topk:DENSITY[:BITS[:CHUNK]]', "
+            f"e.g. 'topk:0.02:2:256'."
+        ) from exc

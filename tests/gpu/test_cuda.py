@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4", "topk", "topk:0.02:4:1024"])
 def test_each_codec_encodes_and_sums_cuda_tensors_on_the_gpu_within_its_error_bound(name):
     cuda = require_cuda()
     codec = get_codec(name)
