@@ -42,7 +42,7 @@ bench: bench-allreduce bench-diloco bench-checkpoint bench-pipeline
 
 bench-allreduce: $(STAMP)
 	$(BIN)/multidc bench allreduce --sites 2 --ranks-per-site 2 --size-mb 64 --wan-rate 400mbit \
-		--compression none,bf16,int8 --repeats 5
+		--compression none,bf16,int8 --repeats 5 --plot docs/bench_allreduce.png
 
 # Hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone: utilization at 10/50/200 mbit, loss at equal tokens.
 # Rewrites the figure and data of docs/benchmarks.md (docs/bench_diloco.png, .json).
@@ -53,7 +53,7 @@ bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png
 
 bench-pipeline: $(STAMP)
-	$(BIN)/python benchmarks/bench_pipeline.py
+	$(BIN)/python benchmarks/bench_pipeline.py --plot docs/bench_pipeline.png
 
 # The long fault scripts (figures in docs/faults.md): >= 50 random-rank kills mid-save on a local dir and on SeaweedFS S3,
 # then WAN cuts in the lab, then elastic sites under random kills, cuts and lighthouse restarts (needs root:

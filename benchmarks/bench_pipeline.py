@@ -1,14 +1,15 @@
 """Pipeline bubble share, measured, next to the theory (p - 1) / (m + p - 1), for GPipe and 1F1B (and interleaved
 1F1B with v stages per rank: (p - 1) / (v m + p - 1)).
 
-    python benchmarks/bench_pipeline.py [--stages 2 4] [--microbatches 2 4 8] [--fwd-ms 20] [--repeats 5]
+    python benchmarks/bench_pipeline.py [--stages 2 4] [--microbatches 2 4 8] [--fwd-ms 20] [--repeats 5] \\
+        [--plot docs/bench_pipeline.png]
 
 Each stage is a simulated device: its forward holds the stage for ``fwd_ms`` and its backward for ``2 * fwd_ms``
 (sleeps, which take no CPU, so p ranks on a 2-core machine do not slow each other down and the figure is the
 schedule's, plus real gloo transfers of the activations and gradients). A rank's bubble share for one step is
 ``1 - busy / wall``: ``busy`` is the time its stages spent computing, ``wall`` the whole ``Pipeline.step``. The
 ideal (no transfer cost) is the theory. Printed: median and spread (min..max) over repeats, averaged over ranks,
-then one JSON line.
+then one JSON line; with ``--plot``, a PNG of the measured shares next to the theory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from multidc.hierarchical.tools import _figures
 
 ROWS_PER_MICROBATCH, WIDTH = 2, 16
 
@@ -127,7 +130,13 @@ def main(argv=None) -> None:
     parser.add_argument("--fwd-ms", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--interleaved", action="store_true", help="also interleaved 1F1B with 2 stages per rank")
+    parser.add_argument("--plot", default=None, help="also draw measured and theoretical shares to this PNG")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            _figures.pyplot()
+        except ImportError as exc:
+            parser.error(f"--plot {args.plot}: {exc}")
     rows = []
     for p in args.stages:
         configs = []
@@ -146,7 +155,33 @@ def main(argv=None) -> None:
         excess = r["median"] - r["theory"]
         print(f"{r['schedule']:<18}{r['p']:>3}{r['m']:>4}{r['v']:>3}{r['theory']:>9.3f}{r['median']:>10.3f}"
               f"{spread:>18}{excess:>+9.3f}")
+    if args.plot:
+        plot(rows, args.fwd_ms, args.plot)
+        print(f"plot: {args.plot}")
     print(json.dumps({"benchmark": "pipeline_bubble", "fwd_ms": args.fwd_ms, "rows": rows}))
+
+
+def plot(rows: list[dict], fwd_ms: float, path: str) -> None:
+    """Draw ``run``'s rows to a PNG at ``path``: per configuration the measured bubble share (median, min-max
+    whiskers) beside the theory."""
+    plt = _figures.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    x = range(len(rows))
+    colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved_1f1b": "tab:green"}
+    ax.bar([i - 0.2 for i in x], [r["theory"] for r in rows], 0.4, color="tab:gray", label="theory (p-1)/(vm+p-1)")
+    for schedule, color in colors.items():
+        mine = [(i, r) for i, r in zip(x, rows) if r["schedule"] == schedule]
+        if mine:
+            ax.bar([i + 0.2 for i, _ in mine], [r["median"] for _, r in mine], 0.4, color=color,
+                   yerr=[[r["median"] - r["min"] for _, r in mine], [r["max"] - r["median"] for _, r in mine]],
+                   capsize=3, label=f"{schedule} measured (median, min-max)")
+    labels = [f"{r['schedule']}\np={r['p']} m={r['m']}" + (f" v={r['v']}" if r["v"] > 1 else "") for r in rows]
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="idle share of the step", title=f"Pipeline bubble: forward {fwd_ms:g} ms, backward "
+                                                  f"{2 * fwd_ms:g} ms per stage and microbatch, gloo")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _figures.save(fig, path)
 
 
 if __name__ == "__main__":

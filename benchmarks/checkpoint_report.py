@@ -6,6 +6,8 @@ import json
 import os
 import statistics
 
+from multidc.hierarchical.tools import _figures
+
 TARGETS = {  # name -> (ratio key, comparison, target)
     "multidc save <= 1.10x the raw parallel PUT bound": ("save_over_raw_put", "<=", 1.10),
     "multidc load <= 1.15x the raw parallel GET bound": ("load_over_raw_get", "<=", 1.15),
@@ -103,11 +105,7 @@ def report(out: dict, *, ranks: int, repeats: int, part_size_mb: float, concurre
 
 def plot(record: dict, path: str) -> None:
     """Save and load seconds per method (median, min-max whiskers), the raw PUT / GET bounds as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _figures.pyplot()
     rows = record["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     sides = ((axes[0], "save", ["raw parallel PUT (bound)"]),
@@ -127,6 +125,4 @@ def plot(record: dict, path: str) -> None:
         ax.set_xlabel("seconds (median, min-max)")
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _figures.save(fig, path, dpi=110)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from multidc.hierarchical.tools import _figures
 from multidc.hierarchical.tools.lab import parse_rate
 
 _DDP, _STREAM, _ALONE = "hierarchical_ddp", "streaming_diloco", "sites_alone"
@@ -126,12 +127,9 @@ def print_tables(results: dict, args, rates: list[str]) -> None:
 def plot(results: dict, rates: list[str], path: str) -> str:
     """Write the PNG (utilization against rate; validation loss against tokens); what was done, as a line."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "[multidc bench diloco] PNG skipped: matplotlib is not installed (pip install 'multidc[bench]')"
+        plt = _figures.pyplot()
+    except ImportError as exc:
+        return f"[multidc bench diloco] PNG skipped: {exc}"
     rates = [rate for rate in rates if rate in results["speed"]]
     panels = [name for name, present in (("speed", rates), ("quality", results["quality"])) if present]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
@@ -151,5 +149,5 @@ def plot(results: dict, rates: list[str], path: str) -> str:
         ax.set(xlabel="tokens (millions)", ylabel="validation loss (nats)", title="Loss at equal tokens")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _figures.save(fig, path, dpi=110)
     return f"[multidc bench diloco] plot written to {path}"

@@ -3,12 +3,13 @@
 As root on Linux the ranks run inside a lab WAN (``lab.Lab``: one network namespace per site, links shaped
 with ``tc tbf`` in both directions); otherwise on loopback without shaping, which it says. Every mode runs in
 the same processes in the same run, ``--warmup`` untimed and ``--repeats`` timed repetitions each; a
-repetition's time is the slowest rank's. Prints a table and writes the raw records plus the summary as JSON.
+repetition's time is the slowest rank's. Prints a table and writes the raw records plus the summary as JSON, and
+with ``--plot`` a PNG of the times next to their bound (the WAN bytes at line rate).
 
 Example::
 
     multidc bench allreduce --sites 2 --ranks-per-site 2 --size-mb 64 --wan-rate 400mbit \\
-        --compression none,bf16,int8
+        --compression none,bf16,int8 --plot docs/bench_allreduce.png
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 
 from multidc.hierarchical.config import COMPRESSIONS
+from multidc.hierarchical.tools import _figures
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
 
@@ -39,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=2, help="WanConfig.streams (default 2)")
     parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
     parser.add_argument("--json", default=None, help="results file (default bench-results/allreduce-<time>.json)")
+    parser.add_argument("--plot", default=None, help="also draw the times and their bounds to this PNG (matplotlib)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this many seconds")
 
 
@@ -49,6 +52,11 @@ def _validate(args: argparse.Namespace) -> list[str]:
     if args.size_mb <= 0 or args.repeats < 1 or args.warmup < 0:
         raise ValueError("--size-mb must be > 0, --repeats >= 1 and --warmup >= 0.")
     parse_rate(args.wan_rate)
+    if args.plot:
+        try:
+            _figures.pyplot()
+        except ImportError as exc:
+            raise ValueError(f"--plot {args.plot}: {exc}.") from exc
     modes = [m.strip().lower() for m in args.compression.split(",") if m.strip()]
     bad = [m for m in modes if m not in COMPRESSIONS]
     if bad or not modes:
@@ -81,9 +89,12 @@ def run(args: argparse.Namespace) -> int:
     shaped = not job.reason
     summary = summarize(records, modes, args, shaped=shaped)
     print_table(summary, args, shaped=shaped)
+    config = vars(args) | {"modes": modes, "shaped": shaped}
     with open(out, "w") as f:
-        json.dump({"config": vars(args) | {"modes": modes, "shaped": shaped}, "summary": summary,
-                   "records": records}, f, indent=1, default=str)
+        json.dump({"config": config, "summary": summary, "records": records}, f, indent=1, default=str)
+    if args.plot:
+        plot(summary, config, args.plot)
+        print(f"[multidc bench] plot written to {args.plot}")
     print(json.dumps({"bench": "allreduce", "summary": summary}))
     print(f"[multidc bench] results written to {out}")
     return 0
@@ -144,3 +155,40 @@ def print_table(rows: list[dict], args, shaped: bool) -> None:
 
 def _cell(value: float | None, width: int, decimals: int) -> str:
     return f"{value:>{width}.{decimals}f}" if value is not None else f"{'n/a':>{width}}"
+
+
+def plot(rows: list[dict], config: dict, path: str) -> None:
+    """Draw ``summarize``'s rows to a PNG at ``path``: per mode the median seconds (min-max whiskers) beside the
+    bound (the WAN bytes at line rate, lab runs only), and the WAN bytes per site beside the fewest any all-reduce
+    can send, ``2(k-1)/k * S`` (uncompressed). ``config``: the JSON's ``config`` (sizes, rate, ``shaped``)."""
+    plt = _figures.pyplot()
+    fig, (times, wire) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = range(len(rows))
+    names = [r["mode"] for r in rows]
+    medians = [r["median_s"] for r in rows]
+    whiskers = [[r["median_s"] - r["min_s"] for r in rows], [r["max_s"] - r["median_s"] for r in rows]]
+    bounded = [(i, r["bound_s"]) for i, r in zip(x, rows) if r["bound_s"] is not None]
+    times.bar([i - 0.2 for i in x], medians, 0.4, yerr=whiskers, capsize=3, color="tab:blue",
+              label="measured (median, min-max)")
+    if bounded:
+        times.bar([i + 0.2 for i, _ in bounded], [b for _, b in bounded], 0.4, color="tab:gray",
+                  label="bound: WAN bytes / line rate")
+    for i, r in zip(x, rows):
+        times.annotate(f"{r['speedup_vs_flat']:.2f}x", (i - 0.2, r["max_s"]), ha="center", va="bottom", fontsize=8)
+    where = f"{config['wan_rate']} per direction" if config["shaped"] else "loopback, unshaped"
+    times.set(xticks=list(x), xticklabels=names, ylabel="seconds per all-reduce",
+              title=f"{config['size_mb']:g} MiB fp32, {config['sites']} sites x {config['ranks_per_site']} ranks, "
+                    f"{where}")
+    times.title.set_fontsize(9)
+    times.legend(fontsize=8)
+    sent = [(i, r["wan_bytes_per_site"] / 1e6) for i, r in zip(x, rows) if r["wan_bytes_per_site"] is not None]
+    wire.bar([i for i, _ in sent], [mb for _, mb in sent], 0.5, color="tab:blue")
+    k = config["sites"]
+    least = 2 * (k - 1) / k * config["size_mb"] * (1 << 20) / 1e6
+    wire.axhline(least, color="tab:red", linestyle="--", label=f"2(k-1)/k * S = {least:.1f} MB (uncompressed)")
+    source = "interface tx" if config["shaped"] else "payload"
+    wire.set(xticks=list(x), xticklabels=names, ylabel="MB", title=f"WAN bytes the busiest site sent ({source})")
+    wire.title.set_fontsize(9)
+    wire.legend(fontsize=8)
+    fig.tight_layout()
+    _figures.save(fig, path)

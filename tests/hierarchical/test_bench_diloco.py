@@ -10,6 +10,7 @@ import pytest
 from multidc.hierarchical.tools import _diloco_report as report
 from multidc.hierarchical.tools import cli
 from multidc.hierarchical.tools.lab import lab_available
+from tests._resources import require_module
 
 needs_lab = pytest.mark.skipif(lab_available() is not None, reason=f"lab WAN unavailable: {lab_available()}")
 TINY = ["--sites", "2", "--ranks-per-site", "2", "--dim", "32", "--layers", "2", "--batch", "2", "--seq", "16",
@@ -17,6 +18,7 @@ TINY = ["--sites", "2", "--ranks-per-site", "2", "--dim", "32", "--layers", "2",
 
 
 @needs_lab
+@pytest.mark.dist  # cli.main starts the ranks
 def test_tiny_run_in_the_lab_measures_every_method_and_streaming_sends_a_fraction(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "diloco", *TINY, "--rates", "20mbit", "--steps", "8", "--eval-every", "4", "--json", str(out)]
@@ -87,6 +89,17 @@ def test_targets_judge_at_the_lowest_rate_where_ddp_is_at_most_30_percent():
     assert report.targets(results, ["10mbit", "50mbit"])["utilization"] == {**t["utilization"], "rate": "50mbit",
                                                                              "ddp": 0.3, "streaming": 0.9,
                                                                              "met": False}
+
+
+def test_plot_writes_a_png_from_speed_and_quality(tmp_path):
+    require_module("matplotlib", "bench")
+    methods = ("hierarchical_ddp", "diloco", "streaming_diloco", "sites_alone")
+    speed = {rate: {m: {"utilization": u} for m, u in zip(methods, utils)}
+             for rate, utils in (("10mbit", (0.03, 0.5, 1.0, 1.0)), ("200mbit", (0.35, 0.94, 1.0, 1.0)))}
+    quality = {m: {"curve": [[1000, 3.0], [2000, 2.0 + i / 10]]} for i, m in enumerate(methods)}
+    path = tmp_path / "diloco.png"
+    assert report.plot({"speed": speed, "quality": quality}, ["10mbit", "200mbit"], str(path)).endswith(str(path))
+    assert path.read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("argv,fragment", [
