@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py --out demo-logs
 
+# Two pytest workers (pytest-xdist), one test module at a time each (its module fixtures run once): most tests wait
+# on processes they started (start-up, heartbeats, a WAN timeout), so two modules at once keep both cores busy.
 test: $(STAMP)
-	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q --durations=20
+	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The inner loop: tests that start no process (tests/conftest.py marks the others `dist`).
 test-fast: $(STAMP)
