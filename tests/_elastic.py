@@ -34,7 +34,7 @@ class Lighthouse:
     """A torchft lighthouse in this process, on a free loopback port; ``restart`` brings it back on the same port."""
 
     def __init__(self) -> None:
-        self.server = self._start("127.0.0.1:0")
+        self.server = self._start(f"127.0.0.1:{free_port()}")  # restart() binds it again: not a port-0 one
         self.address = f"127.0.0.1:{self.server.address().rsplit(':', 1)[1]}"
 
     @staticmethod

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 # Imported here, once, so forked ranks start at once. This process never starts a process group or a storage
 # client (their threads would not survive a fork).
+from multidc.hierarchical.tools.launch import free_port
 from multidc.plugins import Checkpointer
 
 SHAPES = {"embed": (512, 256), "layer.weight": (256, 256), "layer.bias": (256,), "head": (64, 256)}
@@ -49,12 +49,6 @@ def _matches(state: dict, step: int) -> str | None:
         if not torch.equal(state["model"][name], tensor):
             return f"{name} differs from step {step}'s values"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _send(fd: int, **message) -> None:
@@ -163,7 +157,7 @@ def run_kills(url: str, *, kills: int, storage_options: dict | None = None, worl
     newest_seen, started = 0, time.monotonic()
     while stats["kills"] < kills:
         world = rng.choice(worlds)
-        pipe, port, seen = _Pipe(), _free_port(), []
+        pipe, port, seen = _Pipe(), free_port(), []
         pids = [_fork(_rank_main, r, world, port, url, storage_options, pipe.write_fd) for r in range(world)]
         try:
             # Until something is committed there is nothing to protect: the first round kills after a commit.

@@ -334,7 +334,7 @@ class ElasticSite:
                 )
             # each quorum of a job that has not started sends the whole state to the sites behind its first site
             # (torchft's step-0 sync): while the others are awaited, not ten times a second
-            time.sleep(pause)
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2.0, pause * 2)
         deferred = self.writer.settle(write)
         # the same on every rank of the site: one step everywhere, one quorum

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available, parse_rate
 
 _handed_out: set[int] = set()
+_random = random.SystemRandom()  # not the seeded global one: two test workers seeded alike would pick alike
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -36,19 +37,29 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _port_band() -> range:
+    """Ports no port-0 bind gets: below the ephemeral range (capped at Linux's default start, which a lab
+    namespace keeps), else above it."""
+    low, high = _ephemeral_range()
+    below = range(max(1024, min(low, 32768) - 16384), min(low, 32768))
+    return below if len(below) >= 1024 else range(high + 1, 65536)
+
+
 def free_port() -> int:
     """A TCP port free on loopback now, for a process started next to bind (a rendezvous, a store); the lab
     namespaces have their own, all free, port spaces.
 
-    Taken below the kernel's ephemeral range, so that no socket bound to port 0 meanwhile (a TCPStore, a gloo pair,
-    a torchft manager of another site) can take it before that process binds it; never the same one twice in this
-    process. (A port that the kernel gave to a port-0 probe could: that race failed a site's torchrun with
-    EADDRINUSE.)"""
-    low = _ephemeral_range()[0]
-    first = max(1024, low - 16384)
-    candidates = list(range(first, low))
-    start = random.randrange(len(candidates))
-    for port in candidates[start:] + candidates[:start]:
+    Taken outside the kernel's ephemeral range, so that no socket bound to port 0 meanwhile (a TCPStore, a gloo
+    pair, a torchft manager of another site) can take it before that process binds it; never the same one twice in
+    this process. (A port that the kernel gave to a port-0 probe could: that race failed a site's torchrun with
+    EADDRINUSE.)
+
+    Raises:
+        RuntimeError: no port of that band is free.
+    """
+    band = _port_band()
+    start = _random.randrange(len(band)) if len(band) else 0
+    for port in (*band[start:], *band[:start]):
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -58,7 +69,8 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free TCP port in {first}-{low - 1} on loopback")
+    raise RuntimeError(f"no free TCP port in {band.start}-{band.stop - 1} on loopback: free some, or widen "
+                       f"the gap below net.ipv4.ip_local_port_range.")
 
 
 class SiteJob:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 
 import pytest
 
+from multidc.hierarchical.tools.launch import free_port
 from multidc.plugins import ObjectStore, ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError, RetryPolicy
 from multidc.plugins.checkpoint.segments import Segments
 from tests.conftest import AUTH_KEYS, READONLY_KEYS
@@ -94,9 +94,7 @@ def test_read_only_credentials_cannot_write(s3_auth_server):
 
 
 def test_unreachable_endpoint_is_retried_then_reported_with_the_attempt_count():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     options = {"endpoint_url": f"http://127.0.0.1:{port}", "anon": True, "skip_instance_cache": True,
                "config_kwargs": {"retries": {"max_attempts": 1}}}
     store = ObjectStore("s3://bucket/run", storage_options=options,
