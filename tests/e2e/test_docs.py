@@ -1,11 +1,14 @@
-"""The documentation: ``make docs``'s strict build, and every ```python block of README.md and docs/ runs.
+"""The documentation: ``make docs``'s strict build, every ```python block of README.md and docs/ runs, and every
+shell command line in them names what exists (make targets, repository files, options of our scripts and CLI).
 
 A block either runs as it stands (on one rank, in a subprocess: ``tests/_doc_snippets.py``) or is an excerpt of an
-example in ``examples/`` that the tests run; see ``tests/_doc_snippets.py`` for the rule.
+example in ``examples/`` that the tests run; see ``tests/_doc_snippets.py`` for the rule. Shell lines are checked
+without running them (``check_shell_line`` there says what is checked and what is skipped).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._doc_snippets import ROOT, all_blocks, excerpt_mismatches
+from tests._doc_snippets import ROOT, all_blocks, check_shell_line, excerpt_mismatches, shell_lines
 from tests._resources import require_module
 
 BLOCKS = all_blocks()
@@ -60,6 +63,45 @@ def test_excerpt_quotes_an_example_the_tests_run(block):
     tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py"]
     named = re.compile(rf"[\"']{re.escape(example.name)}[\"']")  # a string literal: not a longer name, not prose
     assert any(named.search(p.read_text()) for p in tests), f"{block.excerpt_of}: no test runs it"
+
+
+def test_shell_lines_name_existing_targets_files_and_options():
+    """Each command line of a ```bash / ```sh / ```console block names a Makefile target, repository paths, script
+    options and ``multidc`` arguments that exist and parse; every kind of check ran at least once."""
+    problems, ran = [], collections.Counter()
+    for line in shell_lines():
+        for rule, problem in check_shell_line(line.text):
+            ran[rule] += 1
+            if problem:
+                problems.append(f"{line.where}: {problem}\n    {line.text}")
+    assert not problems, "\n".join(problems)
+    missing = {"make", "path", "script flags", "launcher", "multidc"} - set(ran)
+    assert not missing, f"no shell line exercised the checks {sorted(missing)}: did the block parsing break? {ran}"
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("make demoo", "no target `demoo`"),
+    ("python examples/nope.py", "`examples/nope.py` does not exist"),
+    ("python examples/gpt_3d.py --pipeline 2", "has no option `--pipeline`"),
+    ("torchrun --nproc-per-node 4 --bogus 1 examples/demo.py", "unrecognized arguments: --bogus"),
+    ("MULTIDC_SITE=<site> torchrun --nnodes 2 --no-python multidc doctorr", "invalid choice: 'doctorr'"),
+    ("accelerate launch --config_file examples/no.yaml examples/accelerate_hierarchical.py", "`examples/no.yaml`"),
+    ("multidc lab run ... -- python examples/lightning_diloco.py --sync 2", "has no option `--sync`"),
+    ("multidc ckpt list s3://bucket/$RUN", "invalid choice: 'list'"),
+    ("python -m multidc.plugins.checkpoint verify s3://b/r --stepp 3", "unrecognized arguments: --stepp"),
+    ("pytest tests/gpux -k gpu", "`tests/gpux` does not exist"),
+    ("site  name  ranks", "no command these checks know"),
+])
+def test_shell_line_check_names_what_is_wrong(text, problem):
+    """A wrong line gets exactly one problem, which names what is wrong."""
+    problems = [found for _, found in check_shell_line(text) if found]
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_shell_line_check_passes_placeholders_and_skips_other_commands():
+    line = "multidc lighthouse --bind $HOST:29510 --min-sites ${N} && make lint"
+    assert [rule for rule, problem in check_shell_line(line) if not problem] == ["multidc", "make"]
+    assert check_shell_line('pip install "multidc[all]"  # extras') == [("skipped", None)]
 
 
 @pytest.mark.parametrize("package", ["multidc.hierarchical", "multidc.strategies", "multidc.plugins"])
