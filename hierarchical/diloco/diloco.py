@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.all_reduce import all_reduce, residual_numel
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
@@ -49,6 +49,8 @@ class _Fragment:
     outer: torch.optim.Optimizer
     offset: int
     """Inner step (mod sync_every) at which this fragment's sync starts."""
+    residual: torch.Tensor | None = None
+    """Error feedback (top-k codecs): float32, what the codec dropped from this rank's share of the last sync."""
 
 
 @dataclass
@@ -69,6 +71,11 @@ class DiLoCo:
     steps the float32 global copy, and the local parameters become the global ones (``overlap_steps == 0``) or
     ``alpha * local + (1 - alpha) * global`` when the result arrives ``overlap_steps`` later. The inner
     optimizer keeps its state. Only trainable parameters are synchronized; buffers stay per site.
+
+    With a top-k codec (``DiLoCoConfig.compression="topk..."``) each rank keeps per fragment a float32 residual:
+    what the codec dropped from its share of the fragment's pseudo-gradient, added to that share at the fragment's
+    next sync (error feedback), so nothing is lost, only delayed. The integer and float codecs send no residual:
+    each sync rounds once, unbiased and within ``max_abs_error``, as before.
 
     Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
     each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the
@@ -214,8 +221,19 @@ class DiLoCo:
             view.sub_(local)  # global - local, in float32
         before = self._wan_bytes()
         topology, wan = self._sync_target()
-        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True)
+        residual = self._residual(fragment, topology, wan)
+        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+
+    def _residual(self, fragment: _Fragment, topology: Topology, wan: WanConfig) -> torch.Tensor | None:
+        """The fragment's error-feedback buffer for a sync over ``topology``, or None when the codec needs none;
+        zero when new."""
+        if not wan.compression.startswith("topk"):
+            return None
+        numel = residual_numel(fragment.global_flat.numel(), fragment.global_flat.element_size(), topology, wan)
+        if fragment.residual is None or fragment.residual.numel() != numel:
+            fragment.residual = fragment.global_flat.new_zeros(numel)
+        return fragment.residual
 
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         """The topology and WAN settings the syncs run over."""
@@ -288,7 +306,8 @@ class DiLoCo:
         """The outer state, identical on every rank of the topology (store it once): the inner step count, the
         float32 global parameters, the outer optimizers' state, and a sync in flight (its averaged result and
         the step it merges at). Collective: every rank calls it (a sync in flight is waited for, not merged).
-        The tensors are the live ones, so a checkpoint loader may fill them in place."""
+        The tensors are the live ones, so a checkpoint loader may fill them in place. The top-k error-feedback
+        residuals are per rank, hence not part of it: ``load_state_dict`` restarts them at zero."""
         self._settle()
         flight = self._in_flight
         pending = torch.zeros(self._largest)
@@ -321,6 +340,8 @@ class DiLoCo:
         for i, fragment in enumerate(self._fragments):
             fragment.global_flat.copy_(state["global"][f"fragment_{i}"])
             _load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
+            if fragment.residual is not None:  # it belonged to the run that is replaced here
+                fragment.residual.zero_()
         self._in_flight = None
         index = int(state["in_flight_fragment"])
         if index >= 0:
