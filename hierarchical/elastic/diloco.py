@@ -24,7 +24,8 @@ its own progress on them since their last sync is replaced by the source's.
 
 Top-k error feedback (see ``DiLoCo``): a discarded round puts the fragment's residual back to what it was before the
 round (its contribution was not applied anywhere); a healing site's residuals restart at zero (the source's
-residuals are the source's own shares, and its own no longer match the global parameters it receives).
+residuals are the source's own shares, and its own no longer match the global parameters it receives). They are
+not in ``state_dict()`` (one site saves the job's checkpoints): a resumed job restarts them at zero.
 """
 
 from __future__ import annotations
@@ -250,6 +251,10 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
 
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         return self._round, self._round.wan  # this round's sites (one WAN stream per rail)
+
+    def _per_rank_state(self) -> dict:
+        # One site saves the job's checkpoints and a healing site must not take its source's residuals: none kept
+        return {}
 
     def _restore_residual(self, index: int) -> None:
         """A discarded round's fragment: its residual as before the round (zero if it had none)."""

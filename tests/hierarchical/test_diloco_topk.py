@@ -21,6 +21,8 @@ from multidc.hierarchical import (
 )
 from multidc.hierarchical.chunking import plan_chunks
 from multidc.hierarchical.diloco.fragments import split_fragments
+from multidc.hierarchical.tools.ranks import run_ranks
+from multidc.plugins import Checkpointer, ModelState
 from tests._batched import run_cases
 from tests.diloco_reference import LR, run_reference
 from tests.diloco_reference import model as _model
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 CODEC = "topk"  # density 1/64, 2 bits, chunks of 256: 4 values of each 256 cross the WAN per sync
 LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1]}
 CONFIGS = {"plain": ({"sync_every": 4}, 12), "streaming": ({"sync_every": 4, "fragments": 2, "overlap_steps": 1}, 10)}
+RESUME = {"layout": LAYOUTS["2x2"], "config": CONFIGS["streaming"][0], "steps": 11}  # saved at 6: a sync in flight
 
 
 def _train_cases(layout: str) -> dict:
@@ -46,8 +49,15 @@ def two_ranks():
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_cases(_train_cases("2x2"), 4, timeout=540)
+def saved_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("topk-diloco-ckpt") / "mid-sync")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved_dir):
+    cases = _train_cases("2x2")
+    cases["unbroken"] = (_train, ({**RESUME, "save_at": 6, "ckpt": saved_dir},))
+    return run_cases(cases, 4, timeout=540)
 
 
 def _train(rank: int, world: int, case: dict) -> dict:
@@ -58,11 +68,18 @@ def _train(rank: int, world: int, case: dict) -> dict:
     register_site_ddp_hook(ddp, topo)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     diloco = DiLoCo(ddp, opt, topo, DiLoCoConfig(compression=CODEC, **case["config"]))
-    for t in range(1, case["steps"] + 1):
+    if case.get("resume_from"):
+        with Checkpointer(case["resume_from"]) as ckpt:
+            ckpt.load(_ckpt_state(topo, ddp, opt, diloco))
+    for t in range(diloco.stats.inner_steps + 1, case["steps"] + 1):
         x, y = _rows(topo.site, topo.local_rank_in_site, t)
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        if t == case.get("save_at"):
+            with Checkpointer(case["ckpt"]) as ckpt:
+                ckpt.save(_ckpt_state(topo, ddp, opt, diloco), step=t)
+                ckpt.wait()
     state = diloco.state_dict()
     residuals = [fragment.residual.clone() for fragment in diloco._fragments]
     diloco.close()
@@ -70,6 +87,11 @@ def _train(rank: int, world: int, case: dict) -> dict:
     return {"local": {n: p.detach().clone() for n, p in model.named_parameters()}, "global": glob,
             "digest": hashlib.sha256(glob.numpy().tobytes()).hexdigest(), "residuals": residuals,
             "site": topo.site, "rank_in_site": topo.local_rank_in_site}
+
+
+def _ckpt_state(topo, ddp, opt, diloco) -> dict:
+    # DiLoCo first: loading the model state steps the stateless SGD once, which DiLoCo must not count
+    return {"diloco": diloco, f"site_{topo.site}": ModelState(ddp, opt)}
 
 
 def _named_global(model, fragments: int, state) -> dict:
@@ -148,6 +170,18 @@ def test_topk_diloco_with_error_feedback_equals_the_codec_applied_by_hand_per_ra
     # the same codec without error feedback ends elsewhere: the comparison above sees the residuals
     without, _ = _reference(LAYOUTS[layout], config, steps, feedback=False)
     assert (_flat(without["global"]) - ref_global).abs().max() > 1e-4
+
+
+def test_resume_mid_sync_restores_every_ranks_residuals_and_equals_the_unbroken_run(four_ranks, saved_dir):
+    unbroken = four_ranks["unbroken"]
+    resumed = run_ranks(_train, 4, {**RESUME, "resume_from": saved_dir})  # ranks of its own
+    for a, b in zip(unbroken, resumed):
+        assert a["digest"] == b["digest"]
+        for name in a["local"]:
+            assert torch.equal(a["local"][name], b["local"][name]), name
+        for x, y in zip(a["residuals"], b["residuals"]):
+            assert torch.equal(x, y)
+    assert len({r["residuals"][0].sum().item() for r in unbroken}) == 4, "each rank keeps its own residual"
 
 
 def _per_step_hook(rank: int, world: int) -> str:
