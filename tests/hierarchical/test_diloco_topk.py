@@ -30,7 +30,7 @@ from tests.diloco_reference import rows as _rows
 
 pytestmark = pytest.mark.timeout(600)
 CODEC = "topk"  # density 1/64, 2 bits, chunks of 256: 4 values of each 256 cross the WAN per sync
-LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1]}
+LAYOUTS = {"2x1": [0, 1], "3x1": [0, 1, 2], "2x2": [0, 0, 1, 1]}
 CONFIGS = {"plain": ({"sync_every": 4}, 12), "streaming": ({"sync_every": 4, "fragments": 2, "overlap_steps": 1}, 10)}
 RESUME = {"layout": LAYOUTS["2x2"], "config": CONFIGS["streaming"][0], "steps": 11}  # saved at 6: a sync in flight
 
@@ -46,6 +46,11 @@ def two_ranks():
     cases["per-step hook"] = (_per_step_hook, ())
     cases["disagree density"] = (_disagree_density, ())
     return run_cases(cases, 2, timeout=540)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_cases(_train_cases("3x1"), 3, timeout=540)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +157,9 @@ def _reference(layout: list[int], config: dict, steps: int, feedback: bool = Tru
 
 @pytest.mark.parametrize("mode", sorted(CONFIGS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_topk_diloco_with_error_feedback_equals_the_codec_applied_by_hand_per_rank(two_ranks, four_ranks, layout,
-                                                                                    mode):
-    results = (two_ranks if layout == "2x1" else four_ranks)[f"{mode} {layout}"]
+def test_topk_diloco_with_error_feedback_equals_the_codec_applied_by_hand_per_rank(request, layout, mode):
+    ranks = {2: "two_ranks", 3: "three_ranks", 4: "four_ranks"}[len(LAYOUTS[layout])]
+    results = request.getfixturevalue(ranks)[f"{mode} {layout}"]
     config, steps = CONFIGS[mode]
     reference, by_hand = _reference(LAYOUTS[layout], config, steps)
     ref_global = _flat(reference["global"])
