@@ -68,6 +68,20 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
             torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)
 
 
+def test_topk_discarded_rounds_keep_the_residuals_and_a_healed_site_restarts_them_at_zero(tmp_path, lighthouse):
+    run = run_with_a_kill(tmp_path, lighthouse.address, 3, 1, 2, "--rounds", str(ROUNDS), "--sleep", "0.3",
+                          "--compression", "topk", script=SCRIPT, kill_at=KILL_AT)
+    ranks = list(run["ranks"].values())
+    for rank in ranks:  # every rank's global parameters bitwise identical: decoded and summed alike everywhere
+        assert rank["final_step"] == ranks[0]["final_step"] >= ROUNDS
+        assert all(torch.equal(value, ranks[0]["params"][name]) for name, value in rank["params"].items())
+    discards = [kept for rank in ranks for kept in rank["discards_kept"]]
+    assert discards and all(discards), discards  # the kill discarded a round: residuals as before it
+    heals = [heal for rank in ranks for heal in rank["heals"] if heal["t0"] > 0]
+    assert heals and all(heal["residuals_zero"] for heal in heals), heals
+    assert all(rank["residual_sum"] > 0 for rank in ranks)  # error feedback ran
+
+
 @pytest.mark.parametrize("odd,message", [(["--sync-every", "6"], ("sync_every=4", "sync_every=6")),
                                          (["--outer-lr", "0.5"], ("outer_lr=0.7", "outer_lr=0.5"))],
                          ids=["sync-every", "outer-lr"])
