@@ -48,6 +48,8 @@ def main() -> None:
                         "first sync is in flight, taking the DiLoCo state before and after")
     parser.add_argument("--compression", default="none", help="DiLoCoConfig.compression; top-k codecs also record "
                         "whether each discarded round left the residuals as they were and each heal zeroed them")
+    parser.add_argument("--vote-down", type=int, action="append", default=[], help="the site votes down its N-th "
+                        "sync (counted from 0) after its transfer completed, recording its residuals then")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -62,9 +64,10 @@ def main() -> None:
 
     def healed(state: dict) -> None:  # the live state's sender, and the job's inner step it resumes at
         zeroed = all(r is None or not r.any() for r in residuals()) if live else True
+        had = any(r is not None and r.any() for r in kept)  # before the heal: a zero check that can fail
         if live:
             kept[:] = residuals()  # a healed site's round starts from zero residuals
-        heals.append({"source": state["site"], "t0": state["t0"], "residuals_zero": zeroed})
+        heals.append({"source": state["site"], "t0": state["t0"], "residuals_zero": zeroed, "had_residuals": had})
 
     def residuals() -> list:
         return [None if f.residual is None else f.residual.clone() for f in live["diloco"]._fragments]
@@ -74,6 +77,15 @@ def main() -> None:
                            state_dict=lambda: {"site": index, "t0": live["diloco"].inner_steps if live else 0},
                            load_state_dict=healed)
     live["diloco"] = diloco
+    voted_down, commit = [], diloco.site.commit
+
+    def commit_or_vote_down() -> bool:  # the sync's transfer is done (residuals updated), its vote is next
+        if len(syncs) in args.vote_down:
+            voted_down.append({"sync": len(syncs), "kept": kept[:], "after_transfer": residuals()})
+            diloco.site.manager.report_error(RuntimeError("test: this site votes the round down"))
+        return commit()
+
+    diloco.site.commit = commit_or_vote_down
 
     def round_start() -> tuple[list[int], int, int]:
         present = torch.zeros(MAX_SITES)
@@ -120,6 +132,7 @@ def main() -> None:
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "local": local, "log": log, "syncs": syncs, "heals": heals,
                 "flight_check": flight_check, "discards_kept": discards_kept,
+                "voted_down": voted_down,
                 "residual_sum": sum(float(r.abs().sum()) for r in residuals() if r is not None),
                 "bytes_sent": diloco.stats.bytes_sent, "discarded": discarded,
                 "joined_at": joined_at, "initial": initial,
