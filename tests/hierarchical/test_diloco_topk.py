@@ -15,15 +15,14 @@ from multidc.hierarchical import (
     DiLoCoConfig,
     Topology,
     WanConfig,
-    get_codec,
     register_ddp_hook,
     register_site_ddp_hook,
 )
-from multidc.hierarchical.chunking import plan_chunks
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins import Checkpointer, ModelState
 from tests._batched import run_cases
+from tests._topk_by_hand import TopKByHand
 from tests.diloco_reference import LR, run_reference
 from tests.diloco_reference import model as _model
 from tests.diloco_reference import rows as _rows
@@ -112,44 +111,14 @@ def _flat(named: dict) -> torch.Tensor:
     return torch.cat([v.detach().float().reshape(-1) for v in named.values()])
 
 
-class _ByHand:
-    """The codec applied by hand, as each rank of a site applies it to its share of every chunk of a fragment's
-    pseudo-gradient (``replicated`` all-reduce), with (``feedback``) or without each rank's residual."""
-
-    def __init__(self, site_size: int, feedback: bool) -> None:
-        self.codec, self.site_size, self.feedback = get_codec(CODEC), site_size, feedback
-        self.residuals: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (fragment, site, rank): per chunk
-
-    def __call__(self, fragment: int, site: int, delta: dict) -> dict:
-        flat = torch.cat([v.reshape(-1) for v in delta.values()])
-        out = torch.empty_like(flat)
-        chunks = plan_chunks(flat.numel(), 4, WanConfig().chunk_mb, self.site_size)
-        for i, chunk in enumerate(chunks):
-            buffer = flat.new_zeros(chunk.padded_numel)
-            buffer[: chunk.numel] = flat[chunk.start : chunk.end]
-            arrived = []
-            for rank, share in enumerate(buffer.split(chunk.shard_numel)):
-                kept = self.residuals.setdefault((fragment, site, rank), [torch.zeros(c.shard_numel) for c in chunks])
-                values = share + kept[i] if self.feedback else share.clone()
-                decoded = self.codec.decode(self.codec.encode(values), chunk.shard_numel)
-                kept[i] = values - decoded if self.feedback else kept[i]
-                arrived.append(decoded)
-            out[chunk.start : chunk.end] = torch.cat(arrived)[: chunk.numel]
-        return {n: piece.view(v.shape) for (n, v), piece in zip(delta.items(), out.split([v.numel() for v in
-                                                                                        delta.values()]))}
-
-    def residual(self, fragment: int, site: int, rank: int) -> torch.Tensor:
-        return torch.cat(self.residuals[(fragment, site, rank)])
-
-
-def _reference(layout: list[int], config: dict, steps: int, feedback: bool = True) -> tuple[dict, _ByHand]:
+def _reference(layout: list[int], config: dict, steps: int, feedback: bool = True) -> tuple[dict, TopKByHand]:
     site_size = layout.count(0)
 
     def batch(site, t):
         rows = [_rows(site, local, t) for local in range(site_size)]
         return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
-    by_hand = _ByHand(site_size, feedback)
+    by_hand = TopKByHand(CODEC, site_size, feedback)
     result = run_reference(_model(), sites=max(layout) + 1, steps=steps, batch=batch, loss_fn=nn.functional.mse_loss,
                            inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), compress=by_hand, **config)
     return result, by_hand
