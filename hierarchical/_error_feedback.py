@@ -37,3 +37,15 @@ class ErrorFeedback:
 def default_error_feedback(compression: str) -> bool:
     """Error feedback is on by default for the integer codecs, whose rounding is coarse enough to accumulate."""
     return compression in ("int8", "int4")
+
+
+def refuse_sparse_per_step(compression: str, where: str) -> None:
+    """A ValueError for a top-k codec on per-step gradients (``where`` names the hook): it drops ~98% of every
+    step's gradient, and the per-step residuals here ignore the optimizer's momentum, which slows convergence;
+    top-k is for DiLoCo's outer syncs (``DiLoCoConfig.compression``), whose error feedback is per fragment."""
+    if compression.startswith("topk"):
+        raise ValueError(
+            f"{where}: WanConfig.compression={compression!r} (or MULTIDC_WAN_COMPRESSION) is for DiLoCo's outer "
+            f"syncs, not per-step gradients; use 'int8' / 'int4' here, or cross_site='diloco' with "
+            f"DiLoCoConfig.compression={compression!r}."
+        )

@@ -33,6 +33,7 @@ def all_reduce(
     op: str = "sum",
     async_op: bool = False,
     replicated: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.futures.Future | None:
     """Sum (or average) ``tensor`` over every rank of ``topology``, in place. Every rank must call it.
 
@@ -50,13 +51,21 @@ def all_reduce(
         replicated: every rank of a site holds the same values (DiLoCo's pseudo-gradients): the site reduction
             is skipped, each rank sends only its ``1/site_size`` share over its rail, and the result is the sum
             (``op="sum"``) or mean (``op="avg"``) over *sites*, not ranks.
+        residual: error feedback for a lossy codec: a float32 buffer of ``residual_numel`` elements, this rank's
+            own; added to what this rank encodes, then set to what the codec dropped from it. Unchanged by a
+            chunk whose WAN transfer failed (elastic sites) and when nothing crosses the WAN.
 
     Returns:
         ``None``, or the future when ``async_op``.
     """
     wan = _check(tensor, topology, wan, op)
+    if residual is not None:
+        numel = residual_numel(tensor.numel(), tensor.element_size(), topology, wan)
+        if residual.dtype != torch.float32 or residual.numel() != numel:
+            raise ValueError(f"residual must be a float32 tensor of residual_numel(...) = {numel} elements, not "
+                             f"{residual.dtype} x {residual.numel()}.")
     # The executor's own future: ``wait()`` raises the WanError itself (``submit`` wraps it for C++ callers).
-    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, None, replicated))
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual, replicated))
     if async_op:
         return future
     future.wait()

@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass
 
 from multidc.hierarchical import _env
+from multidc.hierarchical.compression import get_codec
 
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "int4")
+TOPK_FORMS = "'topk' or 'topk:DENSITY[:BITS[:CHUNK]]' (e.g. 'topk:0.02:2:256')"
 
 _DEFAULT_CHUNK_MB = 4.0
 _DEFAULT_STREAMS = 2
@@ -26,7 +28,8 @@ class WanConfig:
     compression: str | None = None
     """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"int4"`` (the scaled ones
     carry one scale per shard of each chunk, so fp16 does not overflow above 65504; bounds in ``compression.py``;
-    int4 is meant for DiLoCo's pseudo-gradients).
+    int4 is meant for DiLoCo's pseudo-gradients), or the sparse ``"topk"`` / ``"topk:DENSITY[:BITS[:CHUNK]]"``,
+    which only DiLoCo's outer syncs use (they keep its error feedback; the per-step hooks refuse it).
     Env ``MULTIDC_WAN_COMPRESSION``; default ``"none"``. Intra-site traffic always stays at the input precision."""
 
     chunk_mb: float | None = None
@@ -48,10 +51,7 @@ class WanConfig:
         self._validate()
 
     def _validate(self) -> None:
-        compression = self.compression.lower() if isinstance(self.compression, str) else None
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"{self._source('compression')} is not supported; use one of {COMPRESSIONS}.")
-        self.compression = compression
+        self.compression = compression_name(self.compression, self._source("compression"))
         if not positive_number(self.chunk_mb):
             raise ValueError(f"{self._source('chunk_mb')} must be a positive number of MiB, e.g. 4.")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
@@ -69,6 +69,24 @@ _FIELD_ENV = {
     "streams": _env.WAN_STREAMS,
     "timeout_s": _env.WAN_TIMEOUT_S,
 }
+
+
+def compression_name(value, source: str) -> str:
+    """``value`` as a config stores it: lower-case, a top-k spelling in ``get_codec``'s canonical form (so equal
+    codecs compare equal across ranks).
+
+    Raises:
+        ValueError: naming ``source`` (the field, or the variable it came from) and the accepted forms.
+    """
+    name = value.lower() if isinstance(value, str) else None
+    if name in COMPRESSIONS:
+        return name
+    if name is not None and (name == "topk" or name.startswith("topk:")):
+        try:
+            return get_codec(name).name
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+    raise ValueError(f"{source} is not supported; use one of {COMPRESSIONS}, or {TOPK_FORMS}.")
 
 
 def positive_number(value) -> bool:

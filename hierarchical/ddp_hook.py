@@ -6,7 +6,7 @@
 import torch
 import torch.distributed as dist
 
-from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
+from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback, refuse_sparse_per_step
 from multidc.hierarchical.all_reduce import _check, submit
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.topology import Topology
@@ -64,6 +64,7 @@ def register_ddp_hook(
         The hook state (its ``residuals`` are inspectable).
     """
     wan = _check(torch.empty(0), topology, wan, "avg")
+    refuse_sparse_per_step(wan.compression, "register_ddp_hook")
     _check_spans(ddp_model, topology)
     if error_feedback is None:
         error_feedback = default_error_feedback(wan.compression)

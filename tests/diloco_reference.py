@@ -44,12 +44,15 @@ def run_reference(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
+    compress: Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict:
     """Train ``sites`` copies of ``model`` (all starting from its values) and sync them as DiLoCo prescribes.
 
     ``batch(site, step)`` returns a site's whole batch for inner step ``step`` (1-based): with DDP inside a
     site, that is the rows of all its ranks together (equal rows per rank, a mean loss). ``blocks(model)``: the
-    blocks dealt into fragments (default the top-level children). Returns ``{"local": [per-site {name: tensor}],
+    blocks dealt into fragments (default the top-level children). ``compress(fragment, site, delta)``: what the
+    site's pseudo-gradient ``delta`` (by name, float32) arrives as at the other sites (a codec applied by hand);
+    the sites' arrivals are summed in site order. Returns ``{"local": [per-site {name: tensor}],
     "global": {name: tensor}}`` after ``steps`` inner steps (float32).
     """
     copies = [copy.deepcopy(model) for _ in range(sites)]
@@ -73,7 +76,10 @@ def run_reference(
             if t % sync_every == offsets[f]:
                 part = [n for n in names if fragment_of[n] == f]
                 locals_ = [dict(m.named_parameters()) for m in copies]
-                delta = {n: sum(glob[n] - loc[n].detach().float() for loc in locals_) / sites for n in part}
+                per_site = [{n: glob[n] - loc[n].detach().float() for n in part} for loc in locals_]
+                if compress is not None:
+                    per_site = [compress(f, site, d) for site, d in enumerate(per_site)]
+                delta = {n: sum(d[n] for d in per_site) / sites for n in part}
                 in_flight = (f, t + overlap_steps, delta)
                 if overlap_steps == 0:
                     _merge(copies, glob, momentum, in_flight, overlap_steps, alpha, outer_lr, outer_momentum)

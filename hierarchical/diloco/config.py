@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from multidc.hierarchical import _env
-from multidc.hierarchical.config import COMPRESSIONS, positive_number
+from multidc.hierarchical.config import compression_name, positive_number
 
 
 @dataclass(kw_only=True)
@@ -50,8 +50,11 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD (needs momentum > 0). Env ``MULTIDC_DILOCO_NESTEROV``; default True."""
 
     compression: str | None = None
-    """Codec of the pseudo-gradients on the WAN hop: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``
-    (bounds in ``multidc.hierarchical.compression``). Env ``MULTIDC_DILOCO_COMPRESSION``; default ``"none"``."""
+    """Codec of the pseudo-gradients on the WAN hop: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``,
+    or sparse top-k: ``"topk"`` (density 1/64, 2-bit values, chunks of 256: 0.28 bit per parameter) or
+    ``"topk:DENSITY[:BITS[:CHUNK]]"`` (bounds in ``multidc.hierarchical.compression``). Under top-k each rank
+    keeps what a sync did not send (error feedback, see ``DiLoCo``). Env ``MULTIDC_DILOCO_COMPRESSION``; default
+    ``"none"``."""
 
     def __post_init__(self) -> None:
         self._env_names = _env.fill_fields(self, (
@@ -94,10 +97,7 @@ class DiLoCoConfig:
             raise ValueError(f"{self._source('nesterov')} must be True or False.")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError(f"{self._source('nesterov')} needs outer_momentum > 0; set nesterov=False or a momentum.")
-        compression = self.compression.lower() if isinstance(self.compression, str) else None
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"{self._source('compression')} is not supported; use one of {COMPRESSIONS}.")
-        self.compression = compression
+        self.compression = compression_name(self.compression, self._source("compression"))
 
     def _source(self, name: str) -> str:
         return _env.describe(self, name, self._env_names, _FIELD_ENV)

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.all_reduce import all_reduce, residual_numel
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
@@ -49,6 +50,8 @@ class _Fragment:
     outer: torch.optim.Optimizer
     offset: int
     """Inner step (mod sync_every) at which this fragment's sync starts."""
+    residual: torch.Tensor | None = None
+    """Error feedback (top-k codecs): float32, what the codec dropped from this rank's share of the last sync."""
 
 
 @dataclass
@@ -69,6 +72,11 @@ class DiLoCo:
     steps the float32 global copy, and the local parameters become the global ones (``overlap_steps == 0``) or
     ``alpha * local + (1 - alpha) * global`` when the result arrives ``overlap_steps`` later. The inner
     optimizer keeps its state. Only trainable parameters are synchronized; buffers stay per site.
+
+    With a top-k codec (``DiLoCoConfig.compression="topk..."``) each rank keeps per fragment a float32 residual:
+    what the codec dropped from its share of the fragment's pseudo-gradient, added to that share at the fragment's
+    next sync (error feedback), so nothing is lost, only delayed. The integer and float codecs send no residual:
+    each sync rounds once, unbiased and within ``max_abs_error``, as before.
 
     Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
     each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the
@@ -214,8 +222,29 @@ class DiLoCo:
             view.sub_(local)  # global - local, in float32
         before = self._wan_bytes()
         topology, wan = self._sync_target()
-        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True)
+        residual = self._residual(fragment, topology, wan)
+        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+
+    def _residual(self, fragment: _Fragment, topology: Topology, wan: WanConfig) -> torch.Tensor | None:
+        """The fragment's error-feedback buffer for a sync over ``topology``, or None when the codec needs none;
+        zero when new."""
+        if not wan.compression.startswith("topk"):
+            return None
+        numel = residual_numel(fragment.global_flat.numel(), fragment.global_flat.element_size(), topology, wan)
+        if fragment.residual is None or fragment.residual.numel() != numel:
+            fragment.residual = fragment.global_flat.new_zeros(numel)
+        return fragment.residual
+
+    def _load_residual(self, fragment: _Fragment, saved: torch.Tensor | None) -> None:
+        """This rank's saved residual, else zero (the run the live one belonged to is replaced)."""
+        if saved is not None:
+            live = self._residual(fragment, *self._sync_target())
+            if live is not None and live.numel() == saved.numel():
+                live.copy_(saved)
+                return
+        if fragment.residual is not None:
+            fragment.residual.zero_()
 
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         """The topology and WAN settings the syncs run over."""
@@ -287,8 +316,10 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """The outer state, identical on every rank of the topology (store it once): the inner step count, the
         float32 global parameters, the outer optimizers' state, and a sync in flight (its averaged result and
-        the step it merges at). Collective: every rank calls it (a sync in flight is waited for, not merged).
-        The tensors are the live ones, so a checkpoint loader may fill them in place."""
+        the step it merges at). With a top-k codec also this rank's own error-feedback residuals, under
+        ``"residual"`` -> ``"rank_<global rank>"``: a key no other rank holds, so a distributed checkpoint stores
+        every rank's (resume with the same ranks). Collective: every rank calls it (a sync in flight is waited
+        for, not merged). The tensors are the live ones, so a checkpoint loader may fill them in place."""
         self._settle()
         flight = self._in_flight
         pending = torch.zeros(self._largest)
@@ -303,12 +334,22 @@ class DiLoCo:
             "in_flight_delta": pending,
             "global": {f"fragment_{i}": f.global_flat for i, f in enumerate(self._fragments)},
             "outer": {f"fragment_{i}": _outer_state(f.outer) for i, f in enumerate(self._fragments)},
+            **self._per_rank_state(),
         }
+
+    def _per_rank_state(self) -> dict:
+        """This rank's residuals keyed by its global rank (see ``state_dict``); ``{}`` without a top-k codec."""
+        topology, wan = self._sync_target()
+        residuals = [self._residual(f, topology, wan) for f in self._fragments]
+        if residuals[0] is None:
+            return {}
+        return {"residual": {f"rank_{dist.get_rank()}": {f"fragment_{i}": r for i, r in enumerate(residuals)}}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output (also one filled in place by a checkpoint loader). Every rank.
-        The model's own (per-site) parameters are restored by whoever saved them; this restores the outer side."""
+        The model's own (per-site) parameters are restored by whoever saved them; this restores the outer side.
+        Residuals missing from ``state`` (none saved for this rank) restart at zero."""
         saved = (int(state["sync_every"]), int(state["fragments"]))
         if saved != (self.config.sync_every, self.config.fragments):
             raise ValueError(
@@ -317,10 +358,12 @@ class DiLoCo:
                 f"DiLoCoConfig (or MULTIDC_DILOCO_*)."
             )
         self._settle()
+        mine = state.get("residual", {}).get(f"rank_{dist.get_rank()}", {})
         self.stats.inner_steps = int(state["inner_steps"])
         for i, fragment in enumerate(self._fragments):
             fragment.global_flat.copy_(state["global"][f"fragment_{i}"])
             _load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
+            self._load_residual(fragment, mine.get(f"fragment_{i}"))
         self._in_flight = None
         index = int(state["in_flight_fragment"])
         if index >= 0:

@@ -21,6 +21,11 @@ smallest gap between two fragments' syncs, so a round's merge never falls on the
 A site that heals (a restarted one, or a live one that discarded a round another committed) takes all of its
 source's parameters: in streaming or overlapped DiLoCo also the local values of the fragments not synced last, so
 its own progress on them since their last sync is replaced by the source's.
+
+Top-k error feedback (see ``DiLoCo``): a discarded round puts the fragment's residual back to what it was before the
+round (its contribution was not applied anywhere); a healing site's residuals restart at zero (the source's
+residuals are the source's own shares, and its own no longer match the global parameters it receives). They are
+not in ``state_dict()`` (one site saves the job's checkpoints): a resumed job restarts them at zero.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         super().__init__(model, inner_optimizer, _site_topology(wan, replicas), config, wan=wan,
                          outer_optimizer=outer_optimizer, blocks=blocks)
         self._model, self._inner = model, inner_optimizer
+        self._residual_before: torch.Tensor | None = None
         self._user_state, self._load_user_state = state_dict, load_state_dict
         self._start_rounds, self.round_pending = start_rounds, False
         self.synced: bool | None = None
@@ -212,7 +218,8 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
                   if mine[key] != state["settings"][key]]
         if differ:
             raise ValueError(f"the DiLoCo settings differ: {'; '.join(differ)}")
-        DiLoCo.load_state_dict(self, state["diloco"])
+        DiLoCo.load_state_dict(self, state["diloco"])  # zeroes the residuals (see the module docstring)
+        self._residual_before = None
         load_module_state(self._model, state["model"])
         load_optimizer_state(self._inner, state["inner"])
         if self._load_user_state is not None:
@@ -245,6 +252,25 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         return self._round, self._round.wan  # this round's sites (one WAN stream per rail)
 
+    def _per_rank_state(self) -> dict:
+        # One site saves the job's checkpoints and a healing site must not take its source's residuals: none kept
+        return {}
+
+    def _restore_residual(self, index: int) -> None:
+        """A discarded round's fragment: its residual as before the round (zero if it had none)."""
+        residual, before = self._fragments[index].residual, self._residual_before
+        if residual is None:
+            return
+        if before is not None and before.numel() == residual.numel():
+            residual.copy_(before)
+        else:
+            residual.zero_()
+
+    def _start(self, index: int, t: int) -> None:
+        residual = self._fragments[index].residual  # kept so that a discarded round can put it back
+        self._residual_before = None if residual is None else residual.clone()
+        super()._start(index, t)
+
     def _end_round(self) -> None:
         """The sync in flight is due: wait for it, vote, merge (the outer step only if committed; the fragment
         starts the next round from its global parameters, merged under overlap, also after a discard), and end the
@@ -253,6 +279,8 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         flight, self._in_flight = self._in_flight, None
         self._wait(flight)
         self.synced = self.site.commit()
+        if not self.synced:
+            self._restore_residual(flight.fragment)
         self._merge(flight, outer_step=self.synced)
         self.stats.exposed_s += time.perf_counter() - started
         self.round_pending = True

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical import SiteLayout, Topology, WanConfig
-from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback
+from multidc.hierarchical._error_feedback import ErrorFeedback, default_error_feedback, refuse_sparse_per_step
 from multidc.hierarchical.all_reduce import submit
 from multidc.hierarchical.parallel._patches import fsdp_mesh_info, resolving_fsdp_meshes_with
 from multidc.hierarchical.parallel.layout import submesh
@@ -140,6 +140,7 @@ def add_replica_reduction(
             f"replicate_topology(mesh)."
         )
     wan = wan if wan is not None else topology.wan
+    refuse_sparse_per_step(wan.compression, "the replicas' FSDP all-reduce hook")
     feedback = default_error_feedback(wan.compression) if error_feedback is None else error_feedback
     state = _ReplicaReduction(topology, wan, feedback)
     units = _units_on(module, submesh(mesh, "dp_shard"))

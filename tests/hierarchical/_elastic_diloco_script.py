@@ -46,6 +46,10 @@ def main() -> None:
                         "ahead of every site); until then it goes on, to --max-rounds at most")
     parser.add_argument("--fail-first-flight", action="store_true", help="--overlap: report an error while the "
                         "first sync is in flight, taking the DiLoCo state before and after")
+    parser.add_argument("--compression", default="none", help="DiLoCoConfig.compression; top-k codecs also record "
+                        "whether each discarded round left the residuals as they were and each heal zeroed them")
+    parser.add_argument("--vote-down", type=int, action="append", default=[], help="the site votes down its N-th "
+                        "sync (counted from 0) after its transfer completed, recording its residuals then")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -55,17 +59,33 @@ def main() -> None:
     trained = torch.nn.parallel.DistributedDataParallel(net) if dist.get_world_size() > 1 else net
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     config = DiLoCoConfig(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=OUTER_MOMENTUM,
-                          fragments=args.fragments, overlap_steps=args.overlap)
-    heals, live = [], {}
+                          fragments=args.fragments, overlap_steps=args.overlap, compression=args.compression)
+    heals, live, kept = [], {}, []
 
     def healed(state: dict) -> None:  # the live state's sender, and the job's inner step it resumes at
-        heals.append({"source": state["site"], "t0": state["t0"]})
+        zeroed = all(r is None or not r.any() for r in residuals()) if live else True
+        had = any(r is not None and r.any() for r in kept)  # before the heal: a zero check that can fail
+        if live:
+            kept[:] = residuals()  # a healed site's round starts from zero residuals
+        heals.append({"source": state["site"], "t0": state["t0"], "residuals_zero": zeroed, "had_residuals": had})
+
+    def residuals() -> list:
+        return [None if f.residual is None else f.residual.clone() for f in live["diloco"]._fragments]
 
     diloco = ElasticDiLoCo(trained, opt, config, site=args.site, wan=WanConfig(timeout_s=args.timeout_s),
                            sites=args.sites, blocks=[net[0], net[2]],
                            state_dict=lambda: {"site": index, "t0": live["diloco"].inner_steps if live else 0},
                            load_state_dict=healed)
     live["diloco"] = diloco
+    voted_down, commit = [], diloco.site.commit
+
+    def commit_or_vote_down() -> bool:  # the sync's transfer is done (residuals updated), its vote is next
+        if len(syncs) in args.vote_down:
+            voted_down.append({"sync": len(syncs), "kept": kept[:], "after_transfer": residuals()})
+            diloco.site.manager.report_error(RuntimeError("test: this site votes the round down"))
+        return commit()
+
+    diloco.site.commit = commit_or_vote_down
 
     def round_start() -> tuple[list[int], int, int]:
         present = torch.zeros(MAX_SITES)
@@ -75,6 +95,7 @@ def main() -> None:
 
     joined_at, initial = diloco.outer_steps, {n: p.detach().clone() for n, p in net.named_parameters()}
     log, syncs, discarded, last, last_step = [], [], 0, [], -1
+    kept[:], discards_kept = residuals(), []  # residuals as a round starts; per discarded round: left as they were?
     sites, t0, step = round_start()
     flight_check = None
     while True:
@@ -94,6 +115,10 @@ def main() -> None:
             last, last_step = sites, step
         else:
             discarded += 1
+            now = residuals()
+            discards_kept.append(all((a is None and (b is None or not b.any())) or (a is not None and torch.equal(a, b))
+                                     for a, b in zip(kept, now)))
+        kept[:] = residuals()
         if rank == 0:
             with open(os.path.join(args.out, f"{args.site}.progress"), "w") as f:
                 f.write(str(diloco.outer_steps))
@@ -106,7 +131,10 @@ def main() -> None:
     with diloco.global_parameters():  # every site's: equal after each sync (streaming: the site's own elsewhere)
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save({"site": index, "params": params, "local": local, "log": log, "syncs": syncs, "heals": heals,
-                "flight_check": flight_check, "bytes_sent": diloco.stats.bytes_sent, "discarded": discarded,
+                "flight_check": flight_check, "discards_kept": discards_kept,
+                "voted_down": voted_down,
+                "residual_sum": sum(float(r.abs().sum()) for r in residuals() if r is not None),
+                "bytes_sent": diloco.stats.bytes_sent, "discarded": discarded,
                 "joined_at": joined_at, "initial": initial,
                 "final_step": diloco.outer_steps, "num_sites": diloco.num_sites},
                os.path.join(args.out, f"{args.site}_rank{rank}.pt"))

@@ -226,9 +226,8 @@ TOPK_NUMEL = 70_001
 
 
 def _topk_wan() -> WanConfig:
-    wan = WanConfig(chunk_mb=0.05)  # 6 chunks, the last one padded; shards of 6,554 elements: a partial top-k chunk
-    wan.compression = "topk"  # not a WanConfig choice yet (issue 33 wires it); the all-reduce takes any get_codec name
-    return wan
+    # 6 chunks, the last one padded; shards of 6,554 elements: a partial top-k chunk
+    return WanConfig(chunk_mb=0.05, compression="topk")
 
 
 def _topk_sites(rank, world):

@@ -29,6 +29,7 @@ def test_defaults_are_concrete_and_valid():
         ({"compression": "bf16"}, ("compression", "bf16")),
         ({"compression": "INT8"}, ("compression", "int8")),  # case-insensitive, stored lower-case
         ({"compression": "none"}, ("compression", "none")),
+        ({"compression": "TopK:0.02"}, ("compression", "topk:0.02:2:256")),  # DiLoCo's; the per-step hooks refuse it
         ({"chunk_mb": 0.001}, ("chunk_mb", 0.001)),
         ({"chunk_mb": 64}, ("chunk_mb", 64)),
         ({"streams": 1}, ("streams", 1)),
@@ -49,6 +50,7 @@ def test_valid_arguments_are_kept(kwargs, expected):
         ({"compression": "float16"}, "compression", "'float16'"),
         ({"compression": 8}, "compression", "8"),
         ({"compression": True}, "compression", "True"),
+        ({"compression": "topk:1.5"}, "compression", "'topk:1.5'"),
         ({"chunk_mb": 0}, "chunk_mb", "0"),
         ({"chunk_mb": -1.5}, "chunk_mb", "-1.5"),
         ({"chunk_mb": math.nan}, "chunk_mb", "nan"),

@@ -26,9 +26,11 @@ from tests._elastic import (  # noqa: E402
     TIMEOUT_S,
     check_odd_site_fails_alone,
     check_rejoined,
+    finish_all,
     free_port,
     run_alone,
     run_with_a_kill,
+    start_site,
 )
 from tests.diloco_reference import second_step_error  # noqa: E402
 from tests.hierarchical._elastic_diloco_script import OUTER_LR, OUTER_MOMENTUM, SYNC_EVERY  # noqa: E402
@@ -66,6 +68,30 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
     for (_, _), rank in run["ranks"].items():  # streaming: each site's own parameters besides the fragment synced
         for name, value in rank["local"].items():
             torch.testing.assert_close(value, local[rank["site"]][name], rtol=0, atol=1e-5)
+
+
+def test_topk_rounds_voted_down_after_their_transfer_restore_the_residuals_and_a_heal_zeroes_them(tmp_path,
+                                                                                                    lighthouse):
+    # 2x1 sites, top-k: both vote sync 2 down after its transfer updated the residuals (the round is discarded
+    # everywhere: the residuals must be put back); site0 alone votes sync 4 down, so site1 commits it and site0 heals
+    trees = {name: start_site(name, 1, 2, lighthouse.address, tmp_path, "--rounds", "6", "--compression", "topk",
+                              *votes, script=SCRIPT)
+             for name, votes in [("site0", ["--vote-down", "2", "--vote-down", "4"]), ("site1", ["--vote-down", "2"])]}
+    finish_all(trees, tmp_path)
+    site0, site1 = (torch.load(tmp_path / f"site{i}_rank0.pt") for i in range(2))
+    for name, value in site0["params"].items():  # decoded and summed alike everywhere
+        assert torch.equal(value, site1["params"][name]), name
+    assert [s["committed"] for s in site1["syncs"][:5]] == [True, True, False, True, True]
+    assert [s["committed"] for s in site0["syncs"][:5]] == [True, True, False, True, False]
+    for rank in (site0, site1):
+        both = rank["voted_down"][0]  # its transfer had changed the residuals before the vote
+        assert both["sync"] == 2 and any(not torch.equal(a, b) for a, b in zip(both["kept"], both["after_transfer"]))
+        # after sync 2: as the round started; after site0's sync 4 its heal came at once (checked below)
+        assert rank["discards_kept"] == [True] * rank["discarded"], rank["discards_kept"]
+        assert rank["residual_sum"] > 0  # error feedback ran
+    heals = [heal for heal in site0["heals"] if heal["t0"] > 0]
+    assert [(h["source"], h["had_residuals"], h["residuals_zero"]) for h in heals] == [(1, True, True)], heals
+    assert not [heal for heal in site1["heals"] if heal["t0"] > 0]
 
 
 @pytest.mark.parametrize("odd,message", [(["--sync-every", "6"], ("sync_every=4", "sync_every=6")),

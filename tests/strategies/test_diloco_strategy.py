@@ -1,7 +1,8 @@
 """``DiLoCoStrategy`` through a real Lightning ``Trainer`` (tests/strategies/_diloco_script.py, 4 gloo ranks as 2
 sites x 2): the result equals tests/diloco_reference.py's single-process computation (streaming fragments,
-overlap, gradient accumulation), the WAN metrics reach the logger, and a resume from a checkpoint saved with a
-sync in flight ends bitwise where the unbroken run ends."""
+overlap, gradient accumulation; and, on 2 sites x 1, the top-k codec with error feedback applied by hand), the WAN
+metrics reach the logger, and a resume from a checkpoint saved with a sync in flight ends bitwise where the
+unbroken run ends."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from tests import _launch
 from tests._resources import require_module
+from tests._topk_by_hand import TopKByHand
 
 require_module("lightning", "lightning")
 
@@ -33,23 +35,25 @@ from tests.diloco_reference import rows as _rows  # noqa: E402
 pytestmark = pytest.mark.timeout(400)
 CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 STEPS, ACCUMULATE, PER_EPOCH = 11, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
+TOPK_CONFIG, TOPK_STEPS = {"sync_every": 4, "compression": "topk"}, 8  # the second sync adds the first's residual
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
-def _start(out_dir, root, *extra: str) -> ProcessTree:
+def _start(out_dir, root, *extra: str, config: dict = CONFIG, steps: int = STEPS,
+           accumulate: int = ACCUMULATE) -> ProcessTree:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
-    argv = [sys.executable, script.__file__, "--config", json.dumps(CONFIG), "--max-steps", str(STEPS),
-            "--accumulate", str(ACCUMULATE), "--steps-per-epoch", str(PER_EPOCH), "--root", str(root),
+    argv = [sys.executable, script.__file__, "--config", json.dumps(config), "--max-steps", str(steps),
+            "--accumulate", str(accumulate), "--steps-per-epoch", str(PER_EPOCH), "--root", str(root),
             "--out", str(out_dir), *extra]
     return ProcessTree(argv, env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
-def _result(out_dir, tree: ProcessTree) -> dict:
+def _result(out_dir, tree: ProcessTree, world: int = 4) -> dict:
     code, log = _launch.finish(tree, 300)
     assert code == 0, log
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
-    weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(4)]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(world)]
     with open(out_dir / "log" / "version_0" / "metrics.csv") as f:
         metrics = list(csv.DictReader(f))
     return {"ranks": ranks, "weights": weights, "metrics": metrics, "log": log}
@@ -80,6 +84,15 @@ def runs(launches):
     return launches["unbroken"], launches["resumed"]
 
 
+@pytest.fixture(scope="module")
+def topk_run(tmp_path_factory):
+    """2 sites x 1 rank, plain DiLoCo with the top-k codec: ``TOPK_STEPS`` optimizer steps, a sync every 4."""
+    tmp = tmp_path_factory.mktemp("diloco-topk")
+    with _start(tmp / "out", tmp / "root", "--devices", "2", config=TOPK_CONFIG, steps=TOPK_STEPS,
+                accumulate=1) as tree:
+        return _result(tmp / "out", tree, world=2)
+
+
 def _site_batch(site: int, step: int):
     """What the 2 ranks of ``site`` feed optimizer step ``step`` together (both micro-batches)."""
     first = ((step - 1) % PER_EPOCH) * ACCUMULATE + 1
@@ -97,6 +110,31 @@ def test_trainer_equals_the_single_process_reference_with_fragments_overlap_and_
             torch.testing.assert_close(value, ref["local"][rank["site"]][name], rtol=0, atol=1e-6)
         for name, value in weights["global"].items():
             torch.testing.assert_close(value, ref["global"][name], rtol=0, atol=1e-6)
+
+
+def _one_rank_batch(site: int, step: int):
+    """What the one rank of ``site`` feeds optimizer step ``step`` (no accumulation)."""
+    return _rows(site, 0, (step - 1) % PER_EPOCH + 1)
+
+
+def test_trainer_with_topk_and_error_feedback_equals_the_codec_applied_by_hand(topk_run):
+    config = {k: v for k, v in TOPK_CONFIG.items() if k != "compression"}
+    by_hand = TopKByHand(TOPK_CONFIG["compression"], site_size=1)
+    ref = run_reference(_model(), sites=2, steps=TOPK_STEPS, batch=_one_rank_batch,
+                        loss_fn=torch.nn.functional.mse_loss, compress=by_hand,
+                        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **config)
+    for rank, weights in zip(topk_run["ranks"], topk_run["weights"]):
+        assert rank["global_step"] == TOPK_STEPS and rank["stats"]["outer_syncs"] == 2
+        for name, value in weights["local"].items():
+            torch.testing.assert_close(value, ref["local"][rank["site"]][name], rtol=0, atol=1e-6)
+        for name, value in weights["global"].items():
+            torch.testing.assert_close(value, ref["global"][name], rtol=0, atol=1e-6)
+    # without error feedback the second sync ends elsewhere: the comparison above sees the residuals
+    without = run_reference(_model(), sites=2, steps=TOPK_STEPS, batch=_one_rank_batch,
+                            loss_fn=torch.nn.functional.mse_loss,
+                            compress=TopKByHand(TOPK_CONFIG["compression"], site_size=1, feedback=False),
+                            inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **config)
+    assert max((without["global"][n] - ref["global"][n]).abs().max() for n in ref["global"]) > 1e-4
 
 
 def test_wan_metrics_reach_the_logger_on_merge_steps_only(runs):
