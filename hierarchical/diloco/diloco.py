@@ -314,9 +314,9 @@ class DiLoCo:
         self._wait(self._in_flight)
 
     def state_dict(self) -> dict:
-        """The outer state, identical on every rank of the topology (store it once): the inner step count, the
-        float32 global parameters, the outer optimizers' state, and a sync in flight (its averaged result and
-        the step it merges at). With a top-k codec also this rank's own error-feedback residuals, under
+        """The outer state: the inner step count, the float32 global parameters, the outer optimizers' state, and
+        a sync in flight (its averaged result and the step it merges at), identical on every rank of the topology;
+        with a top-k codec also this rank's own error-feedback residuals, under
         ``"residual"`` -> ``"rank_<global rank>"``: a key no other rank holds, so a distributed checkpoint stores
         every rank's (resume with the same ranks). Collective: every rank calls it (a sync in flight is waited
         for, not merged). The tensors are the live ones, so a checkpoint loader may fill them in place."""

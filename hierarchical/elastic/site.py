@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from multidc.hierarchical import _env
+from multidc.hierarchical._error_feedback import refuse_sparse_per_step
 from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.elastic._patches import wrap_quorum_client
@@ -399,6 +400,7 @@ class ElasticSite:
         its first step, so bucket layouts would differ between sites.
         """
         assert self.topology is not None, "start_step() first"
+        refuse_sparse_per_step(self.wan.compression, "ElasticSite.sync_gradients (elastic per-step sync)")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             return

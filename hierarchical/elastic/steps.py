@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from multidc.hierarchical._error_feedback import refuse_sparse_per_step
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.cross_site import CrossSite
 from multidc.hierarchical.elastic.shards import load_module_state, load_optimizer_state, module_state, optimizer_state
@@ -176,6 +177,8 @@ class ElasticSync(CrossSite):
 
             check_elastic_config(diloco)
         self.wan = wan if wan is not None else WanConfig()
+        if diloco is None:
+            refuse_sparse_per_step(self.wan.compression, "elastic per-step sync")
         self.diloco_config, self.site_options = diloco, site_options
         self.sites_differ = diloco is not None
         self.quorum_per_step = diloco is None

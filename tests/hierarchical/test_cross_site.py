@@ -57,3 +57,10 @@ def test_elastic_diloco_settings_it_cannot_run_fail_when_the_sync_is_built():
 def test_an_elastic_point_before_attach_says_to_attach_first():
     with pytest.raises(RuntimeError, match="attach it first"):
         cross_site_sync(elastic=True).before_step()
+
+
+def test_an_elastic_per_step_sync_refuses_the_top_k_codec_when_built():
+    # per step it would drop ~98% of every gradient with no error feedback; top-k is for DiLoCo's outer syncs
+    with pytest.raises(ValueError, match="elastic per-step sync.*not per-step gradients"):
+        cross_site_sync(wan=WanConfig(compression="topk"), elastic=True)
+    cross_site_sync(wan=WanConfig(compression="topk"), elastic=True, diloco=CONFIG)  # DiLoCo's syncs: allowed
