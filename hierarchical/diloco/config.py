@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from multidc.hierarchical import _env
 from multidc.hierarchical.config import compression_name, positive_number
+from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
 
 
 @dataclass(kw_only=True)
@@ -200,3 +201,24 @@ def refuse_loss_scaling(scaler, *, mode: str = "DiLoCo") -> None:
             f"{mode} with fp16 loss scaling (precision '16-mixed' / mixed_precision 'fp16'): "
             f"{_LOSS_SCALING_HARM[mode]}. Use bf16 mixed precision (no scaler) or full precision."
         )
+
+
+def agree_model(model, topology, config: DiLoCoConfig | None, blocks) -> tuple[list, DiLoCoConfig, list[bool]]:
+    """Collective over ``topology.group``: this rank's fragments of ``model`` and the settings, after every rank
+    compared theirs (the same ValueError everywhere), and per fragment whether the ranks' parameters differ: decided
+    from the gathered digests, so alike everywhere. With one site there is nothing to copy and nothing is hashed."""
+    split, error, sizes, digests = None, None, None, None
+    try:
+        config = config_or_default(config)
+        split = split_fragments(model, config.fragments, blocks)
+        sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
+        digests = [digest(params) if topology.num_sites > 1 else "" for params in split]
+    except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    claims = agree(error, config, (sizes, digests), group=topology.group, where=" of the sites' group")
+    if any(c[2][0] != claims[0][2][0] for c in claims):
+        seen = {rank: c[2][0] for rank, c in enumerate(claims)}
+        raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "
+                         f"every site must train the same model with the same layout.")
+    apart = [len({c[2][1][i] for c in claims}) > 1 for i in range(len(split))]
+    return split, config, apart

@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from multidc.hierarchical.all_reduce import all_reduce, residual_numel
+from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.diloco.config import DiLoCoConfig, agree, config_or_default
-from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
+from multidc.hierarchical.diloco import error_feedback
+from multidc.hierarchical.diloco.config import DiLoCoConfig, agree_model
+from multidc.hierarchical.diloco.fragments import local_tensor
+from multidc.hierarchical.diloco.outer import init_state, is_state_init_step, load_outer_state, outer_state
 from multidc.hierarchical.topology import FailFast, Topology
 
 
@@ -126,7 +127,7 @@ class DiLoCo:
                 f"apart. Use a Topology from Topology.build, or ElasticDiLoCo for elastic sites."
             )
         self.topology = topology
-        split, self.config, apart = _agree(model, topology, config, blocks)
+        split, self.config, apart = agree_model(model, topology, config, blocks)
         base = wan if wan is not None else topology.wan
         self.wan = dataclasses.replace(base, compression=self.config.compression)
         self.stats = DiLoCoStats()
@@ -157,11 +158,11 @@ class DiLoCo:
             for t, view in zip(local, views):
                 t.copy_(view)
         outer = make_outer(views)
-        _init_state(outer, views)
+        init_state(outer, views)
         return _Fragment(local, flat, views, outer, offset)
 
     def _after_inner_step(self, optimizer, _args, _kwargs) -> None:
-        if not _state_init_step(optimizer):
+        if not is_state_init_step(optimizer):
             self._hook_stepping = True
             try:
                 self.step()
@@ -222,29 +223,9 @@ class DiLoCo:
             view.sub_(local)  # global - local, in float32
         before = self._wan_bytes()
         topology, wan = self._sync_target()
-        residual = self._residual(fragment, topology, wan)
+        residual = error_feedback.residual(fragment, topology, wan)
         future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
-
-    def _residual(self, fragment: _Fragment, topology: Topology, wan: WanConfig) -> torch.Tensor | None:
-        """The fragment's error-feedback buffer for a sync over ``topology``, or None when the codec needs none;
-        zero when new."""
-        if not wan.compression.startswith("topk"):
-            return None
-        numel = residual_numel(fragment.global_flat.numel(), fragment.global_flat.element_size(), topology, wan)
-        if fragment.residual is None or fragment.residual.numel() != numel:
-            fragment.residual = fragment.global_flat.new_zeros(numel)
-        return fragment.residual
-
-    def _load_residual(self, fragment: _Fragment, saved: torch.Tensor | None) -> None:
-        """This rank's saved residual, else zero (the run the live one belonged to is replaced)."""
-        if saved is not None:
-            live = self._residual(fragment, *self._sync_target())
-            if live is not None and live.numel() == saved.numel():
-                live.copy_(saved)
-                return
-        if fragment.residual is not None:
-            fragment.residual.zero_()
 
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         """The topology and WAN settings the syncs run over."""
@@ -316,10 +297,11 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """The outer state: the inner step count, the float32 global parameters, the outer optimizers' state, and
         a sync in flight (its averaged result and the step it merges at), identical on every rank of the topology;
-        with a top-k codec also this rank's own error-feedback residuals, under
+        with a top-k codec also this rank's own error-feedback residuals and the chunk plan they follow, under
         ``"residual"`` -> ``"rank_<global rank>"``: a key no other rank holds, so a distributed checkpoint stores
-        every rank's (resume with the same ranks). Collective: every rank calls it (a sync in flight is waited
-        for, not merged). The tensors are the live ones, so a checkpoint loader may fill them in place."""
+        every rank's (resume with the same ranks and ``WanConfig.chunk_mb`` to keep them). Collective: every rank
+        calls it (a sync in flight is waited for, not merged). The tensors are the live ones, so a checkpoint loader
+        may fill them in place."""
         self._settle()
         flight = self._in_flight
         pending = torch.zeros(self._largest)
@@ -333,23 +315,21 @@ class DiLoCo:
             "in_flight_merge_at": torch.tensor(-1 if flight is None else flight.merge_at),
             "in_flight_delta": pending,
             "global": {f"fragment_{i}": f.global_flat for i, f in enumerate(self._fragments)},
-            "outer": {f"fragment_{i}": _outer_state(f.outer) for i, f in enumerate(self._fragments)},
+            "outer": {f"fragment_{i}": outer_state(f.outer) for i, f in enumerate(self._fragments)},
             **self._per_rank_state(),
         }
 
     def _per_rank_state(self) -> dict:
-        """This rank's residuals keyed by its global rank (see ``state_dict``); ``{}`` without a top-k codec."""
-        topology, wan = self._sync_target()
-        residuals = [self._residual(f, topology, wan) for f in self._fragments]
-        if residuals[0] is None:
-            return {}
-        return {"residual": {f"rank_{dist.get_rank()}": {f"fragment_{i}": r for i, r in enumerate(residuals)}}}
+        """This rank's residuals keyed by its global rank (``error_feedback.state``); ``{}`` without a top-k codec."""
+        state = error_feedback.state(self._fragments, *self._sync_target())
+        return {"residual": state} if state else {}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output (also one filled in place by a checkpoint loader). Every rank.
         The model's own (per-site) parameters are restored by whoever saved them; this restores the outer side.
-        Residuals missing from ``state`` (none saved for this rank) restart at zero."""
+        Residuals missing from ``state`` (none saved for this rank) or taken under another chunk plan (another
+        ``chunk_mb``, site size or rank layout) restart at zero, logged as a warning on the rank."""
         saved = (int(state["sync_every"]), int(state["fragments"]))
         if saved != (self.config.sync_every, self.config.fragments):
             raise ValueError(
@@ -358,12 +338,11 @@ class DiLoCo:
                 f"DiLoCoConfig (or MULTIDC_DILOCO_*)."
             )
         self._settle()
-        mine = state.get("residual", {}).get(f"rank_{dist.get_rank()}", {})
         self.stats.inner_steps = int(state["inner_steps"])
         for i, fragment in enumerate(self._fragments):
             fragment.global_flat.copy_(state["global"][f"fragment_{i}"])
-            _load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
-            self._load_residual(fragment, mine.get(f"fragment_{i}"))
+            load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
+        self._load_residuals(state.get("residual", {}))
         self._in_flight = None
         index = int(state["in_flight_fragment"])
         if index >= 0:
@@ -371,6 +350,10 @@ class DiLoCo:
             # the loaded buffer is on the CPU; the merge assigns it as the grad of the (maybe CUDA) global copy
             delta = state["in_flight_delta"][:numel].to(self._fragments[index].global_flat.device, copy=True)
             self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
+
+    def _load_residuals(self, saved: dict) -> None:
+        """This rank's saved residuals when taken under this run's layout, else zero (``error_feedback.load``)."""
+        error_feedback.load(self._fragments, saved, *self._sync_target())
 
     def close(self) -> None:
         """Wait for a sync in flight and stop stepping with the inner optimizer. Every rank."""
@@ -382,62 +365,5 @@ class DiLoCo:
                 self._hook = None
 
 
-def _state_init_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this step is torch's optimizer-state initialization, not training: ``torch.distributed.checkpoint``
-    (``get_/set_optimizer_state_dict``, so every checkpoint load) steps an optimizer without state once, with every
-    lr set to 0 and every gradient zero. Such a step must not count as an inner step (nor start a sync)."""
-    groups = optimizer.param_groups
-    if any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
-        return False  # a training step: the cheap test decides almost always
-    return all(p.grad is None or not p.grad.any() for group in groups for p in group["params"])
-
-
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-def _init_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _outer_state(optimizer: torch.optim.Optimizer) -> dict:
-    # String keys and tensors only: a distributed checkpoint stores it as plain tensors, loadable in place.
-    return {
-        str(i): {name: value if torch.is_tensor(value) else torch.tensor(value) for name, value in entry.items()}
-        for i, entry in optimizer.state_dict()["state"].items()
-    }
-
-
-def _load_outer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    state = optimizer.state_dict()
-    state["state"] = {int(i): {name: value.clone() for name, value in entry.items()} for i, entry in saved.items()}
-    optimizer.load_state_dict(state)
-
-
-def _agree(model, topology, config, blocks) -> tuple[list, DiLoCoConfig, list[bool]]:
-    """This rank's fragments and settings, after every rank compared theirs (the same ValueError everywhere), and
-    per fragment whether the ranks' parameters differ: decided from the gathered digests, so alike everywhere.
-    With one site there is nothing to copy and nothing is hashed."""
-    split, error, sizes, digests = None, None, None, None
-    try:
-        config = config_or_default(config)
-        split = split_fragments(model, config.fragments, blocks)
-        sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
-        digests = [digest(params) if topology.num_sites > 1 else "" for params in split]
-    except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
-        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    claims = agree(error, config, (sizes, digests), group=topology.group, where=" of the sites' group")
-    if any(c[2][0] != claims[0][2][0] for c in claims):
-        seen = {rank: c[2][0] for rank, c in enumerate(claims)}
-        raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "
-                         f"every site must train the same model with the same layout.")
-    apart = [len({c[2][1][i] for c in claims}) > 1 for i in range(len(split))]
-    return split, config, apart

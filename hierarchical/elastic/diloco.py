@@ -256,6 +256,12 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         # One site saves the job's checkpoints and a healing site must not take its source's residuals: none kept
         return {}
 
+    def _load_residuals(self, saved: dict) -> None:
+        # the state of another site or of a checkpoint holds none: a healing site's residuals restart at zero
+        for fragment in self._fragments:
+            if fragment.residual is not None:
+                fragment.residual.zero_()
+
     def _restore_residual(self, index: int) -> None:
         """A discarded round's fragment: its residual as before the round (zero if it had none)."""
         residual, before = self._fragments[index].residual, self._residual_before

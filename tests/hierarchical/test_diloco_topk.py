@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(600)
 CODEC = "topk"  # density 1/64, 2 bits, chunks of 256: 4 values of each 256 cross the WAN per sync
 LAYOUTS = {"2x1": [0, 1], "3x1": [0, 1, 2], "2x2": [0, 0, 1, 1]}
 CONFIGS = {"plain": ({"sync_every": 4}, 12), "streaming": ({"sync_every": 4, "fragments": 2, "overlap_steps": 1}, 10)}
-RESUME = {"layout": LAYOUTS["2x2"], "config": CONFIGS["streaming"][0], "steps": 11}  # saved at 6: a sync in flight
+RESUME = {"layout": LAYOUTS["2x2"], "config": CONFIGS["streaming"][0], "steps": 11, "save_at": 6}  # a sync in flight
 
 
 def _train_cases(layout: str) -> dict:
@@ -60,7 +60,7 @@ def saved_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(saved_dir):
     cases = _train_cases("2x2")
-    cases["unbroken"] = (_train, ({**RESUME, "save_at": 6, "ckpt": saved_dir},))
+    cases["unbroken"] = (_train, ({**RESUME, "ckpt": saved_dir},))
     return run_cases(cases, 4, timeout=540)
 
 
@@ -75,6 +75,10 @@ def _train(rank: int, world: int, case: dict) -> dict:
     if case.get("resume_from"):
         with Checkpointer(case["resume_from"]) as ckpt:
             ckpt.load(_ckpt_state(topo, ddp, opt, diloco))
+        if case.get("stop_after_load"):
+            residuals = [fragment.residual.clone() for fragment in diloco._fragments]
+            diloco.close()
+            return {"residuals": residuals, "inner_steps": diloco.stats.inner_steps}
     for t in range(diloco.stats.inner_steps + 1, case["steps"] + 1):
         x, y = _rows(topo.site, topo.local_rank_in_site, t)
         opt.zero_grad()
@@ -156,6 +160,15 @@ def test_resume_mid_sync_restores_every_ranks_residuals_and_equals_the_unbroken_
         for x, y in zip(a["residuals"], b["residuals"]):
             assert torch.equal(x, y)
     assert len({r["residuals"][0].sum().item() for r in unbroken}) == 4, "each rank keeps its own residual"
+
+
+def test_residuals_taken_under_another_chunk_plan_restart_at_zero(four_ranks, saved_dir):
+    # saved under the default chunk_mb: with another, slot j of a residual may belong to another parameter
+    env = {rank: {"MULTIDC_WAN_CHUNK_MB": "0.0001"} for rank in range(4)}  # ~100-byte chunks: another slot count
+    resumed = run_ranks(_train, 4, {**RESUME, "resume_from": saved_dir, "stop_after_load": True}, env=env)
+    assert [r["inner_steps"] for r in resumed] == [RESUME["save_at"]] * 4
+    for r in resumed:
+        assert r["residuals"] and all(not residual.any() for residual in r["residuals"])
 
 
 def _per_step_hook(rank: int, world: int) -> str:
