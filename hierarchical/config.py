@@ -28,8 +28,9 @@ class WanConfig:
     compression: str | None = None
     """Codec for the WAN hop only: ``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"int4"`` (the scaled ones
     carry one scale per shard of each chunk, so fp16 does not overflow above 65504; bounds in ``compression.py``;
-    int4 is meant for DiLoCo's pseudo-gradients), or the sparse ``"topk"`` / ``"topk:DENSITY[:BITS[:CHUNK]]"``,
-    which only DiLoCo's outer syncs use (they keep its error feedback; the per-step hooks refuse it).
+    int4 is meant for DiLoCo's pseudo-gradients), or the sparse ``"topk"`` / ``"topk:DENSITY[:BITS[:CHUNK]]"``
+    for ``all_reduce(..., residual=)`` called directly (the caller keeps the error feedback); DiLoCo takes its
+    codec from ``DiLoCoConfig.compression`` instead, and the per-step hooks refuse top-k.
     Env ``MULTIDC_WAN_COMPRESSION``; default ``"none"``. Intra-site traffic always stays at the input precision."""
 
     chunk_mb: float | None = None
