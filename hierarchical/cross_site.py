@@ -62,8 +62,9 @@ class CrossSite:
     topology = None
     """The job's ``Topology`` once built or attached; None in an elastic job (its quorum decides each step's sites)."""
 
-    hook_states: list = []
-    """One ``HierarchicalHookState`` per DDP model whose buckets cross the WAN."""
+    hook_states: Sequence = ()
+    """One ``HierarchicalHookState`` per DDP model whose buckets cross the WAN (none: an immutable default, so no
+    two syncs ever share one list)."""
 
     quorum_per_step = False
     """Whether ``before_step`` joins a quorum every step (a site may receive the live state there, so gradients
