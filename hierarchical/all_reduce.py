@@ -8,6 +8,7 @@ and chunk ``i-1`` is gathered; up to ``WanConfig.streams`` WAN transfers are in 
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,8 +19,8 @@ from multidc.hierarchical import _compat
 from multidc.hierarchical.chunking import Chunk, plan_chunks
 from multidc.hierarchical.compression import get_codec
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.errors import WanError, _site_message, _wan_message
-from multidc.hierarchical.topology import Topology
+from multidc.hierarchical.errors import WanError, _site_message, _wan_message, wan_failure
+from multidc.hierarchical.topology import FailFast, Topology
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("sum", "avg")
@@ -34,6 +35,7 @@ def all_reduce(
     async_op: bool = False,
     replicated: bool = False,
     residual: torch.Tensor | None = None,
+    weight: float | None = None,
 ) -> torch.futures.Future | None:
     """Sum (or average) ``tensor`` over every rank of ``topology``, in place. Every rank must call it.
 
@@ -54,18 +56,31 @@ def all_reduce(
         residual: error feedback for a lossy codec: a float32 buffer of ``residual_numel`` elements, this rank's
             own; added to what this rank encodes, then set to what the codec dropped from it. Unchanged by a
             chunk whose WAN transfer failed (elastic sites) and when nothing crosses the WAN.
+        weight: with ``replicated`` and ``op="avg"``: this rank's part of its site's weight (a site weighs the sum
+            of its ranks' parts, e.g. the samples each trained): the result is the weighted mean
+            ``sum_s w_s * x_s / sum_s w_s`` over sites instead of the plain mean. The weights are exchanged first
+            (one all-reduce of ``num_sites`` values over the job); when every site weighs the same (or all zero)
+            the result is bitwise the plain mean. Each site's decoded values are multiplied by ``w_s / sum w`` in
+            float32, then summed in site order, so every rank still ends bitwise identical.
 
     Returns:
         ``None``, or the future when ``async_op``.
     """
+    if weight is not None and not (replicated and op == "avg"):
+        raise ValueError("all_reduce(weight=...) weighs sites' replicated values: pass replicated=True, op='avg'.")
+    if weight is not None and not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"all_reduce(weight={weight!r}): a site's weight must be a finite number >= 0.")
     wan = _check(tensor, topology, wan, op)
+    if weight is not None and not isinstance(topology.policy, FailFast):
+        raise ValueError("all_reduce(weight=...) needs a topology whose WAN failures raise (Topology.build); an "
+                         "elastic round's topology tolerates them, and its sites' weights are not exchanged yet.")
     if residual is not None:
         numel = residual_numel(tensor.numel(), tensor.element_size(), topology, wan)
         if residual.dtype != torch.float32 or residual.numel() != numel:
             raise ValueError(f"residual must be a float32 tensor of residual_numel(...) = {numel} elements, not "
                              f"{residual.dtype} x {residual.numel()}.")
     # The executor's own future: ``wait()`` raises the WanError itself (``submit`` wraps it for C++ callers).
-    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual, replicated))
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual, replicated, weight))
     if async_op:
         return future
     future.wait()
@@ -119,20 +134,36 @@ def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: 
     return wan
 
 
-def _all_reduce(tensor, topology, wan, op, residual, replicated=False):
+def _all_reduce(tensor, topology, wan, op, residual, replicated=False, weight=None):
     started = time.perf_counter()
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    weights = _site_weights(topology, wan, weight) if weight is not None and topology.num_sites > 1 else None
     if flat.numel():
         if topology.num_sites > 1:
-            _Pipeline(flat, topology, wan, residual, replicated=replicated).run()
+            _Pipeline(flat, topology, wan, residual, replicated=replicated, weights=weights).run()
         elif not replicated:
             dist.all_reduce(flat, group=topology.intra_group)
-        if op == "avg":
+        if op == "avg" and weights is None:
             flat.div_(topology.num_sites if replicated else topology.size)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     topology.wan_stats.add(calls=1, seconds=time.perf_counter() - started)
     return tensor
+
+
+def _site_weights(topology: Topology, wan: WanConfig, weight: float) -> torch.Tensor | None:
+    """Every site's share of the total weight (float32, site order), from every rank's part; None when the sites
+    weigh the same (or nothing): the plain mean, bitwise."""
+    parts = torch.zeros(topology.num_sites, dtype=torch.float64)
+    parts[topology.site] = weight
+    try:
+        dist.all_reduce(parts, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=wan.timeout_s))
+    except RuntimeError as exc:
+        raise wan_failure(topology, "exchanging the sites' weights", wan.timeout_s, exc) from exc
+    total = float(parts.sum())
+    if total <= 0 or bool((parts == parts[0]).all()):
+        return None
+    return (parts / total).float()
 
 
 @dataclass
@@ -164,9 +195,11 @@ class _Pipeline:
         residual: torch.Tensor | None,
         *,
         replicated: bool = False,
+        weights: torch.Tensor | None = None,
     ):
         self.flat = flat
         self.replicated = replicated  # the site's ranks hold equal values: no reduction inside the site
+        self.weights = weights  # per site (row), summing to 1: a weighted mean (replicated only)
         self.topo = topology
         self.codec = get_codec(wan.compression)
         self.streams = wan.streams
@@ -224,6 +257,8 @@ class _Pipeline:
         shard = state.shard
         group = self.topo.rail_groups[i % self.streams]
         if self.codec is None:
+            if self.weights is not None:  # w_s * x_s summed over sites (the shard is this rank's own copy)
+                shard.mul_(self.weights[self.own_row].to(shard.dtype))
             state.wan = dist.all_reduce(shard, group=group, async_op=True)
             ring = shard.numel() * shard.element_size() * 2 * (self.topo.num_sites - 1) // self.topo.num_sites
             self.topo.wan_stats.add(sent=ring, received=ring)
@@ -254,7 +289,7 @@ class _Pipeline:
                 residual = torch.sub(values, own, out=self._residual_slice(i))
                 # An overflowed step (skipped by a GradScaler) must not poison every later step's residual.
                 residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            state.shard.copy_(self.codec.decode_sum(gathered, chunk.shard_numel))
+            state.shard.copy_(self.codec.decode_sum(gathered, chunk.shard_numel, self.weights))
         state.works = self._gather_in_site(state)
 
     def _reduce_in_site(self, i: int) -> None:

@@ -31,11 +31,17 @@ class Codec:
         site's row of the all-gather has the same size without a size exchange."""
         raise NotImplementedError
 
-    def decode_sum(self, gathered: torch.Tensor, numel: int) -> torch.Tensor:
-        """Sum of the decoded rows of ``gathered`` (one row per site), added in row order in float32."""
-        total = self.decode(gathered[0], numel).clone()
-        for row in gathered[1:]:
-            total.add_(self.decode(row, numel))
+    def decode_sum(self, gathered: torch.Tensor, numel: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the decoded rows of ``gathered`` (one row per site), added in row order in float32; with
+        ``weights`` (float32, one per row) each decoded row is first multiplied by its weight (two roundings, no
+        fused multiply-add: the same bits on every device)."""
+        def weighted(i: int) -> torch.Tensor:
+            decoded = self.decode(gathered[i], numel)
+            return decoded if weights is None else decoded.mul(weights[i])
+
+        total = weighted(0).clone()
+        for i in range(1, len(gathered)):
+            total.add_(weighted(i))
         return total
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -245,10 +246,10 @@ def _topk_sites(rank, world):
     return y, residual, sent, replicated
 
 
-def _topk_reference(per_site: list[torch.Tensor], rails: int):
+def _topk_reference(per_site: list[torch.Tensor], rails: int, compression: str = "topk", weights=None):
     """The result, each rail's residual per site and the bytes each rank sends, with the codec applied by hand to
-    each site's shard of each chunk, decoded and summed in site order."""
-    codec, wan = get_codec("topk"), _topk_wan()
+    each site's shard of each chunk, decoded (times the site's weight) and summed in site order."""
+    codec, wan = get_codec(compression), _topk_wan()
     result, residuals, sent = [], [[[] for _ in range(rails)] for _ in per_site], 0
     for chunk in plan_chunks(TOPK_NUMEL, 4, wan.chunk_mb, rails):
         shards = [
@@ -260,7 +261,7 @@ def _topk_reference(per_site: list[torch.Tensor], rails: int):
         summed = []
         for rail in range(rails):
             rows = torch.stack([codec.encode(site_shards[rail]) for site_shards in shards])
-            summed.append(codec.decode_sum(rows, chunk.shard_numel))
+            summed.append(codec.decode_sum(rows, chunk.shard_numel, weights))
             for site, site_shards in enumerate(shards):
                 residuals[site][rail].append(site_shards[rail] - codec.decode(rows[site], chunk.shard_numel))
         result.append(torch.cat(summed)[: chunk.numel])
@@ -283,6 +284,57 @@ def test_topk_codec_end_to_end_equals_the_codec_applied_by_hand_on_every_rank(fo
     assert 8 * sent < 0.3 * TOPK_NUMEL / 2 * 1.05  # each rank sends under 0.3 bit per element of its half
 
 
+WEIGHTED_LAYOUTS = ["3+1", "2x2", "4x1"]
+
+
+def _weighted(rank, world, sites):
+    """Replicated values averaged with per-site weights: each rank's part is rank + 1 (a site weighs their sum)."""
+    topo = Topology.build(site=sites[rank])
+    per_site = [_inputs(100 + s, TOPK_NUMEL, torch.float32) for s in range(topo.num_sites)]
+    out = {}
+    for compression in ("none", "int8", "topk"):
+        wan = dataclasses.replace(_topk_wan(), compression=compression)
+        y, same, plain = (per_site[topo.site].clone() for _ in range(3))
+        all_reduce(y, topo, wan=wan, op="avg", replicated=True, weight=float(rank + 1))
+        # sites weighing the same: bitwise the plain mean
+        all_reduce(same, topo, wan=wan, op="avg", replicated=True, weight=6.0 / sites.count(topo.site))
+        all_reduce(plain, topo, wan=wan, op="avg", replicated=True)
+        out[compression] = (y, torch.equal(same, plain), _digest(y))
+    return out
+
+
+@pytest.mark.parametrize("layout", WEIGHTED_LAYOUTS)
+def test_weighted_replicated_mean_weighs_each_site_by_the_sum_of_its_ranks_parts(four_ranks, layout):
+    sites = LAYOUTS[layout]
+    results = four_ranks[f"weighted {layout}"]
+    totals = torch.tensor([sum(r + 1.0 for r in range(4) if sites[r] == s) for s in range(max(sites) + 1)],
+                          dtype=torch.float64)
+    weights = (totals / totals.sum()).float()
+    per_site = [_inputs(100 + s, TOPK_NUMEL, torch.float32) for s in range(len(totals))]
+    exact = sum(w.double() * x.double() for w, x in zip(weights, per_site))
+    magnitude = sum(w.double() * x.double().abs() for w, x in zip(weights, per_site))
+    rails = min(sites.count(s) for s in set(sites))
+    for compression in ("none", "int8", "topk"):
+        for rank, (y, same_is_plain, _) in enumerate(r[compression] for r in results):
+            assert same_is_plain, f"{layout} {compression} rank {rank}: equal weights differ from the plain mean"
+            if compression == "none":  # float32 products, summed in gloo's ring order: rounding only
+                assert ((y.double() - exact).abs() <= 4 * torch.finfo(torch.float32).eps * magnitude).all()
+            else:  # decoded, weighted and summed in site order: the codec applied by hand, bitwise
+                expected, _, _ = _topk_reference(per_site, rails, compression, weights)
+                assert torch.equal(y, expected), f"{layout} {compression} rank {rank}: differs from by hand"
+        assert len({r[compression][2] for r in results}) == 1, f"{layout} {compression}: ranks differ"
+    plain = sum(x.double() for x in per_site) / len(per_site)
+    assert (exact - plain).abs().max() > 1e-2, "the weights must change the result"
+
+
+def test_weight_needs_a_replicated_mean_and_a_finite_non_negative_value():
+    topo = None  # refused before the topology is looked at
+    with pytest.raises(ValueError, match="replicated=True, op='avg'"):
+        all_reduce(torch.ones(3), topo, op="sum", replicated=True, weight=1.0)
+    with pytest.raises(ValueError, match=r"weight=-1.0\): a site's weight must be a finite number >= 0"):
+        all_reduce(torch.ones(3), topo, op="avg", replicated=True, weight=-1.0)
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
     """Every case of this module on one set of 4 spawned gloo ranks; ``four_ranks[case]``: per-rank results.
@@ -294,5 +346,6 @@ def four_ranks():
     cases |= {"async": (_async_and_views, ()), "named": (_named_sites, ())}
     cases |= {f"int8 {name}": (_int8_residual, (sites,)) for name, sites in INT8_SITES.items()}
     cases |= {"topk 2x2": (_topk_sites, ())}
+    cases |= {f"weighted {name}": (_weighted, (LAYOUTS[name],)) for name in WEIGHTED_LAYOUTS}
     cases |= {f"bad layout {i}": (_layout_error, (kwargs, env)) for i, (kwargs, env, _) in enumerate(BAD_LAYOUTS)}
     return run_cases(cases, 4, timeout=540)
