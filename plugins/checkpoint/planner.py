@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWrite
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
-# A DiLoCo top-k error-feedback residual, as ``DiLoCo.state_dict`` names it (``"residual"`` -> ``"rank_<global
-# rank>"`` -> ``"fragment_<i>"``), anywhere under a checkpoint's ``"diloco"`` entry (per shard under a layout).
-_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?residual\.rank_\d+\.fragment_\d+$")
+# A DiLoCo top-k error-feedback residual (or anything else of one rank's residual state), as ``DiLoCo.state_dict``
+# names it (``"residual"`` -> ``"rank_<global rank>"`` -> ...), anywhere under a checkpoint's ``"diloco"`` entry
+# (per shard under a layout).
+_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?residual\.rank_\d+\.")
 
 
 class StripedSavePlanner(DefaultSavePlanner):
@@ -149,7 +150,8 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor values go through ``torch.load(weights_only=True)``.
 
     With ``trusted=True`` (a store you fully control, e.g. Lightning's ``weights_only=False``) values are
-    unpickled without restriction.
+    unpickled without restriction. As strict as ``allow_partial_load`` says, but for DiLoCo top-k residuals: those
+    this rank wants and the checkpoint lacks (or holds in another size) restart at zero, logged.
     """
 
     def __init__(self, *, trusted: bool = False, **kwargs) -> None:
