@@ -2,8 +2,10 @@
 the result equals tests/diloco_reference.py's single-process computation (fragments, overlap, gradient
 accumulation), ``wan_metrics()`` reports bytes on merge steps only, and ``save_state`` with a sync in flight then
 ``load_state`` ends bitwise where the unbroken run ends; the same with a layout (sites2 x dp_shard2: FSDP2 inside
-each site, each rank syncing its own shard); ``clip_grad_norm_`` takes each site's own norm. Plus the
-plugin's validation, in process."""
+each site, each rank syncing its own shard); ``clip_grad_norm_`` takes each site's own norm. In the same
+processes, both again with the top-k codec (against the codec applied by hand per rank / per shard, residuals
+included, and resumed), and ``load_state`` across codecs (none -> topk: residuals from zero; topk -> int8). Plus
+the plugin's validation, in process."""
 
 from __future__ import annotations
 
