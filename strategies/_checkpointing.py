@@ -136,8 +136,9 @@ class LightningCheckpoints:
         """Save a Lightning checkpoint dict whose ``state_dict`` / ``optimizer_states`` came from
         :func:`model_state_dict` / :func:`optimizer_state_dict`, as checkpoint ``global_step`` under ``path``.
         With ``site`` (DiLoCo: sites differ between syncs) the model and optimizer states go under this site's key
-        (``site_<k>``), and the state of ``diloco`` (a ``multidc.hierarchical.DiLoCo``), the same everywhere,
-        under ``"diloco"``."""
+        (``site_<k>``), and the state of ``diloco`` (a ``multidc.hierarchical.DiLoCo``, or its ``DiLoCoShardState``
+        under a layout) under ``"diloco"``: the outer state, the same on every site, and with a top-k codec each
+        rank's own error-feedback residuals, keyed by its global rank (see docs/guides/diloco.md#checkpoints)."""
         self.wait()
         root = self._agree(path, "save")
         step = int(checkpoint.get("global_step") or 0)
@@ -166,7 +167,9 @@ class LightningCheckpoints:
 
         ``path``: a Lightning checkpoint path (its newest committed step), a step folder, or its ``COMMIT.json``.
         ``site`` / ``diloco``: read this site's model and optimizer states and restore the DiLoCo state (see
-        ``save``); a checkpoint without this site's key raises a ``ValueError`` naming the sites it holds.
+        ``save``); a checkpoint without this site's key raises a ``ValueError`` naming the sites it holds. Top-k
+        residuals the checkpoint lacks for this rank (saved without top-k, or by other ranks) restart at zero,
+        logged (``multidc.plugins.checkpoint.planner.SafeLoadPlanner``); every other key loads strictly.
         """
         self.wait()
         root, which = locate(self._agree(path, "load"))

@@ -29,9 +29,11 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
 
     Checkpoints (multidc's sharded, committed ones; see ``HierarchicalDDPStrategy``) hold each site's model and
     optimizer states under ``site_<k>`` and the DiLoCo state (float32 global parameters, outer momentum, the
-    step count and a sync in flight) once: resuming continues as an unbroken run would, and resuming with sites
-    the checkpoint lacks raises a ``ValueError`` naming them. ``trainer.validate`` / ``test`` evaluate this
-    site's parameters; ``strategy.diloco.global_parameters()`` swaps in the global ones (while fitting).
+    step count and a sync in flight) once, and with ``compression="topk"`` every rank's own residuals: resuming
+    with the same ranks continues as an unbroken run would, and resuming with sites the checkpoint lacks raises a
+    ``ValueError`` naming them (residuals missing for a rank restart at zero: docs/guides/diloco.md#checkpoints).
+    ``trainer.validate`` / ``test`` evaluate this site's parameters; ``strategy.diloco.global_parameters()`` swaps
+    in the global ones (while fitting).
 
     ``elastic=True`` (env ``MULTIDC_ELASTIC=1``; see ``HierarchicalDDPStrategy``): each site is its own job and
     each outer sync has its own quorum of the sites present (``multidc.hierarchical.elastic.ElasticDiLoCo``); a

@@ -108,7 +108,8 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
             ``configure_optimizers`` must then return one optimizer (DiLoCo's inner one); ``wan_metrics()`` are
             DiLoCo's (``wan/bytes_sent``, ``wan/outer_syncs``, ``wan/exposed_s``); checkpoints hold each site's
             model and optimizer states under ``site_<k>`` and the DiLoCo state per shard (resume with the same
-            layout); ``strategy.diloco.global_parameters()`` swaps in the sites' consensus while fitting.
+            layout; with ``compression="topk"`` each rank's residuals for its shard too, under its global rank);
+            ``strategy.diloco.global_parameters()`` swaps in the sites' consensus while fitting.
         diloco: ``DiLoCoConfig`` for ``cross_site="diloco"``; default ``DiLoCoConfig()`` from
             ``MULTIDC_DILOCO_*``, built here, so a missing ``sync_every`` fails at construction. ``wan`` carries
             the syncs (its ``compression`` replaced by ``diloco.compression``).

@@ -168,8 +168,9 @@ def _check_fragments(parallel: ParallelModel, fragments: int, blocks: list[nn.Mo
 class DiLoCoShardState:
     """The checkpoint entry for ``DiLoCo`` under a parallel layout (Stateful): its state under a key naming this
     rank's shard (pipeline stage, FSDP shard, tensor shard, with the layout's sizes), since ranks of different
-    shards hold different DiLoCo states while all ranks of one shard hold the same (stored once). Put it under
-    ``"diloco"`` next to ``{site_key(site): model and optimizer state}``; loading needs the same layout.
+    shards hold different DiLoCo states while all ranks of one shard hold the same outer state (stored once) and,
+    with a top-k codec, each its own residuals for its shard (under its global rank). Put it under ``"diloco"``
+    next to ``{site_key(site): model and optimizer state}``; loading needs the same layout.
     ``state_dict()`` / ``load_state_dict()`` are collective, as ``DiLoCo``'s."""
 
     def __init__(self, diloco: DiLoCo, mesh) -> None:

@@ -85,7 +85,9 @@ class StateMixin:
                    trusted: bool = False, **load_model_func_kwargs):
         """Load a training state into the prepared objects, resharding to this run's layout; every rank must call
         it. Through multidc: ``step=None`` picks the newest committed checkpoint under ``input_dir``; ``trusted``
-        lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control).
+        lifts ``torch.load(weights_only=True)`` for non-tensor values (only for stores you control). Under DiLoCo
+        with a top-k codec each rank resumes its own residuals (saved under its global rank); those the checkpoint
+        lacks for this rank (saved without top-k, or by other ranks) restart at zero, logged.
 
         Elastic mode: call it right after ``prepare``, before the site's first quorum (its first ``job_step``,
         training forward or ``zero_grad``), on one site or all: the job resumes at the checkpoint's step (that
@@ -182,7 +184,8 @@ class StateMixin:
         sync = self.gradient_sync
         sites = sync.checkpoint_sites()  # DiLoCo: each site's model differs between syncs
         state: dict = {site_key(sites["site"]): StatefulDict(models)} if sites else dict(models)
-        if sites.get("diloco") is not None:  # the same on every site (per shard of a layout)
+        if sites.get("diloco") is not None:  # the outer state, the same on every site (per shard of a layout), and
+            # with a top-k codec each rank's own residuals, under its global rank
             state["diloco"] = sites["diloco"]
         for index, scheduler in enumerate(self._schedulers):
             state[f"scheduler{index}"] = getattr(scheduler, "scheduler", scheduler)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
+import re
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -25,6 +28,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from multidc.plugins.checkpoint.state import SITE_PREFIX
+
+_log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
+# A DiLoCo top-k error-feedback residual (or anything else of one rank's residual state), as ``DiLoCo.state_dict``
+# names it (``"residual"`` -> ``"rank_<global rank>"`` -> ...), anywhere under a checkpoint's ``"diloco"`` entry
+# (per shard under a layout).
+_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?residual\.rank_\d+\.")
 
 
 class StripedSavePlanner(DefaultSavePlanner):
@@ -141,7 +150,8 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor values go through ``torch.load(weights_only=True)``.
 
     With ``trusted=True`` (a store you fully control, e.g. Lightning's ``weights_only=False``) values are
-    unpickled without restriction.
+    unpickled without restriction. As strict as ``allow_partial_load`` says, but for DiLoCo top-k residuals: those
+    this rank wants and the checkpoint lacks (or holds in another size) restart at zero, logged.
     """
 
     def __init__(self, *, trusted: bool = False, **kwargs) -> None:
@@ -150,7 +160,30 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 
     def create_local_plan(self):
         _check_sites(self.state_dict, self.metadata.state_dict_metadata, self.allow_partial_load)
+        self._restart_residuals()
         return super().create_local_plan()
+
+    def _restart_residuals(self) -> None:
+        """The one exception to a strict load: DiLoCo residuals this rank wants that the checkpoint lacks (saved
+        without a top-k codec, or by other ranks) or holds in another size (another layout or world size) are
+        dropped from the request, so ``DiLoCo.load_state_dict`` restarts them at zero; logged. Everything else
+        stays as strict as the caller asked."""
+        saved = self.metadata.state_dict_metadata
+        restart = [fqn for fqn, value in self.state_dict.items() if _RESIDUAL.match(fqn) and (
+            fqn not in saved or getattr(saved[fqn], "size", None) != getattr(value, "shape", None))]
+        for fqn in restart:
+            del self.state_dict[fqn]
+            if self.flatten_state_dict:  # and from what load_state_dict receives: there it reads "not saved"
+                *parents, leaf = self.mappings.pop(fqn)
+                container = self.original_state_dict
+                for key in parents:
+                    container = container[key]
+                del container[leaf]
+        if restart:
+            _log.warning(
+                "rank %s: %d DiLoCo error-feedback residual(s) are not in this checkpoint for this rank (saved without "
+                "a top-k codec, or by another layout or number of ranks): they restart at zero (%s).",
+                dist.get_rank() if dist.is_initialized() else 0, len(restart), ", ".join(restart[:4]))
 
 
 def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:

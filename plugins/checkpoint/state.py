@@ -98,7 +98,8 @@ def site_key(site: int) -> str:
     """The top-level checkpoint key of one site's own state (``site_<k>``).
 
     Under DiLoCo each site trains alone between syncs, so model and inner-optimizer states differ between sites
-    while the DiLoCo state (global parameters, outer optimizer) is the same everywhere. Put the per-site states
+    while the DiLoCo state (global parameters, outer optimizer) is the same everywhere (but for top-k residuals:
+    each rank's own, under its global rank). Put the per-site states
     under ``site_key(topology.site)`` and the DiLoCo state under ``"diloco"``: each site's copy is stored once
     (striped over that site's ranks), and a load reads its own site's key. Loading a checkpoint that has no key
     for this site raises a ``ValueError`` naming the sites it holds (see ``SafeLoadPlanner``).

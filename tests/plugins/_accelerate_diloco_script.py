@@ -9,6 +9,9 @@ single-process reference can replay it. ``--save-at S`` calls ``save_state(URL)`
 ``--resume`` loads it and trains on. Every rank writes DIR/rank{r}.pt: its parameters, the global ones (through
 ``accelerator.diloco.global_parameters()``), ``wan_metrics()`` per optimizer step, DiLoCo's stats and the WAN
 bytes its start (in ``prepare``) sent.
+``--more``: further runs in the same processes (other DiLoCo settings, checkpoints to save or resume from), each
+with a fresh ``MultiDCAccelerator`` on the same process group, writing DIR/<name>_rank{r}.pt (also this rank's
+parameters and top-k residuals after the load, and the residuals at the end).
 ``--layout`` adds plugin sizes (e.g. ``dp_shard=2``: FSDP2 inside each site): the model's blocks go into the
 layout, rank (site ``s``, data-parallel index ``l`` in the site) trains on the same rows. Every optimizer step
 ``accelerator.clip_grad_norm_`` (with a bound that never clips) reports the norm it clips by.
@@ -42,10 +45,23 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--layout", default=None)
+    parser.add_argument("--more", default="[]", help="more runs after the first, in the same processes (a fresh "
+                        "MultiDCAccelerator each): a JSON list of {name, config, ckpt, save_at, resume_from}; each "
+                        "writes DIR/<name>_rank{r}.pt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     layout = json.loads(args.layout) if args.layout else {}
-    plugin = MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(**json.loads(args.config)), **layout)
+    first = {"name": None, "config": json.loads(args.config), "ckpt": args.ckpt, "save_at": args.save_at,
+             "resume_from": args.ckpt if args.resume else None}
+    runs = [first, *json.loads(args.more)]
+    for index, spec in enumerate(runs):
+        run(spec, layout, args, last=index == len(runs) - 1)
+
+
+def run(spec: dict, layout: dict, args, *, last: bool) -> None:
+    """One training run of ``spec``; ``last``: ``end_training``, else the accelerator is closed and Accelerate's
+    singletons reset for the next run on the same process group."""
+    plugin = MultiDCPlugin(cross_site="diloco", diloco=DiLoCoConfig(**spec["config"]), **layout)
     accelerator = MultiDCAccelerator(multidc_plugin=plugin, gradient_accumulation_steps=args.accumulate)
     model = _model()
     blocks = {"blocks": list(model)} if layout else {}
@@ -54,9 +70,10 @@ def main() -> None:
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), **blocks)
     start_bytes = accelerator.topology.wan_stats.snapshot()["bytes_sent"]  # DiLoCo started in prepare
     first = 1
-    if args.resume:
-        accelerator.load_state(args.ckpt)
+    if spec["resume_from"]:
+        accelerator.load_state(spec["resume_from"])
         first = accelerator.diloco.stats.inner_steps + 1
+    start, start_residual = _full(accelerator.unwrap_model(model)), _residuals(accelerator.diloco)
     site, local = accelerator.topology.site, accelerator.topology.local_rank_in_site
     if layout:
         from multidc.hierarchical.parallel import data_parallel_coordinate
@@ -75,15 +92,32 @@ def main() -> None:
                 opt.zero_grad()
         assert accelerator.sync_gradients
         metrics.append(accelerator.wan_metrics())
-        if step == args.save_at:
-            accelerator.save_state(args.ckpt, step=step)
+        if step == spec["save_at"]:
+            accelerator.save_state(spec["ckpt"], step=step)
     net = accelerator.unwrap_model(model)
     with accelerator.diloco.global_parameters():
         glob = _full(net)
-    report = {"site": site, "local": _full(net), "global": glob, "metrics": metrics, "norms": norms,
-              "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first, "start_bytes": start_bytes}
-    torch.save(report, os.path.join(args.out, f"rank{accelerator.process_index}.pt"))
-    accelerator.end_training()
+    report = {"site": site, "rank_in_site": local, "local": _full(net), "global": glob, "metrics": metrics,
+              "norms": norms, "stats": dataclasses.asdict(accelerator.diloco.stats), "first": first,
+              "start_bytes": start_bytes, "start": start, "residual": _residuals(accelerator.diloco),
+              "start_residual": start_residual}
+    name = f"{spec['name']}_" if spec["name"] else ""
+    torch.save(report, os.path.join(args.out, f"{name}rank{accelerator.process_index}.pt"))
+    if last:
+        accelerator.end_training()
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    accelerator._close_checkpointers()
+    accelerator.gradient_sync.close()
+    AcceleratorState._reset_state(reset_partial_state=True)  # the next run: a fresh Accelerator, same group
+    GradientState._reset_state()
+
+
+def _residuals(diloco) -> dict[str, torch.Tensor]:
+    """This rank's top-k error-feedback residuals as its checkpoints hold them (``{}`` without top-k)."""
+    mine = diloco.state_dict().get("residual", {}).get(f"rank_{torch.distributed.get_rank()}", {})
+    return {name: value.clone() for name, value in mine.items()}
 
 
 def _full(net: torch.nn.Module) -> dict[str, torch.Tensor]:

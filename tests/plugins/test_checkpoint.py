@@ -499,6 +499,44 @@ def test_loading_into_a_different_model_fails_clearly(tmp_path):
         ckpt.load({"model": ModelState(other)})
 
 
+def _diloco_entry(**residuals) -> dict:
+    """A DiLoCo state's shape (``DiLoCo.state_dict``): global parameters, and per global rank its residuals."""
+    entry = {"global": {"fragment_0": torch.ones(6)}}
+    if residuals:
+        entry["residual"] = {rank: {"fragment_0": r} for rank, r in residuals.items()}
+    return {"diloco": {"pp0of1_dp_shard0of1_tp0of1": entry}, "site_0": {"w": torch.ones(3)}}
+
+
+def test_residuals_a_checkpoint_lacks_restart_at_zero_and_every_other_key_stays_strict(tmp_path, caplog):
+    """int8 -> topk (no residual saved), another world size (this rank's residual saved in another size), and
+    topk -> int8 (residuals saved, none wanted) all load; a missing key that is not a residual still fails."""
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(_diloco_entry(), step=0)
+    ckpt.save(_diloco_entry(rank_0=torch.full((8,), 2.0), rank_1=torch.full((8,), 3.0)), step=1)
+    for step, wanted in ((0, torch.full((8,), 5.0)), (1, torch.full((4,), 5.0))):
+        target = _diloco_entry(rank_0=wanted)
+        with caplog.at_level(logging.WARNING, logger="multidc.plugins.checkpoint"):
+            ckpt.load(target, step)
+        entry = target["diloco"]["pp0of1_dp_shard0of1_tp0of1"]
+        assert entry["residual"]["rank_0"] == {}, step  # DiLoCo.load_state_dict reads "not saved": zero
+        assert torch.equal(wanted, torch.full(wanted.shape, 5.0))  # the live buffer is not read into
+        assert "1 DiLoCo error-feedback residual(s) are not in this checkpoint" in caplog.text
+        caplog.clear()
+    target = _diloco_entry(rank_1=torch.zeros(8))  # the same size: loaded
+    ckpt.load(target, 1)
+    assert torch.equal(target["diloco"]["pp0of1_dp_shard0of1_tp0of1"]["residual"]["rank_1"]["fragment_0"],
+                       torch.full((8,), 3.0))
+    target = _diloco_entry()  # topk -> int8: the saved residuals are not wanted
+    ckpt.load(target, 1)
+    assert torch.equal(target["diloco"]["pp0of1_dp_shard0of1_tp0of1"]["global"]["fragment_0"], torch.ones(6))
+    for missing in ({"fragment_1": torch.zeros(2)}, {"rank_0": torch.zeros(8)}):  # not a residual: strict
+        target = _diloco_entry()
+        target["diloco"]["pp0of1_dp_shard0of1_tp0of1"]["global"].update(missing)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            ckpt.load(target, 0)
+    assert not caplog.text
+
+
 # ----------------------------------------------------------------------------- pure logic
 def test_stripe_plans_split_replicated_tensors_evenly_and_store_one_copy():
     state = {"big": torch.zeros(1000, 64), "small": torch.zeros(3), "odd": torch.zeros(3, 50), "n": 5}

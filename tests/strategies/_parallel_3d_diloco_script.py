@@ -2,9 +2,11 @@
 tests/strategies/test_parallel_3d_diloco.py:
 
     python tests/strategies/_parallel_3d_diloco_script.py --config '{"sync_every": 4}' --max-steps 11 \\
-        --steps-per-epoch 6 --root DIR --out DIR [--tp 2] [--ckpt-path PATH]
+        --steps-per-epoch 6 --root DIR --out DIR [--tp 2] [--ckpt-path PATH] [--fits JSON]
 
-4 ranks as 2 sites x tensor parallelism 2 (``configure_model`` applies it; FSDP2 and DiLoCo are the strategy's).
+4 ranks as 2 sites x tensor parallelism 2 (``configure_model`` applies it; FSDP2 and DiLoCo are the strategy's;
+``--tp 1``: sites2 x dp_shard2). ``--fits``: more fits in the same processes afterwards (other settings, layouts,
+checkpoints), each writing DIR/<name>_rank{r}.pt (weights and report, top-k residuals at the start and end).
 The data-parallel replica ``l`` of site ``s`` trains on ``test_parallel_3d_diloco.rows(s, l, k)`` at step ``k`` of
 each epoch (``steps_per_epoch`` steps, no sampler), so the single-process reference can replay it.
 ``ModelCheckpoint`` saves every ``steps_per_epoch`` steps (at an epoch's end, which Lightning resumes exactly).
@@ -22,6 +24,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -71,6 +74,7 @@ class Net(pl.LightningModule):
 
     def on_train_start(self) -> None:  # after Lightning restored ckpt_path
         self.report["start"] = full(self.model.named_parameters())
+        self.report["start_residual"] = residuals(self.trainer.strategy.diloco)
 
     def validation_step(self, batch, batch_idx):
         self.report["validated"] = full(self.model.named_parameters())  # as the checkpoint loaded them
@@ -80,6 +84,13 @@ class Net(pl.LightningModule):
         with diloco.global_parameters():
             self.report["global"] = full(self.model.named_parameters())
         self.report["stats"] = vars(diloco.stats)
+        self.report["residual"] = residuals(diloco)
+
+
+def residuals(diloco) -> dict[str, torch.Tensor]:
+    """This rank's top-k error-feedback residuals as its checkpoints hold them (``{}`` without top-k)."""
+    mine = diloco.state_dict().get("residual", {}).get(f"rank_{dist.get_rank()}", {})
+    return {name: value.clone() for name, value in mine.items()}
 
 
 def main() -> None:
@@ -92,37 +103,52 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--validate", action="store_true", help="after the fit, a fresh Trainer and module "
                         "validate --ckpt-path (each site must load its own model from the per-site checkpoint)")
+    parser.add_argument("--fits", default="[]", help="more fits after the first, in the same processes: a JSON "
+                        "list of {name, config, tp, root, ckpt_path}; each writes DIR/<name>_rank{r}.pt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    def make_strategy():
-        return Parallel3DStrategy(num_sites=2, tensor_parallel_size=args.tp, cross_site="diloco",
-                                  diloco=DiLoCoConfig(**json.loads(args.config)))
-
-    strategy = make_strategy()
-    module = Net(args.steps_per_epoch)
-    checkpoints = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.steps_per_epoch,
-                                  save_top_k=-1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=args.max_steps,
-                         gradient_clip_val=1e9,  # the site's own norm; far above it: no change to the values
-                         use_distributed_sampler=False, callbacks=[checkpoints],
-                         logger=CSVLogger(args.out, name="log", version=0), log_every_n_steps=1,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, ckpt_path=args.ckpt_path)
+    spec = {"config": json.loads(args.config), "tp": args.tp, "root": args.root, "ckpt_path": args.ckpt_path}
+    weights, info, trainer = fit(spec, args.max_steps, args.steps_per_epoch,
+                                 CSVLogger(args.out, name="log", version=0))
     rank = trainer.global_rank
-    local = full(module.model.named_parameters())
-    weights = {"local": local, "global": module.report["global"], "start": module.report["start"]}
     if args.validate:
         fresh = Net(args.steps_per_epoch)
         loader = DataLoader(TensorDataset(*rows(0, 0, 1)), batch_size=len(rows(0, 0, 1)[0]))
-        pl.Trainer(strategy=make_strategy(), accelerator="cpu", devices=4, use_distributed_sampler=False,
+        pl.Trainer(strategy=_strategy(spec), accelerator="cpu", devices=4, use_distributed_sampler=False,
                    logger=False, enable_progress_bar=False, enable_model_summary=False,
                    limit_val_batches=1).validate(fresh, loader, ckpt_path=args.ckpt_path)
         weights["validated"] = fresh.report["validated"]
     torch.save(weights, os.path.join(args.out, f"weights_rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"site": strategy.topology.site, "stats": module.report["stats"],
-                   "global_step": trainer.global_step, "batches_run": module.batches_run}, f)
+        json.dump(info, f)
+    for more in json.loads(args.fits):
+        weights, info, _ = fit(more, args.max_steps, args.steps_per_epoch, logger=False)
+        torch.save({**weights, "info": info}, os.path.join(args.out, f"{more['name']}_rank{rank}.pt"))
+
+
+def _strategy(spec: dict) -> Parallel3DStrategy:
+    return Parallel3DStrategy(num_sites=2, tensor_parallel_size=spec["tp"], cross_site="diloco",
+                              diloco=DiLoCoConfig(**spec["config"]))
+
+
+def fit(spec: dict, max_steps: int, steps_per_epoch: int, logger):
+    """One ``Trainer.fit`` of ``spec`` (config, tp, root, ckpt_path): ``(weights, info, trainer)``."""
+    strategy = _strategy(spec)
+    module = Net(steps_per_epoch)
+    checkpoints = ModelCheckpoint(dirpath=f"{spec['root']}/ckpts", every_n_train_steps=steps_per_epoch,
+                                  save_top_k=-1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=max_steps,
+                         gradient_clip_val=1e9,  # the site's own norm; far above it: no change to the values
+                         use_distributed_sampler=False, callbacks=[checkpoints], logger=logger,
+                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, ckpt_path=spec["ckpt_path"])
+    weights = {"local": full(module.model.named_parameters()), "global": module.report["global"],
+               "start": module.report["start"], "residual": module.report["residual"],
+               "start_residual": module.report["start_residual"]}
+    info = {"site": strategy.topology.site, "stats": module.report["stats"], "global_step": trainer.global_step,
+            "batches_run": module.batches_run}
+    return weights, info, trainer
 
 
 if __name__ == "__main__":

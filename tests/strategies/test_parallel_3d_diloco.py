@@ -3,7 +3,9 @@ computation: sites2 x dp_shard2, sites2 x tp2, sites2 x dp_replicate2 (also a se
 sites2 x pp2 on 4 gloo ranks through the framework-free layer (``parallelize`` / ``adopt_sharded`` +
 ``build_diloco``), and sites2 x tp2 through a Lightning ``Trainer`` with
 ``Parallel3DStrategy`` (tests/strategies/_parallel_3d_diloco_script.py), with a resume from a checkpoint saved
-while a sync is in flight. No collective of an inner step spans sites; bad settings raise clear ValueErrors.
+while a sync is in flight; in the same launches sites2 x dp_shard2 with the top-k codec (against the codec applied
+by hand to each FSDP2 shard, residuals included), its resume, and resumes across codecs (none -> topk, topk ->
+int8). No collective of an inner step spans sites; bad settings raise clear ValueErrors.
 
 Tolerance: 1e-6 absolute on every parameter (SGD inner optimizer, float32; only reduction orders differ).
 """
@@ -25,6 +27,7 @@ from tests import _launch
 from tests._gpt_diloco import LR, full, model, rows
 from tests._resources import require_module
 from tests._tiny_models import loss_fn
+from tests._topk_by_hand import TopKByHand
 from tests.diloco_reference import run_reference
 
 CASES = {
@@ -274,31 +277,45 @@ def test_parallelize_takes_allreduce_or_diloco_only():
 
 TRAINER_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 TRAINER_STEPS, PER_EPOCH = 11, 6  # a sync starts at step 6 and merges at 7: in flight at the save
+TOPK_CONFIG = {**TRAINER_CONFIG, "compression": "topk"}  # on sites2 x dp_shard2 (tp 1): each rank its own shard
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
-def _trainer_run(out_dir, root, *extra: str) -> dict:
+def _trainer_run(out_dir, root, *extra: str, fits: tuple = ()) -> dict:
     script = os.path.join(os.path.dirname(__file__), "_parallel_3d_diloco_script.py")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIDC_") and k not in _LAUNCH}
     argv = [sys.executable, script, "--config", json.dumps(TRAINER_CONFIG), "--max-steps", str(TRAINER_STEPS),
-            "--steps-per-epoch", str(PER_EPOCH), "--root", str(root), "--out", str(out_dir), *extra]
+            "--steps-per-epoch", str(PER_EPOCH), "--root", str(root), "--out", str(out_dir),
+            "--fits", json.dumps(fits), *extra]
     code, log = _launch.run_script(argv, {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, 300)
     assert code == 0, log[-6000:]
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
     weights = [torch.load(out_dir / f"weights_rank{r}.pt") for r in range(4)]
     with open(out_dir / "log" / "version_0" / "metrics.csv") as f:
         metrics = list(csv.DictReader(f))
-    return {"ranks": ranks, "weights": weights, "metrics": metrics}
+    more = {fit["name"]: [torch.load(out_dir / f"{fit['name']}_rank{r}.pt") for r in range(4)] for fit in fits}
+    return {"ranks": ranks, "weights": weights, "metrics": metrics, "fits": more, "log": log}
+
+
+def _fit(name: str, config: dict, tp: int, root, ckpt_path=None) -> dict:
+    return {"name": name, "config": config, "tp": tp, "root": str(root), "ckpt_path": ckpt_path and str(ckpt_path)}
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
+    """Two launches of 4 ranks: the sites2 x tp2 run, then (same processes) sites2 x dp_shard2 with top-k; the
+    resumed ones from their step-6 checkpoints, then the cross-codec resumes (none -> topk on tp2's checkpoint,
+    topk -> int8 on dp_shard2's)."""
     require_module("lightning", "lightning")
     tmp = tmp_path_factory.mktemp("p3d_diloco")
-    unbroken = _trainer_run(tmp / "unbroken", tmp / "root")
-    saved = tmp / "root" / "ckpts" / f"epoch=0-step={PER_EPOCH}.ckpt"
-    resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(saved), "--validate")
+    step = f"ckpts/epoch=0-step={PER_EPOCH}.ckpt"
+    unbroken = _trainer_run(tmp / "unbroken", tmp / "root", fits=(_fit("topk", TOPK_CONFIG, 1, tmp / "topk"),))
+    resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(tmp / "root" / step), "--validate",
+                           fits=(_fit("topk", TOPK_CONFIG, 1, tmp / "topk2", tmp / "topk" / step),
+                                 _fit("none_to_topk", TOPK_CONFIG, 2, tmp / "cross1", tmp / "root" / step),
+                                 _fit("topk_to_int8", {**TRAINER_CONFIG, "compression": "int8"}, 1, tmp / "cross2",
+                                      tmp / "topk" / step)))
     return unbroken, resumed
 
 
@@ -336,6 +353,62 @@ def test_trainer_resume_with_a_sync_in_flight_ends_like_the_unbroken_run(trainer
         assert set(b["validated"]) == set(b["start"])
         for name, value in b["start"].items():
             assert torch.equal(b["validated"][name], value), name
+
+
+@pytest.mark.timeout(700)
+def test_trainer_sites2_dp_shard2_with_topk_equals_the_codec_applied_by_hand_per_shard(trainer_runs):
+    """Each FSDP2 rank syncs its own shard's pieces, top-k with its own residual (error feedback): the residuals
+    are compared too, so a run without error feedback could not pass."""
+    unbroken, _ = trainer_runs
+    by_hand = TopKByHand(TOPK_CONFIG["compression"], site_size=1, shards=2)
+    ref = run_reference(
+        model(), sites=2, steps=TRAINER_STEPS, loss_fn=loss_fn, blocks=lambda m: m.blocks(), compress=by_hand,
+        batch=lambda s, t: site_batch(2, s, (t - 1) % PER_EPOCH + 1),
+        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **TRAINER_CONFIG,
+    )
+    for rank, run in enumerate(unbroken["fits"]["topk"]):
+        site, shard = divmod(rank, 2)  # the mesh [site, pp, dp_replicate, dp_shard, tp] = [2, 1, 1, 2, 1]
+        assert run["info"]["site"] == site and run["info"]["stats"]["outer_syncs"] == 5
+        for kind, expected in (("local", ref["local"][site]), ("global", ref["global"])):
+            for name, value in run[kind].items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=f"{kind} {name}")
+        assert sorted(run["residual"]) == ["fragment_0", "fragment_1"]
+        for fragment, residual in run["residual"].items():
+            expected = by_hand.residual(int(fragment.removeprefix("fragment_")), site, 0, shard=shard)
+            torch.testing.assert_close(residual, expected, rtol=0, atol=1e-6, msg=fragment)
+            assert residual.abs().sum() > 0
+
+
+@pytest.mark.timeout(700)
+def test_trainer_topk_resume_restores_every_ranks_residual_and_ends_like_the_unbroken_run(trainer_runs):
+    unbroken, resumed = trainer_runs
+    starts = []
+    for a, b in zip(unbroken["fits"]["topk"], resumed["fits"]["topk"]):
+        assert (b["info"]["global_step"], b["info"]["batches_run"]) == (TRAINER_STEPS, TRAINER_STEPS - PER_EPOCH)
+        for kind in ("local", "global", "residual"):
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+        assert all(r.abs().sum() > 0 for r in b["start_residual"].values())  # saved mid-run: not zero
+        starts.append(b["start_residual"]["fragment_0"].sum().item())
+    assert len(set(starts)) == 4, "each rank resumes its own residual"
+
+
+@pytest.mark.timeout(700)
+def test_trainer_resumes_across_codecs_residuals_restart_at_zero(trainer_runs):
+    """A checkpoint saved without top-k resumes with it (the residuals start at zero, logged); one saved with top-k
+    resumes with int8 (its residuals are not read). The weights are the checkpoint's either way."""
+    unbroken, resumed = trainer_runs
+    for cross, same in (("none_to_topk", resumed["weights"]), ("topk_to_int8", resumed["fits"]["topk"])):
+        for run, reference_start in zip(resumed["fits"][cross], same):
+            assert run["info"]["global_step"] == TRAINER_STEPS, cross
+            for name, value in run["start"].items():
+                assert torch.equal(value, reference_start["start"][name]), (cross, name)
+    for run in resumed["fits"]["none_to_topk"]:
+        assert sorted(run["start_residual"]) == ["fragment_0", "fragment_1"]
+        assert all(not r.any() for r in run["start_residual"].values())
+        assert all(r.any() for r in run["residual"].values())  # and top-k ran on
+    assert all(run["residual"] == {} for run in resumed["fits"]["topk_to_int8"])
+    assert resumed["log"].count("DiLoCo error-feedback residual(s) are not in this checkpoint") == 4  # a rank each
 
 
 def test_strategy_settings_that_cannot_work_fail_at_construction(monkeypatch):
