@@ -75,9 +75,11 @@ def load(fragments: list, saved: dict, topology: Topology, wan: WanConfig) -> No
             if piece.data_ptr() != r.data_ptr():
                 r.copy_(piece)
         return
-    why = "none was saved for this rank" if found is None else (
-        f"they were taken under another chunk plan ([length, chunk bytes, rails, rail] per fragment: saved "
-        f"{found.tolist()}, now {expected.tolist()})")
-    _log.warning("DiLoCo: this rank's top-k error-feedback residuals restart at zero: %s.", why)
+    if found is None or any(p is None for p in pieces):  # a checkpoint's loader says so, naming the keys
+        _log.debug("DiLoCo: no top-k residuals were saved for this rank: they restart at zero.")
+    else:
+        _log.warning("DiLoCo: this rank's top-k error-feedback residuals restart at zero: they were taken under "
+                     "another chunk plan ([length, chunk bytes, rails, rail] per fragment: saved %s, now %s).",
+                     found.tolist(), expected.tolist())
     for r in live:
         r.zero_()
