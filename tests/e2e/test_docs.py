@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._doc_snippets import ROOT, all_blocks, check_shell_line, excerpt_mismatches, shell_lines
+from tests._doc_shell import check_shell_line, shell_lines
+from tests._doc_snippets import ROOT, all_blocks, excerpt_mismatches
 from tests._resources import require_module
 
 BLOCKS = all_blocks()
