@@ -45,6 +45,7 @@ def run_reference(
     outer_momentum: float = 0.9,
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
     compress: Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    site_weights: list[float] | None = None,
 ) -> dict:
     """Train ``sites`` copies of ``model`` (all starting from its values) and sync them as DiLoCo prescribes.
 
@@ -52,7 +53,9 @@ def run_reference(
     site, that is the rows of all its ranks together (equal rows per rank, a mean loss). ``blocks(model)``: the
     blocks dealt into fragments (default the top-level children). ``compress(fragment, site, delta)``: what the
     site's pseudo-gradient ``delta`` (by name, float32) arrives as at the other sites (a codec applied by hand);
-    the sites' arrivals are summed in site order. Returns ``{"local": [per-site {name: tensor}],
+    the sites' arrivals are summed in site order. ``site_weights``: what each site trains per inner step (e.g. its
+    ranks); each sync then weighs a site's arrival by its share of what all trained since the fragment's last sync
+    (float32 products summed in site order; equal shares: the plain mean). Returns ``{"local": [per-site {name: tensor}],
     "global": {name: tensor}}`` after ``steps`` inner steps (float32).
     """
     copies = [copy.deepcopy(model) for _ in range(sites)]
@@ -79,7 +82,7 @@ def run_reference(
                 per_site = [{n: glob[n] - loc[n].detach().float() for n in part} for loc in locals_]
                 if compress is not None:
                     per_site = [compress(f, site, d) for site, d in enumerate(per_site)]
-                delta = {n: sum(d[n] for d in per_site) / sites for n in part}
+                delta = _merge_sites(per_site, part, site_weights)
                 in_flight = (f, t + overlap_steps, delta)
                 if overlap_steps == 0:
                     _merge(copies, glob, momentum, in_flight, overlap_steps, alpha, outer_lr, outer_momentum)
@@ -88,6 +91,16 @@ def run_reference(
         "local": [{n: p.detach().float().clone() for n, p in m.named_parameters() if p.requires_grad} for m in copies],
         "global": glob,
     }
+
+
+def _merge_sites(per_site: list[dict], part: list[str], site_weights: list[float] | None) -> dict:
+    """The sites' arrivals merged: the plain mean, or weighted by each site's share of what all trained (every site
+    trains the same number of steps between two syncs of a fragment, so the shares are those of ``site_weights``)."""
+    parts = None if site_weights is None else torch.tensor(site_weights, dtype=torch.float64)
+    if parts is None or bool((parts == parts[0]).all()):
+        return {n: sum(d[n] for d in per_site) / len(per_site) for n in part}
+    shares = (parts / parts.sum()).float()
+    return {n: sum(w * d[n] for w, d in zip(shares, per_site)) for n in part}
 
 
 def _merge(copies, glob, momentum, in_flight, overlap_steps, alpha, lr, mu) -> None:

@@ -57,6 +57,13 @@ class DiLoCoConfig:
     keeps what a sync did not send (error feedback, see ``DiLoCo``). Env ``MULTIDC_DILOCO_COMPRESSION``; default
     ``"none"``."""
 
+    weighting: str | None = None
+    """How the sites' pseudo-gradients are merged: ``"samples"``: each site weighs what it trained since that
+    fragment's last sync: the samples its ranks reported with ``DiLoCo.count(samples)`` (tokens, if you like), one
+    per inner step per rank when not reported, so a site of 3 ranks weighs 3 times a site of 1 at equal batches per
+    rank; ``"equal"``: the plain mean over sites. Equal weights give the plain mean bitwise. Elastic DiLoCo merges
+    with equal weights for now. Env ``MULTIDC_DILOCO_WEIGHTING``; default ``"samples"``."""
+
     def __post_init__(self) -> None:
         self._env_names = _env.fill_fields(self, (
             ("sync_every", _env.DILOCO_SYNC_EVERY, _env.read_int, None),
@@ -67,6 +74,7 @@ class DiLoCoConfig:
             ("outer_momentum", _env.DILOCO_OUTER_MOMENTUM, _env.read_float, 0.9),
             ("nesterov", _env.DILOCO_NESTEROV, _env.read_bool, True),
             ("compression", _env.DILOCO_COMPRESSION, _env.read, "none"),
+            ("weighting", _env.DILOCO_WEIGHTING, _env.read, "samples"),
         ))
         self._validate()
 
@@ -99,6 +107,11 @@ class DiLoCoConfig:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError(f"{self._source('nesterov')} needs outer_momentum > 0; set nesterov=False or a momentum.")
         self.compression = compression_name(self.compression, self._source("compression"))
+        weighting = str(self.weighting).strip().lower()
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"{self._source('weighting')}: choose 'samples' (each site weighs what it trained since "
+                             f"the fragment's last sync) or 'equal' (the plain mean over sites).")
+        self.weighting = weighting
 
     def _source(self, name: str) -> str:
         return _env.describe(self, name, self._env_names, _FIELD_ENV)
@@ -118,7 +131,9 @@ _FIELD_ENV = {
     "outer_momentum": _env.DILOCO_OUTER_MOMENTUM,
     "nesterov": _env.DILOCO_NESTEROV,
     "compression": _env.DILOCO_COMPRESSION,
+    "weighting": _env.DILOCO_WEIGHTING,
 }
+WEIGHTINGS = ("samples", "equal")
 
 
 def _whole(value, minimum: int) -> bool:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical.all_reduce import all_reduce
@@ -140,6 +142,8 @@ class DiLoCo:
                 for i, params in enumerate(split)
             ]
         self._largest = max(f.global_flat.numel() for f in self._fragments)
+        self._trained = [0.0] * len(self._fragments)  # this rank's samples since each fragment's last sync started
+        self._samples: float | None = None  # reported for the current inner step (count())
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
         self._hook_stepping = False
 
@@ -168,6 +172,19 @@ class DiLoCo:
                 self.step()
             finally:
                 self._hook_stepping = False
+
+    def count(self, samples: float) -> None:
+        """Report what this rank trains in the current inner step (samples or tokens: one unit on every rank), before
+        the optimizer step that ends it; calls add up (micro-batches). A step with no report counts 1. Under
+        ``DiLoCoConfig.weighting="samples"`` each site's pseudo-gradient weighs what its ranks trained since the
+        fragment's last sync. Not collective.
+
+        Raises:
+            ValueError: ``samples`` is not a finite number >= 0.
+        """
+        if isinstance(samples, bool) or not isinstance(samples, (int, float)) or not 0 <= samples < math.inf:
+            raise ValueError(f"DiLoCo.count(samples={samples!r}): samples must be a finite number >= 0.")
+        self._samples = (self._samples or 0.0) + float(samples)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -206,6 +223,8 @@ class DiLoCo:
                 "hand is built without the optimizer: DiLoCo(model, None, topology, ...))."
             )
         self.stats.inner_steps += 1
+        samples, self._samples = (1.0 if self._samples is None else self._samples), None
+        self._trained = [trained + samples for trained in self._trained]
         return self.stats.inner_steps
 
     def _due(self, t: int) -> int | None:
@@ -224,8 +243,15 @@ class DiLoCo:
         before = self._wan_bytes()
         topology, wan = self._sync_target()
         residual = error_feedback.residual(fragment, topology, wan)
-        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual)
+        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual,
+                            weight=self._take_weight(index))
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+
+    def _take_weight(self, index: int) -> float | None:
+        """This rank's part of its site's weight for fragment ``index``'s sync starting now (what it trained since
+        the fragment's last sync; None: equal weights); the count restarts."""
+        trained, self._trained[index] = self._trained[index], 0.0
+        return trained if self.config.weighting == "samples" else None
 
     def _sync_target(self) -> tuple[Topology, WanConfig]:
         """The topology and WAN settings the syncs run over."""
@@ -322,7 +348,8 @@ class DiLoCo:
     def _per_rank_state(self) -> dict:
         """This rank's residuals keyed by its global rank (``error_feedback.state``); ``{}`` without a top-k codec."""
         state = error_feedback.state(self._fragments, *self._sync_target())
-        return {"residual": state} if state else {}
+        trained = {"trained": {f"rank_{dist.get_rank()}": torch.tensor(self._trained, dtype=torch.float64)}}
+        return ({"residual": state} if state else {}) | (trained if self.config.weighting == "samples" else {})
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -343,6 +370,7 @@ class DiLoCo:
             fragment.global_flat.copy_(state["global"][f"fragment_{i}"])
             load_outer_state(fragment.outer, state["outer"][f"fragment_{i}"])
         self._load_residuals(state.get("residual", {}))
+        self._load_trained(state.get("trained", {}).get(f"rank_{dist.get_rank()}"))
         self._in_flight = None
         index = int(state["in_flight_fragment"])
         if index >= 0:
@@ -350,6 +378,16 @@ class DiLoCo:
             # the loaded buffer is on the CPU; the merge assigns it as the grad of the (maybe CUDA) global copy
             delta = state["in_flight_delta"][:numel].to(self._fragments[index].global_flat.device, copy=True)
             self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
+
+    def _load_trained(self, saved: torch.Tensor | None) -> None:
+        """This rank's counts since each fragment's last sync; not saved (another weighting, an older checkpoint):
+        one per inner step since then, as if none had been reported."""
+        if saved is not None and saved.numel() == len(self._fragments):
+            self._trained = [float(x) for x in saved.tolist()]
+            return
+        t, h = self.stats.inner_steps, self.config.sync_every
+        last = [t - (t - f.offset) % h for f in self._fragments]  # the latest sync start at or before t
+        self._trained = [float(t - start if start >= 1 else t) for start in last]
 
     def _load_residuals(self, saved: dict) -> None:
         """This rank's saved residuals when taken under this run's layout, else zero (``error_feedback.load``)."""

@@ -256,6 +256,11 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         # One site saves the job's checkpoints and a healing site must not take its source's residuals: none kept
         return {}
 
+    def _take_weight(self, index: int) -> float | None:
+        # equal weights: a round's sites are not weighted by what they trained yet (DiLoCoConfig.weighting)
+        self._trained[index] = 0.0
+        return None
+
     def _load_residuals(self, saved: dict) -> None:
         # the state of another site or of a checkpoint holds none: a healing site's residuals restart at zero
         for fragment in self._fragments:

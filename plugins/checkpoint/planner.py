@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWrite
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
-# A DiLoCo top-k error-feedback residual (or anything else of one rank's residual state), as ``DiLoCo.state_dict``
-# names it (``"residual"`` -> ``"rank_<global rank>"`` -> ...), anywhere under a checkpoint's ``"diloco"`` entry
-# (per shard under a layout).
-_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?residual\.rank_\d+\.")
+# DiLoCo's per-rank state, as ``DiLoCo.state_dict`` names it: top-k error-feedback residuals (``"residual"`` ->
+# ``"rank_<global rank>"`` -> ...) and the samples trained since each fragment's last sync (``"trained"`` ->
+# ``"rank_<global rank>"``), anywhere under a checkpoint's ``"diloco"`` entry (per shard under a layout).
+_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?(?:residual|trained)\.rank_\d+(?:\.|$)")
 
 
 class StripedSavePlanner(DefaultSavePlanner):
@@ -164,10 +164,11 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
         return super().create_local_plan()
 
     def _restart_residuals(self) -> None:
-        """The one exception to a strict load: DiLoCo residuals this rank wants that the checkpoint lacks (saved
-        without a top-k codec, or by other ranks) or holds in another size (another layout or world size) are
-        dropped from the request, so ``DiLoCo.load_state_dict`` restarts them at zero; logged. Everything else
-        stays as strict as the caller asked."""
+        """The one exception to a strict load: DiLoCo's per-rank state (residuals, samples trained) this rank wants
+        that the checkpoint lacks (saved without a top-k codec or with equal weighting, or by other ranks) or holds
+        in another size (another layout or world size) is dropped from the request, so ``DiLoCo.load_state_dict``
+        restarts residuals at zero and counts the steps since each fragment's sync; logged. Everything else stays as
+        strict as the caller asked."""
         saved = self.metadata.state_dict_metadata
         restart = [fqn for fqn, value in self.state_dict.items() if _RESIDUAL.match(fqn) and (
             fqn not in saved or getattr(saved[fqn], "size", None) != getattr(value, "shape", None))]
@@ -179,11 +180,17 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
                 for key in parents:
                     container = container[key]
                 del container[leaf]
-        if restart:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        residuals = [fqn for fqn in restart if ".residual." in fqn]
+        if residuals:
             _log.warning(
                 "rank %s: %d DiLoCo error-feedback residual(s) are not in this checkpoint for this rank (saved without "
                 "a top-k codec, or by another layout or number of ranks): they restart at zero (%s).",
-                dist.get_rank() if dist.is_initialized() else 0, len(restart), ", ".join(restart[:4]))
+                rank, len(residuals), ", ".join(residuals[:4]))
+        if len(residuals) < len(restart):
+            _log.info("rank %s: the DiLoCo samples this rank trained since each fragment's last sync are not in this "
+                      "checkpoint (saved with equal weighting, or by another number of ranks): counted as one per "
+                      "inner step since then.", rank)
 
 
 def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:

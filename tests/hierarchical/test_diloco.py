@@ -27,7 +27,8 @@ from tests.diloco_reference import LR, run_reference, second_step_error
 from tests.diloco_reference import model as _model
 from tests.diloco_reference import rows as _rows
 
-LAYOUTS = {"2x2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1], "one site": [0, 0]}
+LAYOUTS = {"2x2": [0, 0, 1, 1], "3+1": [0, 0, 0, 1], "one site": [0, 0], "2+1": [0, 0, 1]}
+REPORTED = [2.0, 4.0, 6.0, 8.0]  # samples per step each rank reports: the 3-rank site weighs 12, the other 8
 # The cases of one world size run on the same spawned ranks (``four_ranks``, ``two_ranks``: starting ranks is the
 # slow part); a resume loads in ranks of its own.
 pytestmark = pytest.mark.timeout(600)
@@ -70,7 +71,23 @@ def four_ranks(saved_dirs):
     cases["unbroken"] = (_train, ({"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG, "save_at": 6,
                                    "ckpt": saved_dirs["mid_sync"]},))  # 6: a sync in flight
     cases |= {f"protocol {mode}": (_protocol, (config,)) for mode, config in PROTOCOL_CASES.items()}
+    cases |= _weighting_cases("3+1")
+    cases["reported 3+1"] = (_train, ({"layout": LAYOUTS["3+1"], "steps": 12, "config": REFERENCE_CONFIG,
+                                       "samples": REPORTED},))
     return run_cases(cases, 4, timeout=540)
+
+
+def _weighting_cases(layout: str) -> dict:
+    """Unequal sites merged by what they trained (the default), plain and streaming, and with equal weights."""
+    run = {"layout": LAYOUTS[layout], "steps": 12}
+    return {f"weighted plain {layout}": (_train, ({**run, "config": REFERENCE_CONFIG},)),
+            f"weighted streaming {layout}": (_train, ({**run, "steps": 10, "config": STREAMING_CONFIG},)),
+            f"equal {layout}": (_train, ({**run, "config": {**REFERENCE_CONFIG, "weighting": "equal"}},))}
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_cases(_weighting_cases("2+1"), 3, timeout=540)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +106,25 @@ def two_ranks(saved_dirs):
 
 def _ranks_of(layout: str, four_ranks, two_ranks):
     return (four_ranks if len(LAYOUTS[layout]) == 4 else two_ranks)[f"reference {layout}"]
+
+
+@pytest.mark.parametrize("mode", ["plain", "streaming", "equal"])
+@pytest.mark.parametrize("layout", ["3+1", "2+1"])
+def test_unequal_sites_weigh_what_they_trained_and_equal_weights_stay_selectable(request, layout, mode):
+    results = request.getfixturevalue("four_ranks" if layout == "3+1" else "three_ranks")
+    config, steps = {"plain": (REFERENCE_CONFIG, 12), "streaming": (STREAMING_CONFIG, 10),
+                     "equal": ({**REFERENCE_CONFIG, "weighting": "equal"}, 12)}[mode]
+    case = f"equal {layout}" if mode == "equal" else f"weighted {mode} {layout}"
+    reference = _reference(LAYOUTS[layout], steps, config)
+    _check(results[case], reference)
+    other = _reference(LAYOUTS[layout], steps, {**config, "weighting": "samples" if mode == "equal" else "equal"})
+    assert (_flat(other["global"]) - _flat(reference["global"])).abs().max() > 1e-4, "the weights must matter"
+
+
+def test_samples_each_rank_reports_weigh_its_site(four_ranks):
+    _check(four_ranks["reported 3+1"], _reference(LAYOUTS["3+1"], 12, REFERENCE_CONFIG, samples=REPORTED))
+    by_ranks = _reference(LAYOUTS["3+1"], 12, REFERENCE_CONFIG)  # 12 : 8, not 3 : 1
+    assert (_flat(by_ranks["global"]) - _flat(four_ranks["reported 3+1"][0]["global"])).abs().max() > 1e-4
 def _site_batch(layout: list[int], site: int, step: int):
     rows = [_rows(site, local, step) for local in range(layout.count(site))]
     return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
@@ -115,6 +151,9 @@ def _train(rank: int, world: int, case: dict) -> dict:
         x, y = _rows(topo.site, topo.local_rank_in_site, t)
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
+        if case.get("samples"):  # what this rank reports it trained (else each step counts 1)
+            diloco.count(case["samples"][rank] / 2)
+            diloco.count(case["samples"][rank] / 2)  # reports add up (micro-batches)
         before = topo.wan_stats.snapshot()["bytes_sent"]
         opt.step()  # the DiLoCo step runs in the optimizer's post-hook (built with opt)
         if case.get("manual"):  # built with inner_optimizer=None: the loop steps DiLoCo itself
@@ -180,11 +219,18 @@ def _ckpt_state(topo, ddp, opt, diloco) -> dict:
     return {"diloco": diloco, f"site_{topo.site}": ModelState(ddp, opt)}
 
 
-def _reference(layout: list[int], steps: int, config: dict) -> dict:
+def _reference(layout: list[int], steps: int, config: dict, samples: list[float] | None = None) -> dict:
+    """``samples``: what each rank reports per step (default 1); sites weigh what their ranks trained, unless the
+    config says ``weighting="equal"``."""
     sites = max(layout) + 1
+    per_rank = samples or [1.0] * len(layout)
+    weights = [sum(per_rank[r] for r in range(len(layout)) if layout[r] == s) for s in range(sites)]
+    config = dict(config)
+    if config.pop("weighting", "samples") == "equal":
+        weights = None
     return run_reference(
         _model(), sites=sites, steps=steps, batch=lambda s, t: _site_batch(layout, s, t),
-        loss_fn=nn.functional.mse_loss, inner_optimizer=_inner, **config,
+        loss_fn=nn.functional.mse_loss, inner_optimizer=_inner, site_weights=weights, **config,
     )
 
 
@@ -451,6 +497,7 @@ def test_fragments_are_strided_over_blocks():
         ({"sync_every": 4, "outer_momentum": 1.0}, "outer_momentum=1.0"),
         ({"sync_every": 4, "outer_momentum": 0.0}, "nesterov"),
         ({"sync_every": 4, "compression": "zip"}, "compression='zip'"),
+        ({"sync_every": 4, "weighting": "tokens"}, "weighting='tokens'.*choose 'samples'.* or 'equal'"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, message, monkeypatch):
@@ -462,8 +509,10 @@ def test_bad_config_names_the_field(kwargs, message, monkeypatch):
 def test_environment_fills_unset_fields_and_errors_name_the_variable(monkeypatch):
     monkeypatch.setenv("MULTIDC_DILOCO_SYNC_EVERY", "30")
     monkeypatch.setenv("MULTIDC_DILOCO_NESTEROV", "0")
+    monkeypatch.setenv("MULTIDC_DILOCO_WEIGHTING", " Equal")
     config = DiLoCoConfig(fragments=3)
-    assert (config.sync_every, config.fragments, config.nesterov) == (30, 3, False)
+    assert (config.sync_every, config.fragments, config.nesterov, config.weighting) == (30, 3, False, "equal")
+    assert DiLoCoConfig(sync_every=4, weighting="samples").weighting == "samples"
     monkeypatch.setenv("MULTIDC_DILOCO_OVERLAP_STEPS", "10")
     with pytest.raises(ValueError, match=r"MULTIDC_DILOCO_OVERLAP_STEPS=10 \(DiLoCoConfig.overlap_steps\)"):
         DiLoCoConfig(fragments=3)
