@@ -179,11 +179,16 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
                 for key in parents:
                     container = container[key]
                 del container[leaf]
-        if restart:
+        residuals = [fqn for fqn in restart if fqn.rsplit(".", 1)[-1].startswith("fragment_")]  # not their layout
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if residuals:
             _log.warning(
                 "rank %s: %d DiLoCo error-feedback residual(s) are not in this checkpoint for this rank (saved without "
                 "a top-k codec, or by another layout or number of ranks): they restart at zero (%s).",
-                dist.get_rank() if dist.is_initialized() else 0, len(restart), ", ".join(restart[:4]))
+                rank, len(residuals), ", ".join(residuals[:4]))
+        elif restart:
+            _log.warning("rank %s: this rank's DiLoCo error-feedback residuals were saved without their chunk plan "
+                         "(%s): they restart at zero.", rank, ", ".join(restart[:4]))
 
 
 def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:
