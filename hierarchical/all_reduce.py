@@ -58,29 +58,32 @@ def all_reduce(
             chunk whose WAN transfer failed (elastic sites) and when nothing crosses the WAN.
         weight: with ``replicated`` and ``op="avg"``: this rank's part of its site's weight (a site weighs the sum
             of its ranks' parts, e.g. the samples each trained): the result is the weighted mean
-            ``sum_s w_s * x_s / sum_s w_s`` over sites instead of the plain mean. The weights are exchanged first
-            (one all-reduce of ``num_sites`` values over the job); when every site weighs the same (or all zero)
-            the result is bitwise the plain mean. Each site's decoded values are multiplied by ``w_s / sum w`` in
-            float32, then summed in site order, so every rank still ends bitwise identical.
+            ``sum_s w_s * x_s / sum_s w_s`` over sites instead of the plain mean. Every rank passes one, or none
+            does. Before the transfer starts (also with ``async_op``) the parts are exchanged in one small
+            all-reduce over the topology's group on the calling thread, and checked: a bad part (negative, not
+            finite) raises the same ValueError on every rank. When every site weighs the same (or nothing) the
+            result is bitwise the plain mean. Each site's values are multiplied by ``w_s / sum w`` in float32
+            (compressed: decoded, then summed in the same order on every rank; uncompressed: rounded to the
+            tensor's dtype and summed by the rails' all-reduce), so every rank still ends bitwise identical.
 
     Returns:
         ``None``, or the future when ``async_op``.
     """
     if weight is not None and not (replicated and op == "avg"):
         raise ValueError("all_reduce(weight=...) weighs sites' replicated values: pass replicated=True, op='avg'.")
-    if weight is not None and not (math.isfinite(weight) and weight >= 0):
-        raise ValueError(f"all_reduce(weight={weight!r}): a site's weight must be a finite number >= 0.")
     wan = _check(tensor, topology, wan, op)
     if weight is not None and not isinstance(topology.policy, FailFast):
         raise ValueError("all_reduce(weight=...) needs a topology whose WAN failures raise (Topology.build); an "
                          "elastic round's topology tolerates them, and its sites' weights are not exchanged yet.")
+    # on the caller's thread: a collective over the job's group must not race the caller's own collectives there
+    weights = _site_weights(topology, wan, weight, tensor.device) if weight is not None else None
     if residual is not None:
         numel = residual_numel(tensor.numel(), tensor.element_size(), topology, wan)
         if residual.dtype != torch.float32 or residual.numel() != numel:
             raise ValueError(f"residual must be a float32 tensor of residual_numel(...) = {numel} elements, not "
                              f"{residual.dtype} x {residual.numel()}.")
     # The executor's own future: ``wait()`` raises the WanError itself (``submit`` wraps it for C++ callers).
-    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual, replicated, weight))
+    future = topology.executor().submit(lambda: _all_reduce(tensor, topology, wan, op, residual, replicated, weights))
     if async_op:
         return future
     future.wait()
@@ -134,10 +137,9 @@ def _check(tensor: torch.Tensor, topology: Topology, wan: WanConfig | None, op: 
     return wan
 
 
-def _all_reduce(tensor, topology, wan, op, residual, replicated=False, weight=None):
+def _all_reduce(tensor, topology, wan, op, residual, replicated=False, weights=None):
     started = time.perf_counter()
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    weights = _site_weights(topology, wan, weight) if weight is not None and topology.num_sites > 1 else None
     if flat.numel():
         if topology.num_sites > 1:
             _Pipeline(flat, topology, wan, residual, replicated=replicated, weights=weights).run()
@@ -151,19 +153,38 @@ def _all_reduce(tensor, topology, wan, op, residual, replicated=False, weight=No
     return tensor
 
 
-def _site_weights(topology: Topology, wan: WanConfig, weight: float) -> torch.Tensor | None:
-    """Every site's share of the total weight (float32, site order), from every rank's part; None when the sites
-    weigh the same (or nothing): the plain mean, bitwise."""
-    parts = torch.zeros(topology.num_sites, dtype=torch.float64)
-    parts[topology.site] = weight
+def _site_weights(topology: Topology, wan: WanConfig, weight: float, device: torch.device) -> torch.Tensor | None:
+    """Every site's share of the total weight (float32, site order) from every rank's part: one all-reduce of a
+    slot per rank over the job's group, then checked alike everywhere (the same ValueError on every rank, naming
+    the ranks with a bad weight). None when there is one site, or the sites weigh the same (or nothing)."""
+    if topology.num_sites == 1:
+        return None
+    parts = torch.zeros(topology.size, dtype=torch.float64, device=device)
+    parts[topology.rank] = float(weight) if isinstance(weight, (int, float)) else math.nan
     try:
         dist.all_reduce(parts, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=wan.timeout_s))
     except RuntimeError as exc:
         raise wan_failure(topology, "exchanging the sites' weights", wan.timeout_s, exc) from exc
-    total = float(parts.sum())
-    if total <= 0 or bool((parts == parts[0]).all()):
+    parts = parts.cpu().tolist()
+    bad = {rank: w for rank, w in enumerate(parts) if not (math.isfinite(w) and w >= 0)}
+    if bad:
+        raise ValueError(f"all_reduce(weight=...): ranks {sorted(bad)} gave {list(bad.values())}; every rank's part "
+                         f"of its site's weight must be a finite number >= 0 (e.g. the samples it trained).")
+    sites = [0.0] * topology.num_sites
+    for rank, w in enumerate(parts):
+        sites[topology.layout.site_of(rank)] += w
+    total = sum(sites)
+    if total <= 0 or len(set(sites)) == 1:
         return None
-    return (parts / total).float()
+    return torch.tensor([w / total for w in sites], dtype=torch.float64).float()
+
+
+def _row_sites(topology: Topology) -> list[int]:
+    """The site of each row of an all-gather over this rank's rails (their ranks in the rail group's order)."""
+    members = dist.get_process_group_ranks(topology.rail_groups[0])  # default-group ranks, in rail-group order
+    if topology.group is not None:
+        members = [dist.get_group_rank(topology.group, g) for g in members]
+    return [topology.layout.site_of(r) for r in members]
 
 
 @dataclass
@@ -199,7 +220,8 @@ class _Pipeline:
     ):
         self.flat = flat
         self.replicated = replicated  # the site's ranks hold equal values: no reduction inside the site
-        self.weights = weights  # per site (row), summing to 1: a weighted mean (replicated only)
+        # per gathered row (a rail group's rank order, which is the job's rank order, not always site order)
+        self.weights = None if weights is None or not topology.rail_groups else weights[_row_sites(topology)]
         self.topo = topology
         self.codec = get_codec(wan.compression)
         self.streams = wan.streams
@@ -257,8 +279,8 @@ class _Pipeline:
         shard = state.shard
         group = self.topo.rail_groups[i % self.streams]
         if self.codec is None:
-            if self.weights is not None:  # w_s * x_s summed over sites (the shard is this rank's own copy)
-                shard.mul_(self.weights[self.own_row].to(shard.dtype))
+            if self.weights is not None:  # w_s * x_s in float32, summed over sites (the shard is overwritten after)
+                shard.copy_(shard.float().mul_(self.weights[self.own_row]))
             state.wan = dist.all_reduce(shard, group=group, async_op=True)
             ring = shard.numel() * shard.element_size() * 2 * (self.topo.num_sites - 1) // self.topo.num_sites
             self.topo.wan_stats.add(sent=ring, received=ring)

@@ -55,8 +55,8 @@ def run_reference(
     site's pseudo-gradient ``delta`` (by name, float32) arrives as at the other sites (a codec applied by hand);
     the sites' arrivals are summed in site order. ``site_weights``: what each site trains per inner step (e.g. its
     ranks); each sync then weighs a site's arrival by its share of what all trained since the fragment's last sync
-    (float32 products summed in site order; equal shares: the plain mean). Returns ``{"local": [per-site {name: tensor}],
-    "global": {name: tensor}}`` after ``steps`` inner steps (float32).
+    (float32 products summed in site order; equal shares: the plain mean). Returns
+    ``{"local": [per-site {name: tensor}], "global": {name: tensor}}`` after ``steps`` inner steps (float32).
     """
     copies = [copy.deepcopy(model) for _ in range(sites)]
     optimizers = [inner_optimizer(list(m.parameters())) for m in copies]

@@ -356,7 +356,8 @@ class DiLoCo:
         """Restore ``state_dict()`` output (also one filled in place by a checkpoint loader). Every rank.
         The model's own (per-site) parameters are restored by whoever saved them; this restores the outer side.
         Residuals missing from ``state`` (none saved for this rank) or taken under another chunk plan (another
-        ``chunk_mb``, site size or rank layout) restart at zero, logged as a warning on the rank."""
+        ``chunk_mb``, site size or rank layout) restart at zero; the latter with a warning on the rank (a checkpoint
+        loader warns of the former, naming them)."""
         saved = (int(state["sync_every"]), int(state["fragments"]))
         if saved != (self.config.sync_every, self.config.fragments):
             raise ValueError(

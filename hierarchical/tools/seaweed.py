@@ -32,6 +32,17 @@ _PORT_FLAGS = (
 )
 
 
+def _group_alive(group: int) -> bool:
+    """Whether a process of process group ``group`` still exists (one that exited but is not reaped yet counts)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def weed_binary() -> str | None:
     """Path of the ``weed`` binary: next to this interpreter (venv) first, then on PATH."""
     local = Path(sys.executable).parent / "weed"
@@ -78,7 +89,7 @@ class SeaweedS3:
         log_path = workdir / "weed.log"
         with open(log_path, "wb") as log:
             # behind a guard that stops the server when this process ends, also by SIGKILL (tools/_owned.py)
-            guarded = [sys.executable, "-m", "multidc.hierarchical.tools._owned", *args]
+            guarded = [sys.executable, "-m", "multidc.hierarchical.tools._owned", str(os.getpid()), *args]
             process = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                                        start_new_session=True)
         server = cls(endpoint=f"http://127.0.0.1:{ports['s3.port']}", process=process, workdir=workdir,
@@ -149,10 +160,19 @@ class SeaweedS3:
             return "<no log>"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+        """Stop the server (SIGTERM to its process group, SIGKILL after 1.5 s) and return once nothing of it is
+        left: the guard and ``weed``, which outlives the guard by the time it takes to exit."""
+        group = self.process.pid  # the session (and group) the server was started in
+        for sig, wait_s in ((signal.SIGTERM, 1.5), (signal.SIGKILL, 10.0)):
             try:
-                self.process.wait(timeout=1.5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while self.process.poll() is None or _group_alive(group):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            else:
+                break
+        self.process.wait()

@@ -181,13 +181,17 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
                     container = container[key]
                 del container[leaf]
         rank = dist.get_rank() if dist.is_initialized() else 0
-        residuals = [fqn for fqn in restart if ".residual." in fqn]
+        residuals = [fqn for fqn in restart if ".residual." in fqn and fqn.rsplit(".", 1)[-1].startswith("fragment_")]
+        layouts = [fqn for fqn in restart if ".residual." in fqn and fqn not in residuals]
         if residuals:
             _log.warning(
                 "rank %s: %d DiLoCo error-feedback residual(s) are not in this checkpoint for this rank (saved without "
                 "a top-k codec, or by another layout or number of ranks): they restart at zero (%s).",
                 rank, len(residuals), ", ".join(residuals[:4]))
-        if len(residuals) < len(restart):
+        elif layouts:
+            _log.warning("rank %s: this rank's DiLoCo error-feedback residuals were saved without their chunk plan "
+                         "(%s): they restart at zero.", rank, ", ".join(layouts[:4]))
+        if any(".trained." in fqn or fqn.endswith(".trained") for fqn in restart):
             _log.info("rank %s: the DiLoCo samples this rank trained since each fragment's last sync are not in this "
                       "checkpoint (saved with equal weighting, or by another number of ranks): counted as one per "
                       "inner step since then.", rank)

@@ -284,7 +284,8 @@ def test_topk_codec_end_to_end_equals_the_codec_applied_by_hand_on_every_rank(fo
     assert 8 * sent < 0.3 * TOPK_NUMEL / 2 * 1.05  # each rank sends under 0.3 bit per element of its half
 
 
-WEIGHTED_LAYOUTS = ["3+1", "2x2", "4x1"]
+# "reversed": site 1 holds the lower ranks, so a rail's rows are not in site order
+WEIGHTED_LAYOUTS = {name: LAYOUTS[name] for name in ("3+1", "2x2", "4x1")} | {"reversed": [1, 1, 0, 0]}
 
 
 def _weighted(rank, world, sites):
@@ -300,12 +301,22 @@ def _weighted(rank, world, sites):
         all_reduce(same, topo, wan=wan, op="avg", replicated=True, weight=6.0 / sites.count(topo.site))
         all_reduce(plain, topo, wan=wan, op="avg", replicated=True)
         out[compression] = (y, torch.equal(same, plain), _digest(y))
+    half = per_site[topo.site].to(torch.bfloat16)  # uncompressed bf16: weighted in float32, rounded once
+    all_reduce(half, topo, wan=dataclasses.replace(_topk_wan(), compression="none"), op="avg", replicated=True,
+               weight=float(rank + 1))
+    out["bf16"] = (half, True, _digest(half))
+    try:
+        all_reduce(per_site[topo.site].clone(), topo, wan=_topk_wan(), op="avg", replicated=True,
+                   weight=-1.0 if rank == 2 else 1.0)
+        out["bad"] = "no error"
+    except ValueError as exc:
+        out["bad"] = str(exc)
     return out
 
 
-@pytest.mark.parametrize("layout", WEIGHTED_LAYOUTS)
+@pytest.mark.parametrize("layout", sorted(WEIGHTED_LAYOUTS))
 def test_weighted_replicated_mean_weighs_each_site_by_the_sum_of_its_ranks_parts(four_ranks, layout):
-    sites = LAYOUTS[layout]
+    sites = WEIGHTED_LAYOUTS[layout]
     results = four_ranks[f"weighted {layout}"]
     totals = torch.tensor([sum(r + 1.0 for r in range(4) if sites[r] == s) for s in range(max(sites) + 1)],
                           dtype=torch.float64)
@@ -323,16 +334,19 @@ def test_weighted_replicated_mean_weighs_each_site_by_the_sum_of_its_ranks_parts
                 expected, _, _ = _topk_reference(per_site, rails, compression, weights)
                 assert torch.equal(y, expected), f"{layout} {compression} rank {rank}: differs from by hand"
         assert len({r[compression][2] for r in results}) == 1, f"{layout} {compression}: ranks differ"
+    for rank, (half, _, _) in enumerate(r["bf16"] for r in results):
+        bound = 2 * torch.finfo(torch.bfloat16).eps * magnitude + 1e-30  # each site rounded once, then the sum
+        assert ((half.double() - exact).abs() <= bound).all(), f"{layout} bf16 rank {rank}"
+    assert len({r["bf16"][2] for r in results}) == 1, f"{layout} bf16: ranks differ"
+    errors = {r["bad"] for r in results}  # one rank's bad part: the same error on every rank, naming it
+    assert len(errors) == 1 and "ranks [2] gave [-1.0]" in errors.pop()
     plain = sum(x.double() for x in per_site) / len(per_site)
     assert (exact - plain).abs().max() > 1e-2, "the weights must change the result"
 
 
-def test_weight_needs_a_replicated_mean_and_a_finite_non_negative_value():
-    topo = None  # refused before the topology is looked at
+def test_weight_needs_a_replicated_mean():
     with pytest.raises(ValueError, match="replicated=True, op='avg'"):
-        all_reduce(torch.ones(3), topo, op="sum", replicated=True, weight=1.0)
-    with pytest.raises(ValueError, match=r"weight=-1.0\): a site's weight must be a finite number >= 0"):
-        all_reduce(torch.ones(3), topo, op="avg", replicated=True, weight=-1.0)
+        all_reduce(torch.ones(3), None, op="sum", replicated=True, weight=1.0)  # refused before the topology is used
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +360,6 @@ def four_ranks():
     cases |= {"async": (_async_and_views, ()), "named": (_named_sites, ())}
     cases |= {f"int8 {name}": (_int8_residual, (sites,)) for name, sites in INT8_SITES.items()}
     cases |= {"topk 2x2": (_topk_sites, ())}
-    cases |= {f"weighted {name}": (_weighted, (LAYOUTS[name],)) for name in WEIGHTED_LAYOUTS}
+    cases |= {f"weighted {name}": (_weighted, (sites,)) for name, sites in WEIGHTED_LAYOUTS.items()}
     cases |= {f"bad layout {i}": (_layout_error, (kwargs, env)) for i, (kwargs, env, _) in enumerate(BAD_LAYOUTS)}
     return run_cases(cases, 4, timeout=540)

@@ -164,7 +164,9 @@ def test_resume_mid_sync_restores_every_ranks_residuals_and_equals_the_unbroken_
 
 def test_residuals_taken_under_another_chunk_plan_restart_at_zero(four_ranks, saved_dir):
     # saved under the default chunk_mb: with another, slot j of a residual may belong to another parameter
-    env = {rank: {"MULTIDC_WAN_CHUNK_MB": "0.0001"} for rank in range(4)}  # ~100-byte chunks: another slot count
+    # ~100-byte chunks: as many slots (ceil(numel / rails)), but slot j may hold another element: only the saved
+    # layout tells, which is what this checks
+    env = {rank: {"MULTIDC_WAN_CHUNK_MB": "0.0001"} for rank in range(4)}
     resumed = run_ranks(_train, 4, {**RESUME, "resume_from": saved_dir, "stop_after_load": True}, env=env)
     assert [r["inner_steps"] for r in resumed] == [RESUME["save_at"]] * 4
     for r in resumed:

@@ -117,7 +117,7 @@ def run(spec: dict, layout: dict, args, *, last: bool) -> None:
 def _residuals(diloco) -> dict[str, torch.Tensor]:
     """This rank's top-k error-feedback residuals as its checkpoints hold them (``{}`` without top-k)."""
     mine = diloco.state_dict().get("residual", {}).get(f"rank_{torch.distributed.get_rank()}", {})
-    return {name: value.clone() for name, value in mine.items()}
+    return {name: value.clone() for name, value in mine.items() if name.startswith("fragment_")}  # not the layout
 
 
 def _full(net: torch.nn.Module) -> dict[str, torch.Tensor]:

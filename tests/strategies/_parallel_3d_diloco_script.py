@@ -90,7 +90,7 @@ class Net(pl.LightningModule):
 def residuals(diloco) -> dict[str, torch.Tensor]:
     """This rank's top-k error-feedback residuals as its checkpoints hold them (``{}`` without top-k)."""
     mine = diloco.state_dict().get("residual", {}).get(f"rank_{dist.get_rank()}", {})
-    return {name: value.clone() for name, value in mine.items()}
+    return {name: value.clone() for name, value in mine.items() if name.startswith("fragment_")}  # not the layout
 
 
 def main() -> None:
