@@ -323,11 +323,12 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """The outer state: the inner step count, the float32 global parameters, the outer optimizers' state, and
         a sync in flight (its averaged result and the step it merges at), identical on every rank of the topology;
-        with a top-k codec also this rank's own error-feedback residuals and the chunk plan they follow, under
-        ``"residual"`` -> ``"rank_<global rank>"``: a key no other rank holds, so a distributed checkpoint stores
-        every rank's (resume with the same ranks and ``WanConfig.chunk_mb`` to keep them). Collective: every rank
-        calls it (a sync in flight is waited for, not merged). The tensors are the live ones, so a checkpoint loader
-        may fill them in place."""
+        under ``weighting="samples"`` also what this rank trained since each fragment's last sync (``"trained"`` ->
+        ``"rank_<global rank>"``); with a top-k codec this rank's own error-feedback residuals and the chunk plan
+        they follow, under ``"residual"`` -> ``"rank_<global rank>"``: keys no other rank holds, so a distributed
+        checkpoint stores every rank's (resume with the same ranks and ``WanConfig.chunk_mb`` to keep them).
+        Collective: every rank calls it (a sync in flight is waited for, not merged). The tensors are the live
+        ones, so a checkpoint loader may fill them in place."""
         self._settle()
         flight = self._in_flight
         pending = torch.zeros(self._largest)
