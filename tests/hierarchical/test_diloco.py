@@ -37,6 +37,10 @@ STREAMING_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha"
 APART_CONFIG = {"sync_every": 6, "fragments": 3}
 MANUAL_CONFIG = {"sync_every": 4}
 RESUME_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
+# ranks reporting more samples every step (so the sites weigh 3 : 7 and the resumed run needs the counts since each
+# sync). 2 ranks per site: with 3, DDP's bucket rebuild after a (resumed) process's first step changes gloo's
+# summation order inside the site, so a resume ends equal only to float32 rounding
+RESUME_CASE = {"layout": [0, 0, 1, 1], "steps": 11, "config": RESUME_CONFIG, "samples_grow": True}
 COMPRESSIONS = ["int4", "int8", "bf16"]
 PROTOCOL_CASES = {"allreduce": None, "diloco": REFERENCE_CONFIG}
 
@@ -68,8 +72,7 @@ def four_ranks(saved_dirs):
                                  "ddp": "site_group"},))
     cases["start equal"] = (_start, ({"layout": LAYOUTS["2x2"], "config": {"sync_every": 4, "fragments": 2}},))
     cases |= {f"fragments {layout}": (_start, (_fragments_case(layout),)) for layout in ("2x2", "3+1")}
-    cases["unbroken"] = (_train, ({"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG, "save_at": 6,
-                                   "ckpt": saved_dirs["mid_sync"]},))  # 6: a sync in flight
+    cases["unbroken"] = (_train, (RESUME_CASE | {"save_at": 6, "ckpt": saved_dirs["mid_sync"]},))  # a sync in flight
     cases |= {f"protocol {mode}": (_protocol, (config,)) for mode, config in PROTOCOL_CASES.items()}
     cases |= _weighting_cases("3+1")
     cases["reported 3+1"] = (_train, ({"layout": LAYOUTS["3+1"], "steps": 12, "config": REFERENCE_CONFIG,
@@ -124,7 +127,7 @@ def test_unequal_sites_weigh_what_they_trained_and_equal_weights_stay_selectable
 def test_samples_each_rank_reports_weigh_its_site(four_ranks):
     _check(four_ranks["reported 3+1"], _reference(LAYOUTS["3+1"], 12, REFERENCE_CONFIG, samples=REPORTED))
     by_ranks = _reference(LAYOUTS["3+1"], 12, REFERENCE_CONFIG)  # 12 : 8, not 3 : 1
-    assert (_flat(by_ranks["global"]) - _flat(four_ranks["reported 3+1"][0]["global"])).abs().max() > 1e-4
+    assert (_flat(by_ranks["global"]) - four_ranks["reported 3+1"][0]["global"]).abs().max() > 1e-4
 def _site_batch(layout: list[int], site: int, step: int):
     rows = [_rows(site, local, step) for local in range(layout.count(site))]
     return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
@@ -154,6 +157,8 @@ def _train(rank: int, world: int, case: dict) -> dict:
         if case.get("samples"):  # what this rank reports it trained (else each step counts 1)
             diloco.count(case["samples"][rank] / 2)
             diloco.count(case["samples"][rank] / 2)  # reports add up (micro-batches)
+        if case.get("samples_grow"):  # more every step: a resume must restore the counts since the last sync
+            diloco.count((rank + 1) * t)
         before = topo.wan_stats.snapshot()["bytes_sent"]
         opt.step()  # the DiLoCo step runs in the optimizer's post-hook (built with opt)
         if case.get("manual"):  # built with inner_optimizer=None: the loop steps DiLoCo itself
@@ -243,7 +248,7 @@ def _check(results: list[dict], reference: dict, atol: float = 1e-6) -> None:
     assert len({r["digest"] for r in results}) == 1, "ranks hold different global parameters"
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", ["2x2", "3+1", "one site"])
 def test_diloco_equals_single_process_reference(four_ranks, two_ranks, layout):
     results = _ranks_of(layout, four_ranks, two_ranks)
     _check(results, _reference(LAYOUTS[layout], 12, REFERENCE_CONFIG))  # one site: local training plus the outer step
@@ -399,8 +404,7 @@ def _start(rank: int, world: int, case: dict) -> dict:
 
 def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(four_ranks, saved_dirs):
     unbroken = four_ranks["unbroken"]  # saved at step 6, a sync in flight
-    resumed = run_ranks(_train, 4, {"layout": LAYOUTS["2x2"], "steps": 11, "config": RESUME_CONFIG,
-                                    "resume_from": saved_dirs["mid_sync"]})  # ranks of its own
+    resumed = run_ranks(_train, 4, RESUME_CASE | {"resume_from": saved_dirs["mid_sync"]})  # ranks of its own
     for a, b in zip(unbroken, resumed):
         assert a["digest"] == b["digest"]
         for name in a["local"]:
