@@ -153,10 +153,8 @@ def print_tables(results: dict, args, rates: list[str]) -> None:
 
 
 def _sparse_label(args) -> str:
-    outer = [f"{k} {v:g}" for k, v in (("outer lr", getattr(args, "sparse_outer_lr", None)),
-                                        ("outer momentum", getattr(args, "sparse_outer_momentum", None)),
-                                        ("alpha", getattr(args, "sparse_alpha", None))) if v is not None]
-    return " ".join([getattr(args, "sparse_compression", "topk"), *outer])
+    return (f"{args.sparse_compression} outer lr {args.sparse_outer_lr:g} momentum {args.sparse_outer_momentum:g} "
+            f"alpha {args.sparse_alpha:g}")
 
 
 def wan_bytes(results: dict, rates: list[str]) -> dict[str, float]:

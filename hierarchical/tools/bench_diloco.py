@@ -34,7 +34,7 @@ from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
 
 METHODS = ("hierarchical_ddp", "diloco", "streaming_diloco", "sparse_streaming_diloco", "sites_alone")
-QUICK_METHODS = ("hierarchical_ddp", "streaming_diloco", "sparse_streaming_diloco", "sites_alone")
+QUICK_METHODS = ("hierarchical_ddp", "streaming_diloco", "sites_alone")  # make demo: short, shows what it prints
 SLOW_RATE = 10e6  # bit/s: below it hierarchical DDP times one step, without a warm-up
 
 
@@ -106,14 +106,8 @@ def _methods(args, *, quality: bool, rate: str | None = None) -> list[dict]:
 
 def _sparse(args) -> dict:
     """The sparse row's DiLoCoConfig fields beside the streaming ones."""
-    out = {"compression": args.sparse_compression}
-    if args.sparse_outer_lr is not None:
-        out["outer_lr"] = args.sparse_outer_lr
-    if args.sparse_alpha is not None:
-        out["alpha"] = args.sparse_alpha
-    if args.sparse_outer_momentum is not None:
-        out |= {"outer_momentum": args.sparse_outer_momentum, "nesterov": args.sparse_outer_momentum > 0}
-    return out
+    return {"compression": args.sparse_compression, "outer_lr": args.sparse_outer_lr, "alpha": args.sparse_alpha,
+            "outer_momentum": args.sparse_outer_momentum, "nesterov": args.sparse_outer_momentum > 0}
 
 
 def _selected(args) -> list[str]:
