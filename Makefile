@@ -46,10 +46,11 @@ bench-allreduce: $(STAMP)
 	$(BIN)/multidc bench allreduce --sites 2 --ranks-per-site 2 --size-mb 64 --wan-rate 400mbit \
 		--compression none,bf16,int8 --repeats 5 --plot docs/bench_allreduce.png
 
-# Hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites alone: utilization at 10/50/200 mbit, loss at equal tokens.
+# Hierarchical DDP vs DiLoCo vs streaming DiLoCo (int8, sparse top-k) vs sites alone: utilization at 1/10/50/200
+# mbit, loss at equal tokens.
 # Rewrites the figure and data of docs/benchmarks.md (docs/bench_diloco.png, .json).
 bench-diloco: $(STAMP)
-	$(BIN)/multidc bench diloco --rates 10mbit,50mbit,200mbit --json docs/bench_diloco.json
+	$(BIN)/multidc bench diloco --rates 1mbit,10mbit,50mbit,200mbit --json docs/bench_diloco.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png

@@ -1,8 +1,9 @@
-"""``multidc bench diloco``: hierarchical DDP vs DiLoCo vs streaming DiLoCo vs sites training alone.
+"""``multidc bench diloco``: hierarchical DDP vs DiLoCo vs streaming DiLoCo (int8, sparse top-k) vs sites alone.
 
 2 sites x 2 ranks (default) train a small GPT (``_bench_model.TinyGPT``, about 3M parameters) on generated
-token sequences; each site holds different topics (see ``_bench_model.TopicData``). Two phases, every method in
-the same processes of each phase:
+token sequences; each site holds different topics (see ``_bench_model.TopicData``). The sparse row is streaming
+DiLoCo with a top-k codec (``--sparse-*``: by default 1/16 of each chunk at 2 bits, outer SGD lr 1 without
+momentum, alpha 0). Two phases, every method in the same processes of each phase:
 
 * **quality** (skipped with ``--quick``): every method trains ``--steps`` inner steps on the same batches over an
   unshaped link; validation loss every ``--eval-every`` steps. The numbers of the algorithms do not depend on the
@@ -11,11 +12,12 @@ the same processes of each phase:
   when not root, which it says): a timed window per method after a warm-up. Throughput, **compute utilization**
   (the method's step rate over the step rate of the sites training alone, in the same job), and WAN bytes per
   inner step (interface counters under the lab, payload counters on loopback). DiLoCo's window spans exactly
-  ``sync_every`` steps starting when no sync is in flight, so it holds one sync of every fragment.
+  ``sync_every`` steps starting when no sync is in flight, so it holds one sync of every fragment. Below
+  10 mbit hierarchical DDP times a single step without a warm-up (it sends ~13 MB per step: ~100 s at 1 mbit).
 
 Prints a table, checks the issue's targets, writes JSON and (with matplotlib) a PNG. Example::
 
-    multidc bench diloco --rates 10mbit,50mbit,200mbit
+    multidc bench diloco --rates 1mbit,10mbit,50mbit,200mbit
     multidc bench diloco --quick --rates 10mbit        # speed only, one rate: make demo
 """
 
@@ -31,18 +33,34 @@ import tempfile
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
 
-METHODS = ("hierarchical_ddp", "diloco", "streaming_diloco", "sites_alone")
-QUICK_METHODS = ("hierarchical_ddp", "streaming_diloco", "sites_alone")
+METHODS = ("hierarchical_ddp", "diloco", "streaming_diloco", "sparse_streaming_diloco", "sites_alone")
+QUICK_METHODS = ("hierarchical_ddp", "streaming_diloco", "sites_alone")  # make demo: short, shows what it prints
+SLOW_RATE = 10e6  # bit/s: below it hierarchical DDP times one step, without a warm-up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", type=int, default=2, help="number of sites (default 2)")
     parser.add_argument("--ranks-per-site", type=int, default=2, help="ranks in each site (default 2)")
-    parser.add_argument("--rates", default="10mbit,50mbit,200mbit", help="comma-separated per-direction WAN rates")
+    parser.add_argument("--rates", default="1mbit,10mbit,50mbit,200mbit",
+                        help="comma-separated per-direction WAN rates (default 1mbit,10mbit,50mbit,200mbit)")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all; --quick: "
+                             f"{','.join(QUICK_METHODS)}); the speed phase needs sites_alone")
     parser.add_argument("--sync-every", type=int, default=32, help="DiLoCo H, both DiLoCo methods (default 32)")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo P (default 4)")
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming DiLoCo tau (default 5)")
     parser.add_argument("--compression", default="int8", help="streaming DiLoCo codec (default int8)")
+    # The sparse row's defaults are SparseLoCo's outer settings with 1/16 of each chunk (measured best within 1000x
+    # fewer bytes than DDP, docs/benchmarks.md): plain outer SGD, lr 1, the local parameters become the global ones.
+    parser.add_argument("--sparse-compression", default="topk:0.0625:2",
+                        help="sparse streaming DiLoCo codec, topk[:DENSITY[:BITS[:CHUNK]]] (default topk:0.0625:2)")
+    parser.add_argument("--sparse-outer-lr", type=float, default=1.0, help="sparse streaming DiLoCo's outer lr "
+                        "(default 1)")
+    parser.add_argument("--sparse-outer-momentum", type=float, default=0.0,
+                        help="sparse streaming DiLoCo's outer momentum, Nesterov when > 0 (default 0)")
+    parser.add_argument("--sparse-alpha", type=float, default=0.0,
+                        help="sparse streaming DiLoCo's merge weight of the local parameters (default 0: the local "
+                             "parameters become the global ones; error feedback keeps what a sync did not send)")
     parser.add_argument("--steps", type=int, default=640, help="inner steps of the quality phase (default 640)")
     parser.add_argument("--eval-every", type=int, default=32, help="validation every N steps (default 32)")
     parser.add_argument("--ddp-steps", type=int, default=3, help="timed hierarchical DDP steps per rate (default 3)")
@@ -59,27 +77,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the demo: speed phase only (no losses), without blocking DiLoCo")
     parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
     parser.add_argument("--json", default=None, help="results file (default bench-results/diloco-<time>.json)")
-    parser.add_argument("--png", default=None, help="plot file (default: the JSON path with .png)")
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a job after this many seconds")
+    parser.add_argument("--plot", default=None, help="plot file (default: the JSON path with .png)")
+    parser.add_argument("--png", dest="plot", help=argparse.SUPPRESS)  # the flag's former name
+    parser.add_argument("--timeout-s", type=float, default=3600.0,
+                        help="give up on a job after this many seconds (default 3600: the quality phase trains 5 "
+                             "methods x --steps; it ran past 1800 s on 2 busy cores)")
 
 
-def _methods(args, *, quality: bool) -> list[dict]:
+def _methods(args, *, quality: bool, rate: str | None = None) -> list[dict]:
     """The methods with their step windows (see the module docstring)."""
     h, tau = args.sync_every, args.overlap_steps
     plain = {"sync_every": h}
     streaming = {"sync_every": h, "fragments": args.fragments, "overlap_steps": tau, "compression": args.compression}
-    windows = {  # (warm-up, timed) steps in the speed phase
-        "hierarchical_ddp": (1, args.ddp_steps), "diloco": (h, h), "streaming_diloco": (h + tau, h),
+    windows = {  # (warm-up, timed) steps in the speed phase; DiLoCo's window holds one sync (at step h)
+        "hierarchical_ddp": (0, 1) if rate and parse_rate(rate) < SLOW_RATE else (1, args.ddp_steps),
+        "diloco": (h // 2, h), "streaming_diloco": (h + tau, h), "sparse_streaming_diloco": (h + tau, h),
         "sites_alone": (5, h),
     }
     kinds = {"hierarchical_ddp": {"kind": "ddp"}, "diloco": {"kind": "diloco", "diloco": plain},
-             "streaming_diloco": {"kind": "diloco", "diloco": streaming}, "sites_alone": {"kind": "site"}}
+             "streaming_diloco": {"kind": "diloco", "diloco": streaming},
+             "sparse_streaming_diloco": {"kind": "diloco", "diloco": {**streaming, **_sparse(args)}},
+             "sites_alone": {"kind": "site"}}
     out = []
-    for name in QUICK_METHODS if args.quick else METHODS:
+    for name in _selected(args):
         warmup, timed = (0, args.steps) if quality else windows[name]
         out.append({"name": name, **kinds[name], "warmup": warmup, "steps": warmup + timed,
                     "overlaps": name != "diloco"})  # DDP's hook and streaming overlap compute; DiLoCo blocks
     return out
+
+
+def _sparse(args) -> dict:
+    """The sparse row's DiLoCoConfig fields beside the streaming ones."""
+    return {"compression": args.sparse_compression, "outer_lr": args.sparse_outer_lr, "alpha": args.sparse_alpha,
+            "outer_momentum": args.sparse_outer_momentum, "nesterov": args.sparse_outer_momentum > 0}
+
+
+def _selected(args) -> list[str]:
+    if args.methods is None:
+        return list(QUICK_METHODS if args.quick else METHODS)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"--methods {args.methods!r}: {unknown or 'none given'} not among {', '.join(METHODS)}.")
+    if "sites_alone" not in names and not args.no_speed:
+        raise ValueError(f"--methods {args.methods!r} needs sites_alone for the speed phase's utilization (or "
+                         f"pass --no-speed).")
+    return [m for m in METHODS if m in names]
 
 
 def _validate(args) -> list[str]:
@@ -100,8 +143,12 @@ def _validate(args) -> list[str]:
         raise ValueError("--no-speed (quality only) cannot be combined with --quick or --no-quality (speed only).")
     from multidc.hierarchical.diloco import DiLoCoConfig  # the settings' own checks, with their messages
 
-    DiLoCoConfig(sync_every=args.sync_every, fragments=args.fragments, overlap_steps=args.overlap_steps,
-                 compression=args.compression)
+    _selected(args)
+    if not args.sparse_compression.startswith("topk"):
+        raise ValueError(f"--sparse-compression {args.sparse_compression!r} must be a top-k codec: topk or "
+                         f"topk:DENSITY[:BITS[:CHUNK]], e.g. topk:0.03125:2.")
+    for codec in ({"compression": args.compression}, _sparse(args)):
+        DiLoCoConfig(sync_every=args.sync_every, fragments=args.fragments, overlap_steps=args.overlap_steps, **codec)
     return sorted(rates, key=parse_rate)
 
 
@@ -142,16 +189,15 @@ def run(args: argparse.Namespace) -> int:
             records, _ = _job(args, _plan(args, _methods(args, quality=True), quality=True), None, tmp, "quality")
             results["quality"] = report.quality(records, args)
         for rate in [] if args.no_speed else rates:
-            records, shaped = _job(args, _plan(args, _methods(args, quality=False), quality=False), rate, tmp,
-                                   f"speed-{rate}")
+            records, shaped = _job(args, _plan(args, _methods(args, quality=False, rate=rate), quality=False),
+                                   rate, tmp, f"speed-{rate}")
             results["speed"][rate] = report.speed(records, args, shaped=shaped)
             results["shaped"] = shaped
     results["targets"] = report.targets(results, rates)
     report.print_tables(results, args, rates)
     with open(out, "w") as f:
         json.dump(results, f, indent=1, default=str)
-    png = args.png or os.path.splitext(out)[0] + ".png"
-    print(report.plot(results, rates, png))
+    print(report.plot(results, rates, args.plot or os.path.splitext(out)[0] + ".png"))
     print(json.dumps({"bench": "diloco", "speed": results["speed"], "targets": results["targets"]}))
     print(f"[multidc bench diloco] results written to {out}")
     return 0
