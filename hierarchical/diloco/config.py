@@ -38,7 +38,8 @@ class DiLoCoConfig:
     global ones. Must be < H / P. Env ``MULTIDC_DILOCO_OVERLAP_STEPS``; default 0."""
 
     alpha: float | None = None
-    """Weight of the local parameters in the merge when ``overlap_steps >= 1``, in [0, 1].
+    """Weight of the local parameters in the merge when ``overlap_steps >= 1``, in [0, 1]; must be 0 with a top-k
+    codec (what a sync did not send stays in the residual, not also in the local parameters).
     Env ``MULTIDC_DILOCO_ALPHA``; default 0.5."""
 
     outer_lr: float | None = None
@@ -107,6 +108,13 @@ class DiLoCoConfig:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError(f"{self._source('nesterov')} needs outer_momentum > 0; set nesterov=False or a momentum.")
         self.compression = compression_name(self.compression, self._source("compression"))
+        if self.compression.startswith("topk") and self.overlap_steps and self.alpha:
+            raise ValueError(
+                f"{self._source('alpha')} with compression={self.compression!r} and overlap_steps="
+                f"{self.overlap_steps}: set alpha=0. The merge would keep alpha of what a sync did not send in the "
+                f"local parameters while the error-feedback residual keeps all of it, so it would be sent again "
+                f"(counted 1 + alpha times)."
+            )
         weighting = str(self.weighting).strip().lower()
         if weighting not in WEIGHTINGS:
             raise ValueError(f"{self._source('weighting')}: choose 'samples' (each site weighs what it trained since "

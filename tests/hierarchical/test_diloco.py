@@ -502,6 +502,8 @@ def test_fragments_are_strided_over_blocks():
         ({"sync_every": 4, "outer_momentum": 0.0}, "nesterov"),
         ({"sync_every": 4, "compression": "zip"}, "compression='zip'"),
         ({"sync_every": 4, "weighting": "tokens"}, "weighting='tokens'.*choose 'samples'.* or 'equal'"),
+        ({"sync_every": 4, "fragments": 2, "overlap_steps": 1, "compression": "topk"},
+         r"alpha=0.5 .*compression='topk' and overlap_steps=1: set alpha=0.*counted 1 \+ alpha times"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, message, monkeypatch):

@@ -30,7 +30,8 @@ from tests.diloco_reference import rows as _rows
 pytestmark = pytest.mark.timeout(600)
 CODEC = "topk"  # density 1/64, 2 bits, chunks of 256: 4 values of each 256 cross the WAN per sync
 LAYOUTS = {"2x1": [0, 1], "3x1": [0, 1, 2], "2x2": [0, 0, 1, 1]}
-CONFIGS = {"plain": ({"sync_every": 4}, 12), "streaming": ({"sync_every": 4, "fragments": 2, "overlap_steps": 1}, 10)}
+CONFIGS = {"plain": ({"sync_every": 4}, 12),
+           "streaming": ({"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha": 0.0}, 10)}  # alpha 0: top-k
 RESUME = {"layout": LAYOUTS["2x2"], "config": CONFIGS["streaming"][0], "steps": 11, "save_at": 6}  # a sync in flight
 
 

@@ -41,7 +41,7 @@ STEPS, ACCUMULATE, SAVE_AT = 9, 2, 6  # a sync starts at step 6 and merges at 7:
 LAYOUTS = {"ddp": None, "sites2xdp_shard2": {"dp_shard": 2}}  # under DDP; under a layout (FSDP2 inside each site)
 
 
-TOPK = {**CONFIG, "compression": "topk"}
+TOPK = {**CONFIG, "compression": "topk", "alpha": 0.0}
 
 
 def _launch_at_once(tmps: dict, name: str, *extra: str, more=lambda tmp: []) -> dict[str, dict[str, list[dict]]]:
