@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from multidc.hierarchical.all_reduce import residual_numel
+from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.topology import Topology
 
@@ -43,7 +44,7 @@ def refuse_sparse_per_step(compression: str, where: str) -> None:
     """A ValueError for a top-k codec on per-step gradients (``where`` names the hook): it drops ~98% of every
     step's gradient, and the per-step residuals here ignore the optimizer's momentum, which slows convergence;
     top-k is for DiLoCo's outer syncs (``DiLoCoConfig.compression``), whose error feedback is per fragment."""
-    if compression.startswith("topk"):
+    if is_sparse(compression):
         raise ValueError(
             f"{where}: WanConfig.compression={compression!r} (or MULTIDC_WAN_COMPRESSION) is for DiLoCo's outer "
             f"syncs, not per-step gradients; use 'int8' / 'int4' here, or cross_site='diloco' with "

@@ -323,13 +323,19 @@ def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:count]
 
 
+def is_sparse(name) -> bool:
+    """Whether ``name`` (a ``WanConfig`` / ``DiLoCoConfig`` compression value) names a top-k codec: ``"topk"`` or
+    ``"topk:DENSITY[:BITS[:CHUNK]]"``, whose dropped values need error feedback."""
+    return isinstance(name, str) and (name == "topk" or name.startswith("topk:"))
+
+
 def get_codec(name: str) -> Codec | None:
     """The codec for a ``WanConfig.compression`` value; ``None`` for ``"none"``.
 
     ``"topk"`` is ``TopKCodec()`` (density 1/64, 2 bits, chunk 256: 0.28 bit per parameter);
     ``"topk:DENSITY[:BITS[:CHUNK]]"`` sets its arguments, e.g. ``"topk:0.02:4"``.
     """
-    if isinstance(name, str) and (name == "topk" or name.startswith("topk:")):
+    if is_sparse(name):
         return _topk_codec(name)
     codecs = {
         "none": None,

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from multidc.hierarchical import _env
-from multidc.hierarchical.compression import get_codec
+from multidc.hierarchical.compression import get_codec, is_sparse
 
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "int4")
 TOPK_FORMS = "'topk' or 'topk:DENSITY[:BITS[:CHUNK]]' (e.g. 'topk:0.02:2:256')"
@@ -82,7 +82,7 @@ def compression_name(value, source: str) -> str:
     name = value.lower() if isinstance(value, str) else None
     if name in COMPRESSIONS:
         return name
-    if name is not None and (name == "topk" or name.startswith("topk:")):
+    if is_sparse(name):
         try:
             return get_codec(name).name
         except ValueError as exc:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from multidc.hierarchical import _env
+from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import compression_name, positive_number
 from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
 
@@ -108,7 +109,7 @@ class DiLoCoConfig:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError(f"{self._source('nesterov')} needs outer_momentum > 0; set nesterov=False or a momentum.")
         self.compression = compression_name(self.compression, self._source("compression"))
-        if self.compression.startswith("topk") and self.overlap_steps and self.alpha:
+        if is_sparse(self.compression) and self.overlap_steps and self.alpha:
             raise ValueError(
                 f"{self._source('alpha')} with compression={self.compression!r} and overlap_steps="
                 f"{self.overlap_steps}: set alpha=0. The merge would keep alpha of what a sync did not send in the "

@@ -347,7 +347,8 @@ class DiLoCo:
         }
 
     def _per_rank_state(self) -> dict:
-        """This rank's residuals keyed by its global rank (``error_feedback.state``); ``{}`` without a top-k codec."""
+        """This rank's own state, keyed by its global rank (see ``state_dict``): its residuals under a top-k codec
+        (``error_feedback.state``), its counts under ``weighting="samples"``; ``{}`` with neither."""
         state = error_feedback.state(self._fragments, *self._sync_target())
         trained = {"trained": {f"rank_{dist.get_rank()}": torch.tensor(self._trained, dtype=torch.float64)}}
         return ({"residual": state} if state else {}) | (trained if self.config.weighting == "samples" else {})

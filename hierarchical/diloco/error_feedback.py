@@ -16,21 +16,17 @@ import torch.distributed as dist
 
 from multidc.hierarchical.all_reduce import residual_numel
 from multidc.hierarchical.chunking import MIB
+from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.topology import Topology
 
 _log = logging.getLogger("multidc.hierarchical.diloco")
 
 
-def uses_feedback(wan: WanConfig) -> bool:
-    """Whether ``wan``'s codec keeps residuals (the top-k codecs)."""
-    return wan.compression.startswith("topk")
-
-
 def residual(fragment, topology: Topology, wan: WanConfig) -> torch.Tensor | None:
     """``fragment``'s residual for a sync over ``topology`` (kept on the fragment), or None when the codec needs
     none; zero when new or when the plan changed its length."""
-    if not uses_feedback(wan):
+    if not is_sparse(wan.compression):
         return None
     numel = residual_numel(fragment.global_flat.numel(), fragment.global_flat.element_size(), topology, wan)
     if fragment.residual is None or fragment.residual.numel() != numel:
