@@ -59,6 +59,15 @@ class DiLoCoConfig:
     keeps what a sync did not send (error feedback, see ``DiLoCo``). Env ``MULTIDC_DILOCO_COMPRESSION``; default
     ``"none"``."""
 
+    sync_every_s: float | None = None
+    """Rounds by time: each site runs as many inner steps per round as fit in ``sync_every_s`` seconds (measured),
+    so a faster site no longer idles at the syncs; ``sync_every`` is then the steps of the first round, before
+    anything is measured. A round holds one sync of every fragment; site ``s`` runs ``H_s = round(sync_every_s /
+    its step time)`` steps in it (at least ``fragments * (overlap_steps + 1)``). Use it with ``weighting="samples"``:
+    equal weights would over-weight the slow site. Each site counts its own inner steps (and steps its own LR
+    schedulers); see docs/guides/diloco.md#rounds-by-time. Not with elastic sites. Env
+    ``MULTIDC_DILOCO_SYNC_EVERY_S``; default None: every site syncs every ``sync_every`` steps."""
+
     weighting: str | None = None
     """How the sites' pseudo-gradients are merged: ``"samples"``: each site weighs what it trained since that
     fragment's last sync: the samples its ranks reported with ``DiLoCo.count(samples)`` (tokens, if you like), one
@@ -77,6 +86,7 @@ class DiLoCoConfig:
             ("nesterov", _env.DILOCO_NESTEROV, _env.read_bool, True),
             ("compression", _env.DILOCO_COMPRESSION, _env.read, "none"),
             ("weighting", _env.DILOCO_WEIGHTING, _env.read, "samples"),
+            ("sync_every_s", _env.DILOCO_SYNC_EVERY_S, _env.read_float, None),
         ))
         self._validate()
 
@@ -121,6 +131,9 @@ class DiLoCoConfig:
             raise ValueError(f"{self._source('weighting')}: choose 'samples' (each site weighs what it trained since "
                              f"the fragment's last sync) or 'equal' (the plain mean over sites).")
         self.weighting = weighting
+        if self.sync_every_s is not None and not (positive_number(self.sync_every_s) and _number(self.sync_every_s)):
+            raise ValueError(f"{self._source('sync_every_s')} must be a positive number of seconds (e.g. 30.0), or "
+                             f"None for rounds of sync_every steps.")
 
     def _source(self, name: str) -> str:
         return _env.describe(self, name, self._env_names, _FIELD_ENV)
@@ -141,6 +154,7 @@ _FIELD_ENV = {
     "nesterov": _env.DILOCO_NESTEROV,
     "compression": _env.DILOCO_COMPRESSION,
     "weighting": _env.DILOCO_WEIGHTING,
+    "sync_every_s": _env.DILOCO_SYNC_EVERY_S,
 }
 WEIGHTINGS = ("samples", "equal")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,8 @@ from multidc.hierarchical.diloco import error_feedback
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree_model
 from multidc.hierarchical.diloco.fragments import local_tensor
 from multidc.hierarchical.diloco.outer import init_state, is_state_init_step, load_outer_state, outer_state
+from multidc.hierarchical.diloco.rounds import Rounds, StepTimer, minimum_steps, next_round
+from multidc.hierarchical.errors import wan_failure
 from multidc.hierarchical.topology import FailFast, Topology
 
 
@@ -146,6 +149,7 @@ class DiLoCo:
         self._samples: float | None = None  # reported for the current inner step (count())
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
         self._hook_stepping = False
+        self._init_rounds()
 
     def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.config
@@ -198,6 +202,7 @@ class DiLoCo:
                 alone would leave the others waiting in the next sync until ``WanConfig.timeout_s``.
         """
         t = self._count_inner_step()
+        self._timer.enter()
         started = time.perf_counter()
         synced = False
         if self._in_flight is not None and self._in_flight.merge_at <= t:
@@ -205,12 +210,14 @@ class DiLoCo:
             synced = True
         due = self._due(t)
         if due is not None:
+            last = self._end_round(t)
             self._start(due, t)
-            if self.config.overlap_steps == 0:
+            if self.config.overlap_steps == 0 or last:  # the run's last sync merges at once
                 self._finish()
             synced = True
         if synced:
             self.stats.exposed_s += time.perf_counter() - started
+        self._timer.leave()
 
     def _count_inner_step(self) -> int:
         """Count the inner step ``step()`` was called for and return its number; refuse a call that does not come
@@ -230,6 +237,8 @@ class DiLoCo:
     def _due(self, t: int) -> int | None:
         """The fragment whose sync starts at inner step ``t``, or None (at most one: ``fragments <= sync_every``
         spreads their offsets apart)."""
+        if self._rounds is not None:
+            return self._rounds.due(self.topology.site, t, self.config.fragments)
         return next((i for i, f in enumerate(self._fragments) if t % self.config.sync_every == f.offset), None)
 
     def _start(self, index: int, t: int) -> None:
@@ -316,6 +325,119 @@ class DiLoCo:
                 for local, copy in zip(fragment.params, copies):
                     local.copy_(copy)
 
+    # Rounds by time (DiLoCoConfig.sync_every_s) and the end of training: see multidc.hierarchical.diloco.rounds
+
+    def _init_rounds(self) -> None:
+        self._total: int | None = None  # finish_at
+        self._timer = StepTimer()
+        self._rounds: Rounds | None = None
+        if self.config.sync_every_s is not None:
+            steps = (self.config.sync_every,) * self.topology.num_sites
+            self._rounds = Rounds(steps=steps, history=[steps])
+
+    def finish_at(self, steps: int | None) -> None:
+        """End training after this rank's inner step ``steps`` (e.g. Lightning's ``max_steps``; None: no end).
+        With rounds by time the sites run different step counts, so they agree on a last round: when a site would
+        reach its end within the next round, that round is every site's last, the first site to end stops exactly
+        at its ``steps`` and the others earlier; then ``should_stop`` is True on every rank. Each site counts its
+        own inner steps. Call it on every rank before the round that could be the last starts. Not collective.
+
+        Raises:
+            ValueError: ``steps`` is not an integer >= 0 or None.
+        """
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"DiLoCo.finish_at(steps={steps!r}): steps must be an integer >= 0, or None.")
+        self._total = steps
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether this rank should stop training: it reached ``finish_at``'s steps, or, with rounds by time, the
+        sites' last round ended (on every rank after the same sync)."""
+        if self._rounds is not None and self._rounds.stopped:
+            return True
+        return self._total is not None and self.stats.inner_steps >= self._total
+
+    @property
+    def round_plans(self) -> list[tuple[int, ...]]:
+        """With rounds by time: every round's inner steps per site so far (site order), the current round last;
+        the same on every rank. ``[]`` without."""
+        return list(self._rounds.history) if self._rounds is not None else []
+
+    def _end_round(self, t: int) -> bool:
+        """At inner step ``t``, a sync is due: if it ends this site's round (rounds by time), the ranks exchange
+        their step times and steps left (collective over the topology) and plan the next round. Returns whether
+        this sync is the run's last."""
+        rounds = self._rounds
+        if rounds is None or not rounds.ends_round(self.topology.site, t):
+            return False
+        if rounds.last:
+            rounds.stopped = True
+            return True
+        times, left = self._exchange_round()
+        steps, verdict = next_round(times, left, rounds.steps, every_s=self.config.sync_every_s,
+                                    minimum=minimum_steps(self.config.fragments, self.config.overlap_steps))
+        if verdict == "stop":
+            rounds.stopped = True
+            return True
+        rounds.steps, rounds.start, rounds.last = steps, t, verdict == "last"
+        rounds.history.append(steps)
+        return False
+
+    def _exchange_round(self) -> tuple[list[float], list[int | None]]:
+        """Every site's step time (its slowest rank's mean over the round) and steps left (None: no end), from one
+        all-reduce of a slot per rank over the topology's group: every rank gathers the same numbers."""
+        topo = self.topology
+        claims = torch.zeros(topo.size, 2, dtype=torch.float64, device=self._fragments[0].global_flat.device)
+        left = -1.0 if self._total is None else float(max(0, self._total - self.stats.inner_steps))
+        claims[topo.rank, 0], claims[topo.rank, 1] = self._timer.take_mean(), left
+        try:
+            work = dist.all_reduce(claims, group=topo.group, async_op=True)
+            work.wait(datetime.timedelta(seconds=self.wan.timeout_s))
+        except RuntimeError as exc:
+            raise wan_failure(topo, "exchanging the sites' step times", self.wan.timeout_s, exc) from exc
+        times, steps_left = [0.0] * topo.num_sites, [None] * topo.num_sites
+        for rank, (seconds, n) in enumerate(claims.cpu().tolist()):
+            site = topo.layout.site_of(rank)
+            times[site] = max(times[site], seconds)
+            if n >= 0:
+                steps_left[site] = int(n) if steps_left[site] is None else min(steps_left[site], int(n))
+        return times, steps_left
+
+    def _rounds_state(self) -> dict:
+        """The round plan (the same on every rank) and this rank's own step count, sync in flight and timing of the
+        round so far (under ``"rank_<global rank>"``: the sites' step counts differ); ``{}`` without time rounds."""
+        rounds = self._rounds
+        if rounds is None:
+            return {}
+        flight = self._in_flight
+        own = [self.stats.inner_steps, -1 if flight is None else flight.merge_at, rounds.start,
+               self._timer.busy_s, self._timer.steps]
+        return {"rounds": {"steps": torch.tensor(rounds.steps), "last": torch.tensor(int(rounds.last)),
+                           "stopped": torch.tensor(int(rounds.stopped)),
+                           "per_rank": {f"rank_{dist.get_rank()}": torch.tensor(own, dtype=torch.float64)}}}
+
+    def _load_rounds(self, state: dict) -> None:
+        """Restore ``_rounds_state``; none saved (a checkpoint of fixed rounds): the current round is ``sync_every``
+        steps on every site, begun at the last multiple of it."""
+        rounds = self._rounds
+        if rounds is None:
+            return
+        saved = state.get("rounds")
+        own = None if saved is None else saved.get("per_rank", {}).get(f"rank_{dist.get_rank()}")
+        if own is None:
+            t, h = self.stats.inner_steps, self.config.sync_every
+            rounds.steps, rounds.start = (h,) * self.topology.num_sites, t - t % h
+            rounds.last, rounds.stopped, rounds.history = False, False, [rounds.steps]
+            return
+        steps, merge_at, start, busy_s, measured = own.tolist()
+        self.stats.inner_steps, rounds.start = int(steps), int(start)
+        if self._in_flight is not None:
+            self._in_flight.merge_at = int(merge_at)
+        rounds.steps = tuple(int(h) for h in saved["steps"].tolist())
+        rounds.last, rounds.stopped = bool(int(saved["last"])), bool(int(saved["stopped"]))
+        rounds.history = [rounds.steps]
+        self._timer.busy_s, self._timer.steps = busy_s, int(measured)
+
     def _settle(self) -> None:
         """Wait for a sync in flight to arrive (not merge it): its result is then part of the state."""
         self._wait(self._in_flight)
@@ -344,6 +466,7 @@ class DiLoCo:
             "global": {f"fragment_{i}": f.global_flat for i, f in enumerate(self._fragments)},
             "outer": {f"fragment_{i}": outer_state(f.outer) for i, f in enumerate(self._fragments)},
             **self._per_rank_state(),
+            **self._rounds_state(),
         }
 
     def _per_rank_state(self) -> dict:
@@ -381,6 +504,7 @@ class DiLoCo:
             # the loaded buffer is on the CPU; the merge assigns it as the grad of the (maybe CUDA) global copy
             delta = state["in_flight_delta"][:numel].to(self._fragments[index].global_flat.device, copy=True)
             self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
+        self._load_rounds(state)
 
     def _load_trained(self, saved: torch.Tensor | None) -> None:
         """This rank's counts since each fragment's last sync; not saved (another weighting, an older checkpoint):

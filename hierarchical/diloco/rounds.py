@@ -1,0 +1,122 @@
+"""Rounds by time (``DiLoCoConfig.sync_every_s``): each site runs as many inner steps per round as fit in the time.
+
+A round is one sync of every fragment, in fragment order; site ``s`` runs ``H_s`` inner steps in it, fragment ``f``'s
+sync starting at its round's step ``(f + 1) * H_s // P`` (the last fragment's at ``H_s``: the round's end). The k-th
+sync of one site therefore pairs with the k-th of every other site, whatever their step counts.
+
+The invariant this module protects: every rank decides every round alike. At a round's end (the last fragment's
+sync, the one point per round where they meet) the ranks exchange, in one small all-reduce, the mean time of their
+inner steps in the round that ended and the steps each has left (``finish_at``). ``next_round`` then computes every
+site's ``H`` for the next round from those gathered numbers alone (float64 and integer arithmetic, the same on every
+rank), so no rank can decide otherwise and no per-step collective is needed.
+
+A step's time is what the loop spends outside ``DiLoCo.step()``: the forward, backward and optimizer step, the data
+loading, anything else; not the time a sync blocks (``DiLoCoStats.exposed_s``). A site's step time is the slowest of
+its ranks' (they run in lockstep inside the site).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+MAX_STEPS_PER_ROUND = 1 << 30  # a bound on H: a step time near 0 must not ask for an unbounded round
+
+
+@dataclass
+class Rounds:
+    """The round plan of this rank: every site's steps in the current round, and where this site's round began."""
+
+    steps: tuple[int, ...]
+    """H per site of the current round (every rank holds the same)."""
+    start: int = 0
+    """This site's inner step count when the current round began."""
+    last: bool = False
+    """The current round is the job's last: after its end, ``DiLoCo.should_stop`` is True on every rank."""
+    stopped: bool = False
+    """The last round has ended (or the sites agreed to stop at a round's end)."""
+    history: list[tuple[int, ...]] = field(default_factory=list)
+    """Every round's ``steps`` so far, the current one last (for logs and tests; not in the checkpoint)."""
+
+    def due(self, site: int, t: int, fragments: int) -> int | None:
+        """The fragment whose sync starts at this site's inner step ``t``, or None."""
+        h, local = self.steps[site], t - self.start
+        return next((f for f in range(fragments) if local == (f + 1) * h // fragments), None)
+
+    def ends_round(self, site: int, t: int) -> bool:
+        """Whether inner step ``t`` is this site's last step of the current round (the last fragment's sync)."""
+        return t - self.start == self.steps[site]
+
+
+def minimum_steps(fragments: int, overlap_steps: int) -> int:
+    """The fewest inner steps a round may have: every fragment's sync in it, each merged (``overlap_steps``
+    later) before the next one starts: ``fragments * (overlap_steps + 1)``. A faster measurement is clamped up."""
+    return fragments * (overlap_steps + 1)
+
+
+def next_round(
+    times: list[float], left: list[int | None], current: tuple[int, ...], *, every_s: float, minimum: int
+) -> tuple[tuple[int, ...], str]:
+    """Every site's H for the next round, and whether it is the last: ``(steps, "go" | "last" | "stop")``.
+
+    Args:
+        times: each site's mean inner step time (seconds) in the round that ended; <= 0: not measured, the site
+            keeps its current H.
+        left: each site's inner steps left (``finish_at``), None for no end.
+        current: the H of the round that ended.
+        every_s: ``DiLoCoConfig.sync_every_s``.
+        minimum: ``minimum_steps``.
+
+    Returns:
+        ``"go"``: an ordinary round of ``H_s = max(minimum, round(every_s / t_s))``. ``"last"``: some site would
+        reach its end within that round, or leave less than a round's minimum after it: the next round is the last;
+        the site whose end comes first (in rounds, the lowest site on a tie) runs exactly to it, the others as far
+        into their own round (rounded down, at least ``minimum``, at most their end). ``"stop"``: a site has fewer
+        than ``minimum`` steps left: the round that ended was the last.
+    """
+    steps = tuple(
+        max(minimum, min(MAX_STEPS_PER_ROUND, int(round(every_s / t)))) if t > 0 else h for t, h in zip(times, current)
+    )
+    ends = [(s, n) for s, n in enumerate(left) if n is not None]
+    if not ends:
+        return steps, "go"
+    if min(n for _, n in ends) < minimum:
+        return steps, "stop"
+    if all(n >= steps[s] + minimum for s, n in ends):
+        return steps, "go"
+    first, rest = min(ends, key=lambda e: (Fraction(e[1], steps[e[0]]), e[0]))
+    last = tuple(
+        rest if s == first else min(left[s] if left[s] is not None else MAX_STEPS_PER_ROUND,
+                                    max(minimum, rest * h // steps[first]))
+        for s, h in enumerate(steps)
+    )
+    return last, "last"
+
+
+class StepTimer:
+    """This rank's time outside ``DiLoCo.step()`` since the last round's end: ``enter()`` at each call's start,
+    ``leave()`` at its end; each gap between a ``leave`` and the next ``enter`` is one inner step's work."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        """What the timer reads (seconds); a test may put a deterministic one in."""
+        self.busy_s = 0.0
+        self.steps = 0
+        self._left_at: float | None = None
+
+    def enter(self) -> None:
+        now = self.clock()
+        if self._left_at is not None:
+            self.busy_s += now - self._left_at
+            self.steps += 1
+
+    def leave(self) -> None:
+        self._left_at = self.clock()
+
+    def take_mean(self) -> float:
+        """The mean step time since the last call (0.0 when no step was measured), and restart."""
+        mean = self.busy_s / self.steps if self.steps else 0.0
+        self.busy_s, self.steps = 0.0, 0
+        return mean
