@@ -93,6 +93,57 @@ def run_reference(
     }
 
 
+def run_round_reference(
+    model: nn.Module,
+    *,
+    plans: list[tuple[int, ...]],
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable,
+    inner_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    fragments: int = 1,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    site_weights: list[float] | None = None,
+) -> dict:
+    """Rounds by time, without overlap: round ``r`` has ``plans[r][s]`` inner steps on site ``s``; fragment ``f``'s
+    sync comes at the round's step ``(f + 1) * H_s // fragments`` of each site, and the k-th syncs of all sites
+    pair (the sites' step counts differ). ``batch(site, step)`` takes the site's own step count (1-based). Each sync
+    weighs a site by what it trained since that fragment's last sync: its steps since then times
+    ``site_weights[s]`` (default 1; e.g. its ranks), float32 shares summed in site order (equal: the plain mean).
+    Returns ``{"local": [...], "global": {...}, "steps": [inner steps per site]}``."""
+    sites = len(plans[0])
+    per_step = site_weights or [1.0] * sites
+    copies = [copy.deepcopy(model) for _ in range(sites)]
+    optimizers = [inner_optimizer(list(m.parameters())) for m in copies]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    glob = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    momentum = {n: torch.zeros_like(v) for n, v in glob.items()}
+    fragment_of = _fragments(model, fragments, None)
+    steps, trained = [0] * sites, [[0.0] * fragments for _ in range(sites)]
+    for plan in plans:
+        start = list(steps)
+        for f in range(fragments):
+            for site, (m, opt) in enumerate(zip(copies, optimizers)):
+                while steps[site] - start[site] < (f + 1) * plan[site] // fragments:
+                    steps[site] += 1
+                    x, y = batch(site, steps[site])
+                    opt.zero_grad()
+                    loss_fn(m(x), y).backward()
+                    opt.step()
+                    trained[site] = [w + per_step[site] for w in trained[site]]
+            part = [n for n in names if fragment_of[n] == f]
+            per_site = [{n: glob[n] - dict(m.named_parameters())[n].detach().float() for n in part} for m in copies]
+            delta = _merge_sites(per_site, part, [trained[site][f] for site in range(sites)])
+            for site in range(sites):
+                trained[site][f] = 0.0
+            _merge(copies, glob, momentum, (f, 0, delta), 0, 0.0, outer_lr, outer_momentum)
+    return {
+        "local": [{n: p.detach().float().clone() for n, p in m.named_parameters() if p.requires_grad} for m in copies],
+        "global": glob,
+        "steps": steps,
+    }
+
+
 def _merge_sites(per_site: list[dict], part: list[str], site_weights: list[float] | None) -> dict:
     """The sites' arrivals merged: the plain mean, or weighted by each site's share of what all trained (every site
     trains the same number of steps between two syncs of a fragment, so the shares are those of ``site_weights``)."""

@@ -356,7 +356,14 @@ def _site_topology(wan: WanConfig, replicas) -> Topology:
 
 def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
     """``config``, if elastic DiLoCo can run it; else a ValueError saying what to change. A round ends where its
-    sync merges, so an overlapped sync must merge before the next fragment's sync starts."""
+    sync merges, so an overlapped sync must merge before the next fragment's sync starts. Rounds by time are refused:
+    their plan is agreed by a fixed set of sites at each round's end, while an elastic job's sites change there."""
+    if config.sync_every_s is not None:
+        raise ValueError(
+            f"elastic DiLoCo does not support rounds by time yet (DiLoCoConfig.sync_every_s={config.sync_every_s}): "
+            f"a time round's plan is agreed by a fixed set of sites, while an elastic job's sites change from round "
+            f"to round. Unset sync_every_s / MULTIDC_DILOCO_SYNC_EVERY_S, or train without elastic=True."
+        )
     if config.overlap_steps:
         offsets = sorted(config.offset(i) for i in range(config.fragments))
         gap = min((b - a) % config.sync_every or config.sync_every for a, b in zip(offsets, offsets[1:] + offsets[:1]))
