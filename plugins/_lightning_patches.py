@@ -10,6 +10,9 @@ runs at import: importing multidc changes nothing in Lightning for a Trainer tha
   ``update_lr_schedulers`` (elastic: the schedulers step on committed steps only; elastic DiLoCo: a round's quorum
   once they stepped).
 * ``set_optimizer_steps``: the automatic optimization's step counter behind ``global_step`` (elastic: the job's).
+* ``site_sigterm_broadcast`` / ``undo_site_sigterm_broadcast``: one Trainer's epoch loop ``_broadcast_sigterm_tensor``
+  (DiLoCo with rounds by time: the sites run different step counts, so a per-batch broadcast over every rank would
+  pair one site's step with another's and deadlock against DiLoCo's syncs; it runs inside the site instead).
 """
 
 from __future__ import annotations
@@ -79,3 +82,34 @@ def set_optimizer_steps(trainer, step: int) -> None:
     total = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed = step
     total.ready = step + 1
+
+
+def site_sigterm_broadcast(trainer, group, src: int) -> None:
+    """Make this Trainer's per-batch SIGTERM broadcast (Lightning 2.6 ``_TrainingEpochLoop._broadcast_sigterm_tensor``,
+    over every rank) run over ``group`` from global rank ``src`` (a site's ranks: a SIGTERM then stops that site,
+    and the others fail at their next sync); on this loop only, until ``undo_site_sigterm_broadcast``. ``group``
+    None: nothing is broadcast (a one-rank site)."""
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    loop = trainer.fit_loop.epoch_loop
+
+    def _broadcast_sigterm_tensor() -> None:
+        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0],
+                            device=trainer.strategy.root_device)
+        if group is not None:
+            dist.broadcast(flag, src=src, group=group)
+        if flag.item() == 1:
+            if group is not None:
+                dist.barrier(group=group)
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = _broadcast_sigterm_tensor
+
+
+def undo_site_sigterm_broadcast(trainer) -> None:
+    """Undo ``site_sigterm_broadcast`` (nothing if it was not done)."""
+    loop = trainer.fit_loop.epoch_loop
+    if "_broadcast_sigterm_tensor" in vars(loop):
+        del loop._broadcast_sigterm_tensor

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
+
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import DiLoCoConfig
+from multidc.plugins._lightning_patches import site_sigterm_broadcast, undo_site_sigterm_broadcast
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy
@@ -84,6 +87,31 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
                          checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
                          lighthouse=lighthouse, **ddp_kwargs)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """As ``HierarchicalDDPStrategy.setup``; then DiLoCo learns where training ends (``trainer.max_steps``,
+        ``DiLoCo.finish_at``): with rounds by time (``DiLoCoConfig.sync_every_s``) the sites agree on a last round
+        from it, and this strategy sets ``trainer.should_stop`` once ``DiLoCo.should_stop`` says so."""
+        super().setup(trainer)
+        if self.diloco is None:
+            return
+        self.diloco.finish_at(trainer.max_steps if trainer.max_steps >= 0 else None)
+        if self.diloco.config.sync_every_s is not None:  # the sites' step counts differ: no per-batch collective
+            topo = self.diloco.topology
+            site_sigterm_broadcast(trainer, topo.intra_group if topo.site_size > 1 else None,
+                                   topo.layout.site_ranks[topo.site][0])
+
+    def teardown(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            undo_site_sigterm_broadcast(trainer)
+        super().teardown()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.diloco is not None and self.diloco.should_stop:  # every rank after the same sync (rounds by time)
+            self.lightning_module.trainer.should_stop = True
+        return output
 
     def _sharded_checkpoints(self) -> bool:
         return True

@@ -47,6 +47,7 @@ def test_lightnings_last_checkpoint_lookup_loop_and_step_counter_are_where_multi
     assert _parameters(getattr(find, "__multidc_original__", find)) == ["self", "trainer"]
     assert _parameters(ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir) == ["self", "trainer"]
     assert _parameters(_TrainingEpochLoop.update_lr_schedulers) == ["self", "interval", "update_plateau_schedulers"]
+    assert _parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == ["self"]  # site_sigterm_broadcast
     total = Trainer(logger=False).fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     assert {"ready", "completed"} <= set(vars(total))
 

@@ -9,7 +9,8 @@ order (no sampler), so a single-process reference can replay it. ``ModelCheckpoi
 ``steps_per_epoch`` steps (at an epoch's end, which Lightning resumes exactly). Every rank writes
 DIR/rank{r}.json (its site, DiLoCo's stats, the WAN bytes sent before the first step) and DIR/weights_rank{r}.pt
 (its parameters and, read through ``strategy.diloco.global_parameters()``, the global ones); rank 0's CSV logger
-holds the WAN metrics.
+holds the WAN metrics. ``--sleep-site1 S``: site 1's ranks sleep S seconds per training step (a slow site, for
+rounds by time); ``--no-checkpoints``: no ``ModelCheckpoint`` (with rounds by time the sites' step counts differ).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -35,14 +37,17 @@ from tests.diloco_reference import rows as _rows
 
 
 class Net(pl.LightningModule):
-    def __init__(self, micro_batches: int) -> None:
+    def __init__(self, micro_batches: int, sleep_site1: float = 0.0) -> None:
         super().__init__()
         self.net = _model()
         self.micro_batches = micro_batches
+        self.sleep_site1 = sleep_site1
         self.report: dict = {}
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.sleep_site1 and self.trainer.strategy.topology.site == 1:
+            time.sleep(self.sleep_site1)
         self.trainer.strategy.diloco.count(len(x))  # as the guide shows; equal sites: the plain mean, bitwise
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -64,6 +69,8 @@ class Net(pl.LightningModule):
         with diloco.global_parameters():
             self.report["global"] = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         self.report["stats"] = dataclasses.asdict(diloco.stats)
+        self.report["plans"] = diloco.round_plans
+        self.report["diloco_should_stop"] = diloco.should_stop
 
 
 def main() -> None:
@@ -77,15 +84,19 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--sleep-site1", type=float, default=0.0)
+    parser.add_argument("--no-checkpoints", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = DiLoCoStrategy(num_sites=args.sites, diloco=DiLoCoConfig(**json.loads(args.config)))
-    module = Net(args.steps_per_epoch * args.accumulate)
+    module = Net(args.steps_per_epoch * args.accumulate, args.sleep_site1)
     checkpoints = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.steps_per_epoch,
                                   save_top_k=-1)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
                          accumulate_grad_batches=args.accumulate, use_distributed_sampler=False,
-                         callbacks=[checkpoints], logger=CSVLogger(args.out, name="log", version=0),
+                         callbacks=[] if args.no_checkpoints else [checkpoints],
+                         enable_checkpointing=not args.no_checkpoints,  # else Lightning's default saves per epoch
+                         logger=CSVLogger(args.out, name="log", version=0),
                          log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, ckpt_path=args.ckpt_path)
     rank = trainer.global_rank
@@ -93,7 +104,9 @@ def main() -> None:
     torch.save({"local": local, "global": module.report["global"]}, os.path.join(args.out, f"weights_rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"site": strategy.topology.site, "stats": module.report["stats"],
-                   "start_bytes": module.report["start_bytes"], "global_step": trainer.global_step}, f)
+                   "start_bytes": module.report["start_bytes"], "global_step": trainer.global_step,
+                   "plans": module.report["plans"], "should_stop": trainer.should_stop,
+                   "diloco_should_stop": module.report["diloco_should_stop"]}, f)
 
 
 if __name__ == "__main__":

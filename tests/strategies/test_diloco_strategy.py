@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(400)
 CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 STEPS, ACCUMULATE, PER_EPOCH = 11, 2, 6  # a sync starts at step 6 and merges at 7: in flight at the save
 TOPK_CONFIG, TOPK_STEPS = {"sync_every": 4, "compression": "topk"}, 8  # the second sync adds the first's residual
+TIME_CONFIG, TIME_STEPS = {"sync_every": 4, "sync_every_s": 0.25}, 60  # rounds by time, site 1 slowed
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -91,6 +92,25 @@ def topk_run(tmp_path_factory):
     with _start(tmp / "out", tmp / "root", "--devices", "2", config=TOPK_CONFIG, steps=TOPK_STEPS,
                 accumulate=1) as tree:
         return _result(tmp / "out", tree, world=2)
+
+
+@pytest.fixture(scope="module")
+def time_rounds_run(tmp_path_factory):
+    """2 sites x 1 rank, rounds by time, site 1 slowed (50 ms a step): ``TIME_STEPS`` optimizer steps at most."""
+    tmp = tmp_path_factory.mktemp("diloco-time")
+    with _start(tmp / "out", tmp / "root", "--devices", "2", "--sleep-site1", "0.05", "--no-checkpoints",
+                config=TIME_CONFIG, steps=TIME_STEPS, accumulate=1) as tree:
+        return _result(tmp / "out", tree, world=2)
+
+
+def test_trainer_with_time_rounds_and_a_slow_site_ends_on_both_sites_at_the_same_round(time_rounds_run):
+    fast, slow = sorted(time_rounds_run["ranks"], key=lambda rank: rank["site"])
+    assert fast["plans"] == slow["plans"] and len(fast["plans"]) >= 2, (fast["plans"], slow["plans"])
+    assert all(h0 > h1 for h0, h1 in fast["plans"][1:]), fast["plans"]  # site 0 runs more steps per round
+    # site 0 ends first, at max_steps exactly; site 1 at the same (last) round, earlier; both stopped by DiLoCo
+    assert fast["global_step"] == TIME_STEPS > slow["global_step"] == slow["stats"]["inner_steps"]
+    assert fast["diloco_should_stop"] and slow["diloco_should_stop"] and slow["should_stop"]
+    assert fast["stats"]["outer_syncs"] == slow["stats"]["outer_syncs"] == len(fast["plans"])
 
 
 def _site_batch(site: int, step: int):
