@@ -27,7 +27,7 @@ from multidc.hierarchical.diloco import error_feedback
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree_model
 from multidc.hierarchical.diloco.fragments import local_tensor
 from multidc.hierarchical.diloco.outer import init_state, is_state_init_step, load_outer_state, outer_state
-from multidc.hierarchical.diloco.rounds import Rounds, StepTimer, minimum_steps, next_round
+from multidc.hierarchical.diloco.rounds import Rounds, StepTimer, check_rounds_saved, minimum_steps, next_round
 from multidc.hierarchical.errors import wan_failure
 from multidc.hierarchical.topology import FailFast, Topology
 
@@ -417,18 +417,16 @@ class DiLoCo:
                            "per_rank": {f"rank_{dist.get_rank()}": torch.tensor(own, dtype=torch.float64)}}}
 
     def _load_rounds(self, state: dict) -> None:
-        """Restore ``_rounds_state``; none saved (a checkpoint of fixed rounds): the current round is ``sync_every``
-        steps on every site, begun at the last multiple of it."""
-        rounds = self._rounds
-        if rounds is None:
+        """Restore ``_rounds_state`` (``load_state_dict`` checked that both or neither have rounds by time)."""
+        rounds, saved = self._rounds, state.get("rounds")
+        if rounds is None or saved is None:
             return
-        saved = state.get("rounds")
-        own = None if saved is None else saved.get("per_rank", {}).get(f"rank_{dist.get_rank()}")
+        own = saved.get("per_rank", {}).get(f"rank_{dist.get_rank()}")
         if own is None:
-            t, h = self.stats.inner_steps, self.config.sync_every
-            rounds.steps, rounds.start = (h,) * self.topology.num_sites, t - t % h
-            rounds.last, rounds.stopped, rounds.history = False, False, [rounds.steps]
-            return
+            raise ValueError(
+                f"the DiLoCo state holds no round state for rank {dist.get_rank()} (rounds by time keep each rank's "
+                f"own step count: DiLoCoConfig.sync_every_s); resume with the ranks and sites it was saved with."
+            )
         steps, merge_at, start, busy_s, measured = own.tolist()
         self.stats.inner_steps, rounds.start = int(steps), int(start)
         if self._in_flight is not None:
@@ -490,6 +488,7 @@ class DiLoCo:
                 f"sync_every={self.config.sync_every}, fragments={self.config.fragments}; resume with the same "
                 f"DiLoCoConfig (or MULTIDC_DILOCO_*)."
             )
+        check_rounds_saved("rounds" in state, self._rounds is not None)
         self._settle()
         self.stats.inner_steps = int(state["inner_steps"])
         for i, fragment in enumerate(self._fragments):

@@ -50,6 +50,23 @@ class Rounds:
         return t - self.start == self.steps[site]
 
 
+def check_rounds_saved(saved: bool, wanted: bool) -> None:
+    """Refuse a DiLoCo state saved with rounds by time into a run of fixed rounds, or the reverse: under time rounds
+    each site counts its own steps and the k-th syncs pair; fixed rounds pair syncs by one shared step count.
+
+    Raises:
+        ValueError: ``saved != wanted``, naming ``sync_every_s``.
+    """
+    if saved == wanted:
+        return
+    with_, without = "with rounds by time (DiLoCoConfig.sync_every_s set)", "with fixed rounds (sync_every_s=None)"
+    raise ValueError(
+        f"the DiLoCo state was saved {with_ if saved else without}, but this run has "
+        f"{with_ if wanted else without}: each site's step count and the pairing of the sites' syncs differ between "
+        f"the two. Resume with the sync_every_s (MULTIDC_DILOCO_SYNC_EVERY_S) it was saved with."
+    )
+
+
 def minimum_steps(fragments: int, overlap_steps: int) -> int:
     """The fewest inner steps a round may have: every fragment's sync in it, each merged (``overlap_steps``
     later) before the next one starts: ``fragments * (overlap_steps + 1)``. A faster measurement is clamped up."""

@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from multidc.hierarchical.diloco.rounds import check_rounds_saved
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 
 _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for checkpoint messages
 # DiLoCo's per-rank state, as ``DiLoCo.state_dict`` names it: top-k error-feedback residuals (``"residual"`` ->
 # ``"rank_<global rank>"`` -> ...) and the samples trained since each fragment's last sync (``"trained"`` ->
 # ``"rank_<global rank>"``), anywhere under a checkpoint's ``"diloco"`` entry (per shard under a layout).
+_ROUNDS = re.compile(r"^diloco\.(?:.+\.)?rounds\.")  # DiLoCo's round plan: saved with rounds by time only
 _RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?(?:residual|trained)\.rank_\d+(?:\.|$)")
 
 
@@ -160,6 +162,7 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 
     def create_local_plan(self):
         _check_sites(self.state_dict, self.metadata.state_dict_metadata, self.allow_partial_load)
+        _check_rounds(self.state_dict, self.metadata.state_dict_metadata)
         self._restart_residuals()
         return super().create_local_plan()
 
@@ -209,6 +212,16 @@ def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:
             f"this checkpoint has no state for {missing[0]}: it holds {holds}. A DiLoCo checkpoint resumes only "
             "with the sites it was saved with; relaunch with that number of sites (num_sites / MULTIDC_NUM_SITES)."
         )
+
+
+def _check_rounds(wanted: dict, saved: dict) -> None:
+    """A DiLoCo state of rounds by time into a run of fixed rounds, or the reverse: refused (``check_rounds_saved``),
+    also where the loader would drop or lack the round keys silently."""
+    def has(keys) -> bool:
+        return any(_ROUNDS.match(k) for k in keys)
+
+    if any(k.startswith("diloco.") for k in wanted):
+        check_rounds_saved(has(saved), has(wanted))
 
 
 class SafeRebuildLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
