@@ -89,9 +89,11 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
                          lighthouse=lighthouse, **ddp_kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """As ``HierarchicalDDPStrategy.setup``; then DiLoCo learns where training ends (``trainer.max_steps``,
+        """As ``HierarchicalDDPStrategy.setup`` (with rounds by time, first ``refuse_time_round_hazards``); then DiLoCo learns where training ends (``trainer.max_steps``,
         ``DiLoCo.finish_at``): with rounds by time (``DiLoCoConfig.sync_every_s``) the sites agree on a last round
         from it, and this strategy sets ``trainer.should_stop`` once ``DiLoCo.should_stop`` says so."""
+        if self._diloco_arg.sync_every_s is not None:
+            refuse_time_round_hazards(trainer)  # every rank alike, before any collective
         super().setup(trainer)
         if self.diloco is None:
             return
@@ -138,3 +140,36 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
 
 register_all()  # the names, also when this module's own import of Lightning came first (see _registry)
 
+
+
+def refuse_time_round_hazards(trainer: pl.Trainer) -> None:
+    """With rounds by time each site reaches a step count, an epoch's end or a time limit at its own moment: refuse
+    the Trainer settings that would then wait for each other across sites (or stop one site alone) and hang.
+
+    Raises:
+        ValueError: naming the Trainer setting and the fix.
+    """
+    from lightning.pytorch.callbacks import Timer
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    why = "DiLoCoConfig.sync_every_s is set: each site runs its own number of steps, so"
+    if trainer.max_steps is None or trainer.max_steps < 0:
+        raise ValueError(f"{why} training must end by Trainer(max_steps=N) (the sites agree on a last round from "
+                         f"it); set max_steps, or unset sync_every_s / MULTIDC_DILOCO_SYNC_EVERY_S.")
+    if trainer.max_epochs not in (None, -1) or any(isinstance(cb, Timer) for cb in trainer.callbacks):
+        raise ValueError(f"{why} epochs and time limits end at different moments on different sites (Trainer("
+                         f"max_epochs={trainer.max_epochs}) or max_time): leave max_epochs and max_time unset and end "
+                         f"by max_steps.")
+    if trainer.checkpoint_callbacks:
+        raise ValueError(f"{why} a ModelCheckpoint (Lightning adds one by default, saving at each epoch's end) would "
+                         f"save at different moments on different sites and wait for the others: pass "
+                         f"Trainer(enable_checkpointing=False) and no ModelCheckpoint callback.")
+    if trainer.ckpt_path is not None:
+        raise ValueError(f"{why} Lightning's one global_step cannot hold every site's step count: fit(ckpt_path="
+                         f"{trainer.ckpt_path!r}) is not supported with rounds by time yet: start anew (no ckpt_path), "
+                         f"or train with fixed rounds (sync_every_s unset) to resume.")
+    module = trainer.lightning_module
+    if trainer.limit_val_batches != 0 and module is not None and is_overridden("validation_step", module):
+        raise ValueError(f"{why} validation inside fit would run at different moments on different sites (its "
+                         f"dataloader set-up is a barrier over every rank): pass Trainer(limit_val_batches=0) and "
+                         f"call trainer.validate after fit.")

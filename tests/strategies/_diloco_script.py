@@ -10,7 +10,8 @@ order (no sampler), so a single-process reference can replay it. ``ModelCheckpoi
 DIR/rank{r}.json (its site, DiLoCo's stats, the WAN bytes sent before the first step) and DIR/weights_rank{r}.pt
 (its parameters and, read through ``strategy.diloco.global_parameters()``, the global ones); rank 0's CSV logger
 holds the WAN metrics. ``--sleep-site1 S``: site 1's ranks sleep S seconds per training step (a slow site, for
-rounds by time); ``--no-checkpoints``: no ``ModelCheckpoint`` (with rounds by time the sites' step counts differ).
+rounds by time); ``--no-checkpoints``: no ``ModelCheckpoint`` (with rounds by time the sites' step counts differ);
+``--default-trainer``: ``Trainer(strategy, accelerator, devices)`` and nothing else set, then exit.
 """
 
 from __future__ import annotations
@@ -86,12 +87,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--sleep-site1", type=float, default=0.0)
     parser.add_argument("--no-checkpoints", action="store_true")
+    parser.add_argument("--default-trainer", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = DiLoCoStrategy(num_sites=args.sites, diloco=DiLoCoConfig(**json.loads(args.config)))
     module = Net(args.steps_per_epoch * args.accumulate, args.sleep_site1)
     checkpoints = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.steps_per_epoch,
                                   save_top_k=-1)
+    if args.default_trainer:  # the Trainer's defaults but for the strategy and the devices
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices).fit(module)
+        return
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
                          accumulate_grad_batches=args.accumulate, use_distributed_sampler=False,
                          callbacks=[] if args.no_checkpoints else [checkpoints],

@@ -113,6 +113,51 @@ def test_trainer_with_time_rounds_and_a_slow_site_ends_on_both_sites_at_the_same
     assert fast["stats"]["outer_syncs"] == slow["stats"]["outer_syncs"] == len(fast["plans"])
 
 
+def test_a_default_trainer_with_time_rounds_fails_at_setup_on_every_rank_naming_max_steps(tmp_path):
+    with _start(tmp_path / "out", tmp_path / "root", "--devices", "2", "--default-trainer", config=TIME_CONFIG,
+                accumulate=1) as tree:
+        code, log = _launch.finish(tree, 300)
+    assert code != 0
+    assert log.count("training must end by Trainer(max_steps=N)") >= 2, log  # both ranks, before any collective
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+class _WithValidation(pl.LightningModule):
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+@pytest.mark.parametrize(("kwargs", "fix"), [
+    ({}, r"Trainer\(max_steps=N\)"),
+    ({"max_steps": 10, "max_epochs": 3}, r"end by max_steps"),
+    ({"max_steps": 10, "max_time": "00:00:01:00"}, r"end by max_steps"),
+    ({"max_steps": 10}, r"enable_checkpointing=False"),
+    ({"max_steps": 10, "enable_checkpointing": False, "ckpt": "last"}, r"fit\(ckpt_path='last'\) is not supported"),
+    ({"max_steps": 10, "enable_checkpointing": False, "validation": True}, r"limit_val_batches=0"),
+])
+def test_trainer_settings_that_hang_under_time_rounds_are_refused_naming_the_fix(kwargs, fix):
+    from multidc.strategies.diloco import refuse_time_round_hazards
+
+    kwargs = dict(kwargs)
+    ckpt, validation = kwargs.pop("ckpt", None), kwargs.pop("validation", False)
+    trainer = _trainer(**kwargs)
+    trainer.fit_loop.max_epochs = -1 if trainer.max_epochs is None else trainer.max_epochs  # as fit() parses it
+    trainer._checkpoint_connector._ckpt_path = ckpt
+    if validation:
+        trainer.strategy.connect(_WithValidation())
+    with pytest.raises(ValueError, match=fix) as info:
+        refuse_time_round_hazards(trainer)
+    assert "sync_every_s" in str(info.value)
+    ok = _trainer(max_steps=10, enable_checkpointing=False, limit_val_batches=0)
+    ok.fit_loop.max_epochs = -1
+    ok.strategy.connect(_WithValidation())
+    refuse_time_round_hazards(ok)
+
+
 def _site_batch(site: int, step: int):
     """What the 2 ranks of ``site`` feed optimizer step ``step`` together (both micro-batches)."""
     first = ((step - 1) % PER_EPOCH) * ACCUMULATE + 1
