@@ -89,9 +89,10 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
                          lighthouse=lighthouse, **ddp_kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """As ``HierarchicalDDPStrategy.setup`` (with rounds by time, first ``refuse_time_round_hazards``); then DiLoCo learns where training ends (``trainer.max_steps``,
-        ``DiLoCo.finish_at``): with rounds by time (``DiLoCoConfig.sync_every_s``) the sites agree on a last round
-        from it, and this strategy sets ``trainer.should_stop`` once ``DiLoCo.should_stop`` says so."""
+        """As ``HierarchicalDDPStrategy.setup`` (with rounds by time, first ``refuse_time_round_hazards``); then DiLoCo
+        learns where training ends (``trainer.max_steps``, ``DiLoCo.finish_at``): with rounds by time
+        (``DiLoCoConfig.sync_every_s``) the sites agree on a last round from it, and this strategy sets
+        ``trainer.should_stop`` once ``DiLoCo.should_stop`` says so."""
         if self._diloco_arg.sync_every_s is not None:
             refuse_time_round_hazards(trainer)  # every rank alike, before any collective
         super().setup(trainer)

@@ -46,17 +46,19 @@ def run_reference(
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
     compress: Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     site_weights: list[float] | None = None,
+    keep_in_flight: bool = False,
 ) -> dict:
     """Train ``sites`` copies of ``model`` (all starting from its values) and sync them as DiLoCo prescribes.
 
-    ``batch(site, step)`` returns a site's whole batch for inner step ``step`` (1-based): with DDP inside a
-    site, that is the rows of all its ranks together (equal rows per rank, a mean loss). ``blocks(model)``: the
-    blocks dealt into fragments (default the top-level children). ``compress(fragment, site, delta)``: what the
-    site's pseudo-gradient ``delta`` (by name, float32) arrives as at the other sites (a codec applied by hand);
-    the sites' arrivals are summed in site order. ``site_weights``: what each site trains per inner step (e.g. its
-    ranks); each sync then weighs a site's arrival by its share of what all trained since the fragment's last sync
-    (float32 products summed in site order; equal shares: the plain mean). Returns
-    ``{"local": [per-site {name: tensor}], "global": {name: tensor}}`` after ``steps`` inner steps (float32).
+    ``batch(site, step)`` returns a site's whole batch for inner step ``step`` (1-based): with DDP inside a site, that
+    is the rows of all its ranks together (equal rows per rank, a mean loss). ``blocks(model)``: the blocks dealt into
+    fragments (default the top-level children). ``compress(fragment, site, delta)``: what the site's pseudo-gradient
+    ``delta`` (by name, float32) arrives as at the other sites (a codec applied by hand); the sites' arrivals are summed
+    in site order. ``keep_in_flight`` (top-k with overlap): the merge is ``global + (local - local as the sync
+    started)`` instead of the ``alpha`` mix. ``site_weights``: what each site trains per inner step (e.g. its ranks);
+    each sync then weighs a site's arrival by its share of what all trained since the fragment's last sync (float32
+    products summed in site order; equal shares: the plain mean). Returns ``{"local": [per-site {name: tensor}],
+    "global": {name: tensor}}`` after ``steps`` inner steps (float32).
     """
     copies = [copy.deepcopy(model) for _ in range(sites)]
     optimizers = [inner_optimizer(list(m.parameters())) for m in copies]
@@ -65,7 +67,7 @@ def run_reference(
     momentum = {n: torch.zeros_like(v) for n, v in glob.items()}
     fragment_of = _fragments(model, fragments, blocks)
     offsets = [((f + 1) * sync_every // fragments) % sync_every for f in range(fragments)]
-    in_flight = None  # (fragment, merge_at, averaged delta per name)
+    in_flight = None  # (fragment, merge_at, averaged delta per name, per-site local values as the sync started)
     for t in range(1, steps + 1):
         for site, (m, opt) in enumerate(zip(copies, optimizers)):
             x, y = batch(site, t)
@@ -83,7 +85,9 @@ def run_reference(
                 if compress is not None:
                     per_site = [compress(f, site, d) for site, d in enumerate(per_site)]
                 delta = _merge_sites(per_site, part, site_weights)
-                in_flight = (f, t + overlap_steps, delta)
+                started = [{n: loc[n].detach().float().clone() for n in part} for loc in locals_] if (
+                    keep_in_flight and overlap_steps) else None
+                in_flight = (f, t + overlap_steps, delta, started)
                 if overlap_steps == 0:
                     _merge(copies, glob, momentum, in_flight, overlap_steps, alpha, outer_lr, outer_momentum)
                     in_flight = None
@@ -136,7 +140,7 @@ def run_round_reference(
             delta = _merge_sites(per_site, part, [trained[site][f] for site in range(sites)])
             for site in range(sites):
                 trained[site][f] = 0.0
-            _merge(copies, glob, momentum, (f, 0, delta), 0, 0.0, outer_lr, outer_momentum)
+            _merge(copies, glob, momentum, (f, 0, delta, None), 0, 0.0, outer_lr, outer_momentum)
     return {
         "local": [{n: p.detach().float().clone() for n, p in m.named_parameters() if p.requires_grad} for m in copies],
         "global": glob,
@@ -155,15 +159,18 @@ def _merge_sites(per_site: list[dict], part: list[str], site_weights: list[float
 
 
 def _merge(copies, glob, momentum, in_flight, overlap_steps, alpha, lr, mu) -> None:
-    _, _, delta = in_flight
+    _, _, delta, started = in_flight
     with torch.no_grad():
         for n, g in delta.items():
             momentum[n] = mu * momentum[n] + g  # Nesterov SGD: buf = mu*buf + g; p -= lr * (g + mu*buf)
             glob[n] = glob[n] - lr * (g + mu * momentum[n])
-        for m in copies:
+        for site, m in enumerate(copies):
             params = dict(m.named_parameters())
             for n in delta:
-                new = glob[n] if overlap_steps == 0 else alpha * params[n].float() + (1 - alpha) * glob[n]
+                if started is not None:
+                    new = glob[n] + (params[n].float() - started[site][n])
+                else:
+                    new = glob[n] if overlap_steps == 0 else alpha * params[n].float() + (1 - alpha) * glob[n]
                 params[n].copy_(new)
 
 

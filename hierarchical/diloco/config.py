@@ -40,7 +40,8 @@ class DiLoCoConfig:
 
     alpha: float | None = None
     """Weight of the local parameters in the merge when ``overlap_steps >= 1``, in [0, 1]; must be 0 with a top-k
-    codec (what a sync did not send stays in the residual, not also in the local parameters).
+    codec, whose merge is ``global + (local - local as the sync started)``: it keeps what the site trained while
+    the sync was in flight, and what the sync did not send stays in the residual, not also in the local parameters.
     Env ``MULTIDC_DILOCO_ALPHA``; default 0.5."""
 
     outer_lr: float | None = None

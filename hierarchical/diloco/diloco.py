@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multidc.hierarchical.all_reduce import all_reduce
+from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import error_feedback
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree_model
@@ -30,6 +32,8 @@ from multidc.hierarchical.diloco.outer import init_state, is_state_init_step, lo
 from multidc.hierarchical.diloco.rounds import Rounds, StepTimer, check_rounds_saved, minimum_steps, next_round
 from multidc.hierarchical.errors import wan_failure
 from multidc.hierarchical.topology import FailFast, Topology
+
+_log = logging.getLogger("multidc.hierarchical.diloco")
 
 
 @dataclass
@@ -67,6 +71,9 @@ class _InFlight:
     delta: torch.Tensor
     future: torch.futures.Future | None
     bytes_before: int
+    started_from: list[torch.Tensor] | None = None
+    """Top-k with overlap: the fragment's local tensors as the sync started (float32 views of ``DiLoCo._kept``);
+    the merge keeps what the site trained since then. None: the merge takes the global parameters."""
 
 
 class DiLoCo:
@@ -79,10 +86,12 @@ class DiLoCo:
     ``alpha * local + (1 - alpha) * global`` when the result arrives ``overlap_steps`` later. The inner
     optimizer keeps its state. Only trainable parameters are synchronized; buffers stay per site.
 
-    With a top-k codec (``DiLoCoConfig.compression="topk..."``) each rank keeps per fragment a float32 residual:
-    what the codec dropped from its share of the fragment's pseudo-gradient, added to that share at the fragment's
-    next sync (error feedback), so nothing is lost, only delayed. The integer and float codecs send no residual:
-    each sync rounds once, unbiased and within ``max_abs_error``, as before.
+    With a top-k codec (``DiLoCoConfig.compression="topk..."``) each rank keeps per fragment a float32 residual: what
+    the codec dropped from its share of the fragment's pseudo-gradient, added to that share at the fragment's next sync
+    (error feedback), so nothing is lost, only delayed. With overlap, its merge keeps what the site trained while the
+    sync was in flight: ``local = global + (local - local as the sync started)`` (``alpha`` must be 0); the local
+    fragment as the sync started is kept for that (one largest fragment, float32). The integer and float codecs send no
+    residual: each sync rounds once, unbiased and within ``max_abs_error``, as before.
 
     Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
     each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the
@@ -145,6 +154,9 @@ class DiLoCo:
                 for i, params in enumerate(split)
             ]
         self._largest = max(f.global_flat.numel() for f in self._fragments)
+        # top-k with overlap: the local fragment as its sync started, for the merge (see _merge); one sync in flight
+        keeps = is_sparse(self.config.compression) and self.config.overlap_steps > 0
+        self._kept = self._fragments[0].global_flat.new_zeros(self._largest) if keeps else None
         self._trained = [0.0] * len(self._fragments)  # this rank's samples since each fragment's last sync started
         self._samples: float | None = None  # reported for the current inner step (count())
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step) if inner_optimizer else None
@@ -254,7 +266,12 @@ class DiLoCo:
         residual = error_feedback.residual(fragment, topology, wan)
         future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual,
                             weight=self._take_weight(index))
-        self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before)
+        started_from = None
+        if self._kept is not None:
+            started_from = _views(self._kept[: delta.numel()], fragment.params)
+            for local, view in zip(fragment.params, started_from):
+                view.copy_(local)
+        self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before, started_from)
 
     def _take_weight(self, index: int) -> float | None:
         """This rank's part of its site's weight for fragment ``index``'s sync starting now (what it trained since
@@ -273,7 +290,10 @@ class DiLoCo:
 
     def _merge(self, flight: _InFlight, *, outer_step: bool) -> None:
         """Merge an arrived sync: with ``outer_step`` its average steps the fragment's outer optimizer; then the
-        fragment's local parameters take the global ones (``alpha * local + (1 - alpha) * global`` under overlap)."""
+        fragment's local parameters take the global ones (``alpha * local + (1 - alpha) * global`` under overlap;
+        with a top-k codec ``global + (local - local as the sync started)``: what the site trained while the sync
+        was in flight is kept, and is part of the fragment's next pseudo-gradient, while what the sync did not send
+        of the earlier steps is in the residual)."""
         fragment = self._fragments[flight.fragment]
         if outer_step:
             for view, grad in zip(fragment.global_views, _views(flight.delta, fragment.params)):
@@ -281,6 +301,10 @@ class DiLoCo:
             fragment.outer.step()
             fragment.outer.zero_grad(set_to_none=True)
             self.stats.outer_syncs += 1
+        if flight.started_from is not None:
+            for local, view, start in zip(fragment.params, fragment.global_views, flight.started_from):
+                local.copy_(view + (local.float() - start))
+            return
         alpha = self.config.alpha if self.config.overlap_steps else 0.0
         for local, view in zip(fragment.params, fragment.global_views):
             local.copy_(view if alpha == 0.0 else alpha * local.float() + (1.0 - alpha) * view)
@@ -441,14 +465,15 @@ class DiLoCo:
         self._wait(self._in_flight)
 
     def state_dict(self) -> dict:
-        """The outer state: the inner step count, the float32 global parameters, the outer optimizers' state, and
-        a sync in flight (its averaged result and the step it merges at), identical on every rank of the topology;
-        under ``weighting="samples"`` also what this rank trained since each fragment's last sync (``"trained"`` ->
-        ``"rank_<global rank>"``); with a top-k codec this rank's own error-feedback residuals and the chunk plan
-        they follow, under ``"residual"`` -> ``"rank_<global rank>"``: keys no other rank holds, so a distributed
-        checkpoint stores every rank's (resume with the same ranks and ``WanConfig.chunk_mb`` to keep them).
-        Collective: every rank calls it (a sync in flight is waited for, not merged). The tensors are the live
-        ones, so a checkpoint loader may fill them in place."""
+        """The outer state: the inner step count, the float32 global parameters, the outer optimizers' state, and a
+        sync in flight (its averaged result and the step it merges at), identical on every rank of the topology; under
+        ``weighting="samples"`` also what this rank trained since each fragment's last sync (``"trained"`` ->
+        ``"rank_<global rank>"``); with a top-k codec this rank's own error-feedback residuals and the chunk plan they
+        follow, under ``"residual"`` -> ``"rank_<global rank>"``, and with overlap its local fragment as the sync in
+        flight started (``"in_flight_local"`` -> ``"rank_<global rank>"``): keys no other rank holds, so a distributed
+        checkpoint stores every rank's (resume with the same ranks and ``WanConfig.chunk_mb`` to keep them). Collective:
+        every rank calls it (a sync in flight is waited for, not merged). The tensors are the live ones, so a checkpoint
+        loader may fill them in place."""
         self._settle()
         flight = self._in_flight
         pending = torch.zeros(self._largest)
@@ -471,8 +496,10 @@ class DiLoCo:
         """This rank's own state, keyed by its global rank (see ``state_dict``): its residuals under a top-k codec
         (``error_feedback.state``), its counts under ``weighting="samples"``; ``{}`` with neither."""
         state = error_feedback.state(self._fragments, *self._sync_target())
-        trained = {"trained": {f"rank_{dist.get_rank()}": torch.tensor(self._trained, dtype=torch.float64)}}
-        return ({"residual": state} if state else {}) | (trained if self.config.weighting == "samples" else {})
+        rank = f"rank_{dist.get_rank()}"
+        trained = {"trained": {rank: torch.tensor(self._trained, dtype=torch.float64)}}
+        kept = {"in_flight_local": {rank: self._kept}} if self._kept is not None else {}
+        return ({"residual": state} if state else {}) | (trained if self.config.weighting == "samples" else {}) | kept
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -502,7 +529,8 @@ class DiLoCo:
             numel = self._fragments[index].global_flat.numel()
             # the loaded buffer is on the CPU; the merge assigns it as the grad of the (maybe CUDA) global copy
             delta = state["in_flight_delta"][:numel].to(self._fragments[index].global_flat.device, copy=True)
-            self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0)
+            started_from = self._load_kept(index, state.get("in_flight_local", {}).get(f"rank_{dist.get_rank()}"))
+            self._in_flight = _InFlight(index, int(state["in_flight_merge_at"]), delta, None, 0, started_from)
         self._load_rounds(state)
 
     def _load_trained(self, saved: torch.Tensor | None) -> None:
@@ -514,6 +542,20 @@ class DiLoCo:
         t, h = self.stats.inner_steps, self.config.sync_every
         last = [t - (t - f.offset) % h for f in self._fragments]  # the latest sync start at or before t
         self._trained = [float(t - start if start >= 1 else t) for start in last]
+
+    def _load_kept(self, index: int, saved: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """Top-k with overlap: the sync in flight's local fragment as it started (``_merge``). Not saved (another
+        codec or overlap, or a checkpoint without it): the merge takes the global parameters, and the steps trained
+        while the sync was in flight are lost, logged on the rank."""
+        if self._kept is None:
+            return None
+        if saved is None or saved.numel() != self._kept.numel():
+            _log.warning("DiLoCo: the state holds no in-flight local fragment for this rank; the sync in flight merges "
+                         "by taking the global parameters (the steps since it started are not kept).")
+            return None
+        if saved.data_ptr() != self._kept.data_ptr():
+            self._kept.copy_(saved)
+        return _views(self._kept[: self._fragments[index].global_flat.numel()], self._fragments[index].params)
 
     def _load_residuals(self, saved: dict) -> None:
         """This rank's saved residuals when taken under this run's layout, else zero (``error_feedback.load``)."""

@@ -35,7 +35,7 @@ _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for c
 # ``"rank_<global rank>"`` -> ...) and the samples trained since each fragment's last sync (``"trained"`` ->
 # ``"rank_<global rank>"``), anywhere under a checkpoint's ``"diloco"`` entry (per shard under a layout).
 _ROUNDS = re.compile(r"^diloco\.(?:.+\.)?rounds\.")  # DiLoCo's round plan: saved with rounds by time only
-_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?(?:residual|trained)\.rank_\d+(?:\.|$)")
+_RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?(?:residual|trained|in_flight_local)\.rank_\d+(?:\.|$)")
 
 
 class StripedSavePlanner(DefaultSavePlanner):

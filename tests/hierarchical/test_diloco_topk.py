@@ -125,7 +125,8 @@ def _reference(layout: list[int], config: dict, steps: int, feedback: bool = Tru
 
     by_hand = TopKByHand(CODEC, site_size, feedback)
     result = run_reference(_model(), sites=max(layout) + 1, steps=steps, batch=batch, loss_fn=nn.functional.mse_loss,
-                           inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), compress=by_hand, **config)
+                           inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), compress=by_hand,
+                           keep_in_flight=True, **config)
     return result, by_hand
 
 

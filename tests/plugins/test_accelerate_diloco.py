@@ -160,7 +160,8 @@ def test_topk_equals_the_codec_applied_by_hand_per_rank_residuals_included(topk_
     shards = 2 if LAYOUTS[layout] else 1
     by_hand = TopKByHand(TOPK["compression"], site_size=2 // shards, shards=shards)
     ref = run_reference(_model(), sites=2, steps=STEPS, batch=_site_batch, loss_fn=torch.nn.functional.mse_loss,
-                        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), compress=by_hand, **config)
+                        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), compress=by_hand,
+                        keep_in_flight=True, **config)
     for rank in unbroken["topk"]:
         assert rank["stats"]["inner_steps"] == STEPS and rank["stats"]["outer_syncs"] == 4
         for kind, expected in (("local", ref["local"][rank["site"]]), ("global", ref["global"])):

@@ -186,7 +186,7 @@ def test_trainer_with_topk_and_error_feedback_equals_the_codec_applied_by_hand(t
     config = {k: v for k, v in TOPK_CONFIG.items() if k != "compression"}
     by_hand = TopKByHand(TOPK_CONFIG["compression"], site_size=1)
     ref = run_reference(_model(), sites=2, steps=TOPK_STEPS, batch=_one_rank_batch,
-                        loss_fn=torch.nn.functional.mse_loss, compress=by_hand,
+                        loss_fn=torch.nn.functional.mse_loss, compress=by_hand, keep_in_flight=True,
                         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **config)
     for rank, weights in zip(topk_run["ranks"], topk_run["weights"]):
         assert rank["global_step"] == TOPK_STEPS and rank["stats"]["outer_syncs"] == 2
@@ -198,7 +198,8 @@ def test_trainer_with_topk_and_error_feedback_equals_the_codec_applied_by_hand(t
     without = run_reference(_model(), sites=2, steps=TOPK_STEPS, batch=_one_rank_batch,
                             loss_fn=torch.nn.functional.mse_loss,
                             compress=TopKByHand(TOPK_CONFIG["compression"], site_size=1, feedback=False),
-                            inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **config)
+                            keep_in_flight=True, inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                            **config)
     assert max((without["global"][n] - ref["global"][n]).abs().max() for n in ref["global"]) > 1e-4
 
 

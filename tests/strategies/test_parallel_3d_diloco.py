@@ -364,7 +364,7 @@ def test_trainer_sites2_dp_shard2_with_topk_equals_the_codec_applied_by_hand_per
     by_hand = TopKByHand(TOPK_CONFIG["compression"], site_size=1, shards=2)
     ref = run_reference(
         model(), sites=2, steps=TRAINER_STEPS, loss_fn=loss_fn, blocks=lambda m: m.blocks(), compress=by_hand,
-        batch=lambda s, t: site_batch(2, s, (t - 1) % PER_EPOCH + 1),
+        keep_in_flight=True, batch=lambda s, t: site_batch(2, s, (t - 1) % PER_EPOCH + 1),
         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR),
         **{k: v for k, v in TOPK_CONFIG.items() if k != "compression"},
     )
