@@ -222,7 +222,7 @@ class DiLoCo:
             synced = True
         due = self._due(t)
         if due is not None:
-            last = self._end_round(t)
+            last = self._end_time_round(t)
             self._start(due, t)
             if self.config.overlap_steps == 0 or last:  # the run's last sync merges at once
                 self._finish()
@@ -387,7 +387,7 @@ class DiLoCo:
         the same on every rank. ``[]`` without."""
         return list(self._rounds.history) if self._rounds is not None else []
 
-    def _end_round(self, t: int) -> bool:
+    def _end_time_round(self, t: int) -> bool:
         """At inner step ``t``, a sync is due: if it ends this site's round (rounds by time), the ranks exchange
         their step times and steps left (collective over the topology) and plan the next round. Returns whether
         this sync is the run's last."""
