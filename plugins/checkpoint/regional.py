@@ -14,7 +14,7 @@ from multidc.plugins.checkpoint.format import (
     decode_any,
     encode_regional_commit,
 )
-from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreAuthError, ObjectStoreError
+from multidc.plugins.checkpoint.object_store import ObjectStore
 from multidc.plugins.checkpoint.regions import Regions
 
 _log = logging.getLogger("multidc.plugins.checkpoint")
@@ -62,15 +62,9 @@ def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit]
     fail the load on every rank, naming the region."""
 
     def open_():
-        try:
-            regions.check_access()
-        except ObjectStoreAuthError:
-            raise
-        except ObjectStoreError:
-            pass  # lost or unreachable: rank 0's probe below leaves it out
+        up, down = regions.available()  # on every rank: the same requests, so the same error on every rank
         if comm.rank != 0:
             return None
-        up, down = regions.available()
         name = regions.resolve(which, up)
         source = regions.local if regions.local in up else up[0]
         return name, regions.call(source, ObjectStore.get, f"{name}/{COMMIT}"), source, up, down

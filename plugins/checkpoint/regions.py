@@ -147,7 +147,10 @@ class Regions:
             raise type(exc)(f"region {region!r} (site {region}): {exc}") from None
 
     def check_access(self, region: str | None = None) -> None:
-        self.call(region or self.local, ObjectStore.check_access)
+        """``ObjectStore.check_access`` of ``region``, or of every region in site order: every rank sends the same
+        requests, so a region refusing its credentials fails every rank with the same message."""
+        for name in [region] if region is not None else list(self.stores):
+            self.call(name, ObjectStore.check_access)
 
     def available(self) -> tuple[list[str], dict[str, str]]:
         """``(available regions, {unavailable region: why})``; refused credentials raise (see module doc)."""
