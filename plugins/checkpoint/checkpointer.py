@@ -149,13 +149,14 @@ class Checkpointer:
         if url is None:
             url, storage_options = _regions.from_env(url, storage_options)
         site_names = tuple(topology.layout.site_names) if topology is not None else ("0",)
-        self.regions = None
+        self.regions, self._regions_down = None, {}
         if _regions.is_regional(url):
             urls, options = _regions.site_urls(url, storage_options, site_names=site_names)
             self.regions = _regions.Regions(urls, options, local=site_names[getattr(topology, "site", 0)],
                                             retry=retry, part_size_mb=part_size_mb, max_concurrency=max_concurrency)
             self.store = self.regions.store
         else:
+            _regions.check_one_store_options(storage_options)
             self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                      max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
@@ -403,7 +404,8 @@ class Checkpointer:
         credentials are refused fails the load on every rank before any shard is read. Under regions: ``which``
         in every available region, and this rank's view of it (``regional.open_view``)."""
         if self.regions is not None:
-            return _regional.open_view(self.comm, self.regions, which, what=what)
+            name, view, self._regions_down = _regional.open_view(self.comm, self.regions, which, what=what)
+            return name, view
 
         def open_() -> tuple[str, bytes] | None:
             self.store.check_access()
@@ -428,6 +430,9 @@ class Checkpointer:
         def local_step():
             state_dict = state_dict_of()
             planner.set_up_planner(state_dict, commit.metadata, coordinator)
+            # a template names the keys it wants; a rebuild (no template) wants every key saved
+            wanted = commit.elsewhere if isinstance(planner, SafeRebuildLoadPlanner) else planner.state_dict
+            _regional.check_held(commit, wanted, name=name, down=self._regions_down)
             reader.set_up_storage_reader(commit.metadata, coordinator)
             return state_dict, reader.prepare_local_plan(planner.create_local_plan())
 

@@ -123,6 +123,9 @@ class Commit:
     extra: dict
     metadata: Metadata
     locations: dict[MetadataIndex, ItemLocation]
+    elsewhere: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """A regional view's keys held only by regions outside the view (unavailable ones, or ones the job has no URL
+    for): key -> those regions. Empty for one store."""
 
 
 def decode_commit(data: bytes, where: str) -> Commit:
@@ -182,7 +185,7 @@ class RegionalCommit:
     def view(self, order: list[str]) -> Commit:
         """One commit whose every item comes from the first region of ``order`` that holds it, its locations
         tagged with that region (``ItemLocation.region``); items held only by regions outside ``order`` are left
-        out."""
+        out, their keys listed in ``Commit.elsewhere``."""
         md, locations, planner_data, files = {}, {}, {}, {}
         for region in order:
             part = self.parts.get(region)
@@ -199,12 +202,17 @@ class RegionalCommit:
                     files[(region, loc.file)] = part.files[loc.file]
             for key, value in (part.metadata.planner_data or {}).items():
                 planner_data.setdefault(key, value)
+        elsewhere: dict[str, tuple[str, ...]] = {}
+        for region, part in self.parts.items():
+            for fqn in part.metadata.state_dict_metadata:
+                if fqn not in md and region not in order:
+                    elsewhere[fqn] = (*elsewhere.get(fqn, ()), region)
         metadata = Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=locations)
         first = next((self.parts[r] for r in order if r in self.parts), None)
         if first is not None and getattr(first.metadata, "version", None) is not None:
             metadata.version = first.metadata.version
         return Commit(step=self.step, world_size=self.world_size, created_unix=self.created_unix, files=files,
-                      extra=self.extra, metadata=metadata, locations=locations)
+                      extra=self.extra, metadata=metadata, locations=locations, elsewhere=elsewhere)
 
 
 def encode_regional_commit(parts: dict[str, dict], *, step: int, world_size: int, extra: dict | None) -> bytes:

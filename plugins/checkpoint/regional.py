@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from multidc.hierarchical import _env
 from multidc.plugins.checkpoint.format import (
     COMMIT,
     Commit,
@@ -15,7 +16,7 @@ from multidc.plugins.checkpoint.format import (
     encode_regional_commit,
 )
 from multidc.plugins.checkpoint.object_store import ObjectStore
-from multidc.plugins.checkpoint.regions import Regions
+from multidc.plugins.checkpoint.regions import CheckpointRegionUnavailableError, Regions
 
 _log = logging.getLogger("multidc.plugins.checkpoint")
 
@@ -56,10 +57,10 @@ def commit(regions: Regions, region_metadata: dict, results: list[list], regions
     return files_by_region
 
 
-def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit]:
-    """``(name, this rank's view of its commit record)`` for ``which``, on every rank (collective): its own region
-    first when available, then the other available regions in site order. Refused credentials of any rank's region
-    fail the load on every rank, naming the region."""
+def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit, dict[str, str]]:
+    """``(name, this rank's view of its commit record, {unavailable region: why})`` for ``which``, on every rank
+    (collective): its own region first when available, then the other available regions in site order. Refused
+    credentials of any rank's region fail the load on every rank, naming the region."""
 
     def open_():
         up, down = regions.available()  # on every rank: the same requests, so the same error on every rank
@@ -78,7 +79,26 @@ def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit]
         _log.warning("checkpoint region %r (this site's) is unavailable, reading %s from regions %s: %s",
                      regions.local, name, up, down[regions.local])
     order = ([regions.local] if regions.local in up else []) + [r for r in up if r != regions.local]
-    return name, record.view(order)
+    return name, record.view(order), down
+
+
+def check_held(commit: Commit, wanted, *, name: str, down: dict[str, str]) -> None:
+    """Raise ``CheckpointRegionUnavailableError`` if a key of ``wanted`` (flattened state dict keys) is held only by
+    regions outside ``commit``'s view (``Commit.elsewhere``); ``down`` says why a region is unavailable. Every rank
+    sees the same regions left out, so the ranks that want such keys raise the same message."""
+    missing = sorted(key for key in wanted if key in commit.elsewhere)
+    if not missing:
+        return
+    held = sorted({region for key in missing for region in commit.elsewhere[key]})
+    why = "; ".join(f"region {r!r}: " + (f"unavailable ({down[r]})" if r in down else "this job has no URL for it")
+                    for r in held)
+    keys = ", ".join(repr(key) for key in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise CheckpointRegionUnavailableError(
+        f"{len(missing)} key(s) of checkpoint {name} ({keys}) are stored only in region(s) {', '.join(map(repr, held))}"
+        f", which this load cannot read: {why}. Bring that region's store back (or give this job its URL and "
+        f"credentials: url[{held[0]!r}] / {_env.CKPT_URL}, storage_options[{held[0]!r}] / "
+        f"{_env.CKPT_STORAGE_OPTIONS}) and load again; or load a state without those keys (a site's own state is "
+        "saved in its region only), or an older checkpoint.")
 
 
 def log_crossing(schedule, rank: int, sites: list[int], regions_of_rank: list[str]) -> int:

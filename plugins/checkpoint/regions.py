@@ -19,7 +19,8 @@ The protocol, stated once here (the checkpoints guide links to it):
   "unavailable": they raise ``ObjectStoreAuthError`` naming the region and the setting to fix.
 * **Load.** Each site reads every item from its own region when that region holds it and is available, else from
   the first available region (in site order) that does; rank 0 of each site logs the bytes its site read from
-  other regions.
+  other regions. A load that wants a key held only by unavailable regions (or regions the job has no URL for)
+  raises ``CheckpointRegionUnavailableError`` on every rank before any shard is read, naming those regions.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreAuth
 
 _log = logging.getLogger("multidc.plugins.checkpoint")
 SITE = "{site}"
+
+
+class CheckpointRegionUnavailableError(ObjectStoreError):
+    """A load wants keys of a region-local checkpoint that only unavailable regions (or regions the job has no URL
+    for) hold; raised on every rank before any shard is read, naming the regions, the number of keys and the fix."""
 
 
 def from_env(url, storage_options):
@@ -67,6 +73,19 @@ def _json_or_text(variable: str):
 def is_regional(url) -> bool:
     """Whether ``url`` names one store per site (a mapping or a ``{site}`` template)."""
     return isinstance(url, Mapping) or SITE in str(url)
+
+
+_DICT_OPTIONS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "requester_pays_kwargs")
+
+
+def check_one_store_options(options, *, setting: str = "storage_options") -> None:
+    """ValueError if ``options`` (for one URL) look like options per site (every value a mapping or ``None``, none
+    of them an fsspec option that takes a mapping): one store takes one set of options."""
+    if isinstance(options, Mapping) and options and not any(k in _DICT_OPTIONS for k in options) and all(
+            v is None or isinstance(v, Mapping) for v in options.values()):
+        raise ValueError(f"{setting} gives options per site ({sorted(map(str, options))}) but the URL names one "
+                         f"store: pass one URL per site (a template with {SITE}, or a mapping), or one set of "
+                         "options.")
 
 
 def site_urls(url, storage_options, *, site_names, setting: str = "url") -> tuple[dict[str, str], dict]:
@@ -140,9 +159,10 @@ class Regions:
         try:
             return fn(self.stores[region], *args)
         except ObjectStoreAuthError as exc:
+            also = f" (or {_env.CKPT_STORAGE_OPTIONS})" if self.setting != _env.CKPT_STORAGE_OPTIONS else ""
             raise ObjectStoreAuthError(
                 f"region {region!r} (site {region}): {exc} Fix this region's credentials: "
-                f"{self.setting}[{region!r}] (or {_env.CKPT_STORAGE_OPTIONS}).") from None
+                f"{self.setting}[{region!r}]{also}.") from None
         except ObjectStoreError as exc:
             raise type(exc)(f"region {region!r} (site {region}): {exc}") from None
 

@@ -48,6 +48,18 @@ def test_the_url_comes_from_the_environment_when_none_is_given(monkeypatch):
     assert from_env(None, None)[0] == "s3://ckpt-{site}/r"
 
 
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_lightning_checkpoint_io_refuses_a_site_template_naming_checkpointer(call, tmp_path):
+    pytest.importorskip("lightning")
+    from multidc.plugins import ObjectStoreCheckpointIO
+
+    io = ObjectStoreCheckpointIO()
+    path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
+    with pytest.raises(ValueError, match=r"one store per site.*Use Checkpointer\(url, topology=...\)"):
+        io.save_checkpoint({"state_dict": {}}, path) if call == "save" else io.load_checkpoint(path)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 # ----------------------------------------------------------------------------- distributed
 def _state(rank: int, site: int) -> dict:
     gen = torch.Generator().manual_seed(7)
@@ -166,6 +178,33 @@ def _lost_region(rank, world, urls, options):
                                                                     if "other regions" in line]
 
 
+def _only_in_a_lost_region(rank, world, urls, options):
+    """Region 1's bucket goes after the save: ranks 2 and 3 want their own keys, which only region 1 held."""
+    import s3fs
+    import torch.distributed as dist
+
+    from multidc.plugins import CheckpointRegionUnavailableError
+
+    ckpt, site = _checkpointer(rank, world, urls, options)
+    ckpt.save(_state(rank, site), step=4)
+    dist.barrier()
+    if rank == 0:
+        fs = s3fs.S3FileSystem(**options["1"])
+        bucket = urls["1"].removeprefix("s3://").split("/")[0]
+        fs.rm(bucket, recursive=True)
+        if fs.exists(bucket):
+            fs.rmdir(bucket)
+    dist.barrier()
+    try:
+        ckpt.load(_zeros(rank))
+    except CheckpointRegionUnavailableError as exc:
+        outcome = str(exc)
+    else:
+        outcome = None
+    ckpt.close()
+    return outcome
+
+
 def _killed_mid_save(rank, world, urls, options, victim_group):
     import multidc.plugins.checkpoint.checkpointer as checkpointer
     from multidc.plugins import CheckpointSaveError
@@ -212,12 +251,13 @@ def regions_job(s3_server, s3_auth_server, victim):
         tag = uuid.uuid4().hex[:10]
         return {"0": s3_server.make_bucket(f"r0-{tag}") + "/run", "1": second.make_bucket(f"r1-{tag}") + "/run"}
 
-    main, lost, killed = pair(), pair(), pair(victim)
+    main, lost, only, killed = pair(), pair(), pair(), pair(victim)
     bad = s3_auth_server.storage_options(key="MDCTESTACCESSKEY", secret="wrong-secret")
     cases = {
         "save and load": (_save_and_load, (main, options)),
         "wrong credentials": (_wrong_credentials, (main, options, bad)),
         "lost region": (_lost_region, (lost, options)),
+        "only in a lost region": (_only_in_a_lost_region, (only, options)),
         "killed": (_killed_mid_save, (killed, {**options, "1": victim.storage_options()}, victim.process.pid)),
     }
     return run_cases(cases, 4, timeout=360), main
@@ -268,6 +308,17 @@ def test_a_lost_region_is_read_from_the_other_one_and_the_crossing_bytes_are_log
             assert len(crossed) == 1 and "from other regions (1: " in crossed[0], crossed  # one line, site 0's
         if rank == 2:
             assert crossed == ["site '1': this load reads 0 bytes from other regions"], crossed
+
+
+def test_keys_held_only_by_an_unavailable_region_fail_every_rank_naming_the_region_and_the_fix(regions_job):
+    results, _ = regions_job
+    outcomes = results["only in a lost region"]
+    for rank, message in enumerate(outcomes):
+        assert message is not None, rank  # ranks 0 and 1 want nothing of region 1's, and fail with the others
+        key = "rank_3" if rank == 3 else "rank_2"  # the failing rank its own error, the others the lowest's
+        assert f"1 key(s) of checkpoint step_0000000004 ('{key}') are stored only in region(s) '1'" in message, message
+        assert "unavailable (" in message and "storage_options['1']" in message and "MULTIDC_CKPT_URL" in message
+    assert [m.startswith("rank 2: ") for m in outcomes] == [True, True, False, False]
 
 
 def test_a_region_killed_mid_save_commits_nothing_and_the_previous_checkpoint_stays_latest(regions_job):
