@@ -15,6 +15,10 @@ WAN_COMPRESSION = "MULTIDC_WAN_COMPRESSION"
 WAN_CHUNK_MB = "MULTIDC_WAN_CHUNK_MB"
 WAN_STREAMS = "MULTIDC_WAN_STREAMS"
 WAN_TIMEOUT_S = "MULTIDC_WAN_TIMEOUT_S"
+# Checkpoints (multidc.plugins.Checkpointer without a URL): a URL, a template with {site}, or a JSON object
+# site -> URL; storage options as a JSON object (options, or site -> options).
+CKPT_URL = "MULTIDC_CKPT_URL"
+CKPT_STORAGE_OPTIONS = "MULTIDC_CKPT_STORAGE_OPTIONS"
 
 
 def read(name: str) -> str | None:

@@ -36,6 +36,7 @@ from multidc.plugins.checkpoint.comm import THIS_PROCESS
 from multidc.plugins.checkpoint.format import COMMIT, decode_commit, parse_step
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import safe_load_bytes
+from multidc.plugins.checkpoint.regions import SITE
 from multidc.plugins.checkpoint.retention import committed, delete_committed
 from multidc.plugins.checkpoint.storage import byte_view
 
@@ -77,6 +78,11 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         """A Checkpointer of this process alone (Lightning calls a CheckpointIO on rank 0 only) over the folder
         holding ``path``, and ``path``'s name in it."""
         text = str(path).rstrip("/").removesuffix(f"/{COMMIT}")  # "last" resolves to the commit record
+        if SITE in text:  # one process, no topology: it would see one site and write one region only
+            raise ValueError(
+                f"checkpoint path {text!r} names one store per site ({SITE}), which ObjectStoreCheckpointIO cannot "
+                "write: it runs on rank 0 alone and knows no sites. Use Checkpointer(url, topology=...) for a "
+                "region-local checkpoint (see the checkpoints guide, 'One store per site'), or one URL here.")
         root, _, name = text.rpartition("/")
         if not name:
             raise ValueError(f"checkpoint path {text!r} has no file name.")

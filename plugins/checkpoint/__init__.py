@@ -34,11 +34,13 @@ from multidc.plugins.checkpoint.object_store import (
     RetryPolicy,
 )
 from multidc.plugins.checkpoint.reader import ReadConfig
+from multidc.plugins.checkpoint.regions import CheckpointRegionUnavailableError
 from multidc.plugins.checkpoint.state import ModelState, RNGState
 
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointInfo",
+    "CheckpointRegionUnavailableError",
     "CheckpointSaveError",
     "Checkpointer",
     "ModelState",

@@ -75,6 +75,8 @@ import datetime
 import functools
 import threading
 
+from multidc.plugins.checkpoint import regional as _regional
+from multidc.plugins.checkpoint import regions as _regions
 from multidc.plugins.checkpoint import retention as _retention
 from multidc.plugins.checkpoint.comm import Comm, default_timeout_s
 from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, Commit, checkpoint_name, decode_commit
@@ -95,9 +97,13 @@ class Checkpointer:
     default group must construct it, in the same order.
 
     Args:
-        url: root URL (``s3://bucket/prefix``, ``file:///dir``, local path, any fsspec URL).
+        url: root URL (``s3://bucket/prefix``, ``file:///dir``, local path, any fsspec URL); or one per site, each
+            site's region (see ``checkpoint.regions``): a mapping site name or index -> URL, or a template with
+            ``{site}`` (``s3://ckpt-{site}/run1``), where every site of ``topology`` needs a URL (ValueError naming
+            the site). ``None``: ``MULTIDC_CKPT_URL`` (with ``MULTIDC_CKPT_STORAGE_OPTIONS``).
         process_group: the ranks that save together (default: the default group; none: single process).
-        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); never logged.
+        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); never logged. With one
+            URL per site also a mapping site -> options (each region its endpoint and credentials).
         keep_last_k: after each commit keep only the ``k`` newest committed checkpoints (``None``: keep all).
         async_save: default for ``save(async_save=...)``. An async save copies this rank's share into a host
             buffer (the snapshot) that the Checkpointer keeps for the next async save until ``close()``.
@@ -126,7 +132,7 @@ class Checkpointer:
             ``max_concurrency`` / ``stripe_min_mb``.
     """
 
-    def __init__(self, url: str, *, process_group=None, storage_options: dict | None = None,
+    def __init__(self, url=None, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
                  timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None) -> None:
@@ -140,13 +146,25 @@ class Checkpointer:
             timeout_s = default_timeout_s(topology)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
-        self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
-                                 max_concurrency=max_concurrency)
+        if url is None:
+            url, storage_options = _regions.from_env(url, storage_options)
+        site_names = tuple(topology.layout.site_names) if topology is not None else ("0",)
+        self.regions, self._regions_down = None, {}
+        if _regions.is_regional(url):
+            urls, options = _regions.site_urls(url, storage_options, site_names=site_names)
+            self.regions = _regions.Regions(urls, options, local=site_names[getattr(topology, "site", 0)],
+                                            retry=retry, part_size_mb=part_size_mb, max_concurrency=max_concurrency)
+            self.store = self.regions.store
+        else:
+            _regions.check_one_store_options(storage_options)
+            self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
+                                     max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s), topology=topology)
         # which site each rank of the group is in: a striped load exchanges pieces only inside a site
         self._sites = self.comm.all_gather(getattr(topology, "site", 0))
+        self._site_names = [site_names[s] for s in self._sites]  # each rank's region, under regions
         # fields the caller's ReadConfig leaves None come from max_concurrency / stripe_min_mb
         self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
                                                                    stripe_min_bytes=self.stripe_min_bytes)
@@ -201,6 +219,10 @@ class Checkpointer:
             raise ValueError(f"ranks passed different steps to save ({dict(enumerate(steps))}); every rank must "
                              "save the same step.")
         name = checkpoint_name(step)
+        if self.regions is not None:
+            clean = functools.partial(self.regions.clean, keep_last_k=self.keep_last_k, supersede=replace)
+            return self._write(state, name, step, lambda: self.regions.claim(name, step, replace=replace), clean,
+                               extra=extra, async_save=async_save)
         clean = functools.partial(_retention.clean_after_commit, keep_last_k=self.keep_last_k, supersede=replace)
         return self._write(state, name, step, lambda: _retention.claim(self.store, name, step, replace=replace),
                            clean, extra=extra, async_save=async_save)
@@ -210,6 +232,9 @@ class Checkpointer:
         place; a plain file there goes first. Other folders are left alone: no step order, no retention."""
         self._ready()
         _check_state(state)
+        if self.regions is not None:
+            clean = functools.partial(self.regions.clean, keep_last_k=None, supersede=False, folder_only=True)
+            return self._write(state, name, step, lambda: self.regions.claim_folder(name, clear_file=True), clean)
 
         def claim():
             _retention.clear_file(self.store, name)  # a checkpoint in another format: the folder cannot coexist
@@ -231,7 +256,7 @@ class Checkpointer:
         # round carries that error to every rank, before any upload
         planner, plan = self.comm.plan(
             lambda: self._local_plan(state, writer),
-            lambda planner, plans: writer.prepare_global_plan(planner.create_global_plan(plans)[0]))
+            lambda planner, plans: writer.prepare_global_plan(self._global_plan(planner, plans)))
         in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
         try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
@@ -251,6 +276,13 @@ class Checkpointer:
         handle.wait()
         return handle
 
+    def _global_plan(self, planner, plans: list) -> list:
+        """DCP's global save plan; under regions one per region (``checkpoint.regions``), its metadata kept in
+        ``planner.region_metadata``."""
+        if self.regions is None:
+            return planner.create_global_plan(plans)[0]
+        return _regional.plan_by_region(planner, plans, self._site_names)
+
     def _ready(self) -> None:
         """Wait for the pending save; refuse further use after a failed collective."""
         self.wait()
@@ -258,7 +290,7 @@ class Checkpointer:
 
     def _check_access(self) -> None:
         if not self._access_checked:  # once per Checkpointer: later credential failures surface from the upload
-            self.store.check_access()
+            self.regions.check_access() if self.regions is not None else self.store.check_access()
             self._access_checked = True
 
     def _local_plan(self, state: dict, writer: ObjectStoreWriter):
@@ -288,6 +320,12 @@ class Checkpointer:
 
     def _commit(self, writer, planner, results, name, step, clean) -> CheckpointInfo:
         check_stop(self.comm.stopped, f"committing {name}")
+        if self.regions is not None:
+            files = _regional.commit(self.regions, planner.region_metadata, results, self._site_names, name=name,
+                                     step=step, extra=writer.extra)  # the save has succeeded once this returns
+            if not self.comm.stopped.is_set():
+                clean(name, files)
+            return CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step, world_size=self.comm.world_size)
         writer.finish(planner.metadata, results)  # the save has succeeded once this returns
         if not self.comm.stopped.is_set():  # else the collective already failed: the next save cleans up
             clean(self.store, name, {result.storage_data.file for rank_results in results for result in rank_results})
@@ -338,7 +376,8 @@ class Checkpointer:
         """
         self._ready()
         _check_state(state)
-        name, commit = self._open(lambda: _retention.resolve(self.store, which), what=f"resolving {which!r}")
+        name, commit = self._open(lambda: _retention.resolve(self.store, which), what=f"resolving {which!r}",
+                                  which=which)
         for value in state.values():
             if isinstance(value, RNGState):
                 value.select_source(commit.world_size)
@@ -351,17 +390,22 @@ class Checkpointer:
     def _load_folder(self, name: str, *, trusted: bool = False) -> dict:
         """The state saved by ``_save_folder(state, name)``, its structure rebuilt from the commit record."""
         self._ready()
-        name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}")
+        name, commit = self._open(lambda: _retention.require_committed(self.store, name), what=f"reading {name}",
+                                  which=name)
         planner = SafeRebuildLoadPlanner(trusted=trusted)
         _, read_error = self._read(name, commit, dict, planner)
         if read_error is not None:  # on every rank, or on none: then there is nothing to restore
             self.comm.raise_if_any(_restore_unless, read_error, {}, {})
         return planner.original_state_dict
 
-    def _open(self, resolve, *, what: str) -> tuple[str, Commit]:
+    def _open(self, resolve, *, what: str, which) -> tuple[str, Commit]:
         """``(folder name, commit record)`` of the checkpoint ``resolve()`` names on rank 0, on every rank. In the
         same round (as rank 0 reads the commit record) every rank checks its access to the store: a rank whose
-        credentials are refused fails the load on every rank before any shard is read."""
+        credentials are refused fails the load on every rank before any shard is read. Under regions: ``which``
+        in every available region, and this rank's view of it (``regional.open_view``)."""
+        if self.regions is not None:
+            name, view, self._regions_down = _regional.open_view(self.comm, self.regions, which, what=what)
+            return name, view
 
         def open_() -> tuple[str, bytes] | None:
             self.store.check_access()
@@ -379,12 +423,16 @@ class Checkpointer:
         errors (a value handed to the planner) are left to the caller's next error check. Returns ``(state dict,
         this rank's read error or None)``; a failed read collective raises here."""
         reader = ObjectStoreReader(self.store, name, commit, comm=self.comm, sites=self._sites,
-                                   config=self._read_config)
+                                   config=self._read_config,
+                                   regions=self.regions.stores if self.regions is not None else None)
         coordinator = self.comm.rank == 0
 
         def local_step():
             state_dict = state_dict_of()
             planner.set_up_planner(state_dict, commit.metadata, coordinator)
+            # a template names the keys it wants; a rebuild (no template) wants every key saved
+            wanted = commit.elsewhere if isinstance(planner, SafeRebuildLoadPlanner) else planner.state_dict
+            _regional.check_held(commit, wanted, name=name, down=self._regions_down)
             reader.set_up_storage_reader(commit.metadata, coordinator)
             return state_dict, reader.prepare_local_plan(planner.create_local_plan())
 
@@ -395,6 +443,8 @@ class Checkpointer:
             plan = planner.finish_plan(plan)
         except Exception as exc:  # joins the read's collectives, which report it to every rank
             finish_error = exc
+        if self.regions is not None:
+            _regional.log_crossing(plan.storage_data, self.comm.rank, self._sites, self._site_names)
         try:
             reader.read_data(plan, planner, error=finish_error).wait()
         except Exception as exc:  # the same on every rank, but for a value handed to the planner: gathered next
@@ -409,7 +459,11 @@ class Checkpointer:
         return state_dict, None
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first. Not collective (any rank, any process may call it)."""
+        """Committed checkpoints, oldest first (under regions: committed in every available region). Not collective
+        (any rank, any process may call it)."""
+        if self.regions is not None:
+            return [CheckpointInfo(url=f"{self.url}/{name}", name=name, step=step)
+                    for step, name in self.regions.committed()]
         return _committed(self.store)
 
     def latest(self) -> CheckpointInfo | None:

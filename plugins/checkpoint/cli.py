@@ -10,6 +10,11 @@ name the endpoint, the bucket and the key.
 Exit status: 0 success; 1 a checkpoint is corrupt (``verify``); 2 no such checkpoint, or a bad argument; 3 the
 store refused access or does not exist; 4 an unexpected error (a bug, or a failure of the environment).
 
+A region-local checkpoint (one store per site, ``checkpoint.regions``) is named by a ``{site}`` template with
+``--sites N`` (or ``--sites NAME,NAME``), or by ``--region NAME=URL`` once per region; each region's storage options
+come from ``MULTIDC_CKPT_STORAGE_OPTIONS`` (JSON, site -> options), and with no URL at all from ``MULTIDC_CKPT_URL``,
+as in training. Every command then covers every region's part (``checkpoint.regions_cli``).
+
 ``rm`` deletes committed checkpoints only: a folder without a commit record may be a save in flight, which would
 then commit a record pointing at deleted shards. ``--include-uncommitted`` deletes those too (only when no job
 writes under the URL). ``ls`` and ``verify`` never create anything (a mistyped local path stays absent).
@@ -23,9 +28,18 @@ import json
 import sys
 import time
 
-from multidc.plugins.checkpoint import retention
-from multidc.plugins.checkpoint.format import COMMIT, CheckpointCorruptError, checkpoint_name, decode_commit, parse_step
+from multidc.hierarchical import _env
+from multidc.plugins.checkpoint import regions_cli, retention
+from multidc.plugins.checkpoint.format import (
+    COMMIT,
+    CheckpointCorruptError,
+    RegionalCommit,
+    checkpoint_name,
+    decode_any,
+    parse_step,
+)
 from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreError
+from multidc.plugins.checkpoint.regions import check_one_store_options, from_env, is_regional
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 from multidc.plugins.checkpoint.verify import SLICE_BYTES, verify
 
@@ -42,8 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("rm", "delete one committed checkpoint (--step) or every committed checkpoint under the URL "
                         "(--all)")):
         sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("url", help="checkpoint root: s3://bucket/prefix, file:///dir or a path")
+        sub.add_argument("url", nargs="?", default=None,
+                         help="checkpoint root: s3://bucket/prefix, file:///dir or a path; or a template with {site} "
+                         "(one store per site, with --sites). Default: MULTIDC_CKPT_URL")
         sub.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL[_S3])")
+        sub.add_argument("--sites", default=None,
+                         help="the sites a {site} template names: N (sites 0..N-1) or NAME,NAME,...")
+        sub.add_argument("--region", action="append", default=None, metavar="NAME=URL",
+                         help="one region's store of a region-local checkpoint (repeat for each region)")
         if name == "ls":
             sub.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
         if name in ("verify", "rm"):
@@ -69,8 +89,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m multidc.plugins.c
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``ls`` / ``verify`` / ``rm``; returns the exit status (see the module docstring)."""
     try:
-        store = ObjectStore(args.url, storage_options={"endpoint_url": args.endpoint_url} if args.endpoint_url
-                            else None)
+        url, options = _url_and_options(args)
+        regions = regions_cli.regions_from_args(url, options, sites=args.sites)
+        if regions is not None:
+            if args.ckpt_command == "verify":
+                _check_verify_args(args)
+            return {"ls": regions_cli.ls, "verify": regions_cli.verify_all, "rm": regions_cli.rm}[
+                args.ckpt_command](regions, args)
+        store = ObjectStore(url, storage_options=options)
         if args.ckpt_command == "rm" or store.is_s3 or store.fs.exists(store.root):  # else: nothing there, create
             store.check_access()  # none
         return {"ls": _ls, "verify": _verify, "rm": _rm}[args.ckpt_command](store, args)
@@ -85,18 +111,49 @@ def run(args: argparse.Namespace) -> int:
         return _fail(UNEXPECTED, f"unexpected {type(exc).__name__}: {exc}")
 
 
+def _url_and_options(args) -> tuple:
+    """The URL (a mapping region -> URL for ``--region``) and storage options of the command line, the rest from
+    ``MULTIDC_CKPT_URL`` / ``MULTIDC_CKPT_STORAGE_OPTIONS``; ``--endpoint-url`` sets one store's endpoint."""
+    url = args.url
+    if args.region:
+        if url is not None:
+            raise ValueError(f"pass either a URL ({url!r}) or --region NAME=URL per region, not both.")
+        url = dict(regions_cli.parse_region(text) for text in args.region)
+    url, options = from_env(url, None)
+    if not is_regional(url):
+        check_one_store_options(options, setting=_env.CKPT_STORAGE_OPTIONS)
+    if args.endpoint_url:
+        if is_regional(url):
+            raise ValueError("--endpoint-url sets one store's endpoint; for one store per site set each region's "
+                             "endpoint_url in MULTIDC_CKPT_STORAGE_OPTIONS (JSON, site -> options).")
+        options = {**(options or {}), "endpoint_url": args.endpoint_url}
+    return url, options
+
+
+def _check_verify_args(args) -> None:
+    if args.slice_mb <= 0 or args.concurrency < 1:
+        raise ValueError(f"--slice-mb={args.slice_mb} must be > 0 and --concurrency={args.concurrency} >= 1")
+
+
 def _fail(code: int, message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
 
 
 def _describe(store: ObjectStore, step: int, name: str) -> dict:
-    commit = decode_commit(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+    commit = decode_any(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+    if isinstance(commit, RegionalCommit):
+        raise ValueError(_regional_hint(store, name))
     sites = sorted({fqn.split(".", 1)[0] for fqn in commit.metadata.state_dict_metadata if fqn.startswith(SITE_PREFIX)})
     created = datetime.datetime.fromtimestamp(commit.created_unix, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
     return {"step": step, "name": name, "bytes": sum(commit.files.values()), "sites": sites,
             "world_size": commit.world_size, "shards": len(commit.files), "items": len(commit.locations),
             "created_utc": created}
+
+
+def _regional_hint(store: ObjectStore, name: str) -> str:
+    return (f"{store.where(name)} is one region's part of a region-local checkpoint: name every region, with a "
+            "{site} template and --sites N, or --region NAME=URL per region.")
 
 
 def _ls(store: ObjectStore, args) -> int:
@@ -126,8 +183,7 @@ def _chosen(store: ObjectStore, args) -> list[str]:
 
 
 def _verify(store: ObjectStore, args) -> int:
-    if args.slice_mb <= 0 or args.concurrency < 1:
-        raise ValueError(f"--slice-mb={args.slice_mb} must be > 0 and --concurrency={args.concurrency} >= 1")
+    _check_verify_args(args)
     code = OK
     for name in _chosen(store, args):
         started = time.monotonic()

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from multidc.hierarchical.errors import timed_out, wan_failure
 from multidc.plugins.checkpoint.format import CheckpointCorruptError
 from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+from multidc.plugins.checkpoint.regions import CheckpointRegionUnavailableError
 from multidc.plugins.checkpoint.stop import abandoned, peer_left
 
 _KNOWN = {cls.__name__: cls for cls in (
     ValueError, FileNotFoundError, PermissionError, TimeoutError, CheckpointCorruptError, ObjectStoreError,
-    ObjectStoreAuthError, ObjectStoreNotFoundError)}
+    ObjectStoreAuthError, ObjectStoreNotFoundError, CheckpointRegionUnavailableError)}
 
 
 def _describe(error: BaseException | None):

@@ -8,6 +8,7 @@ checkpoint never unpickles anything from storage except the small non-tensor val
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -63,6 +64,9 @@ class ItemLocation:
     crc32: int
     dtype: str | None = None
     sizes: tuple[int, ...] | None = None
+    region: str | None = None
+    """The region (site name) whose store holds ``file``; ``None``: the checkpoint's one store. Not stored: a
+    regional commit record lists each region's items under that region."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,6 +83,13 @@ def parse_dtype(name: str) -> torch.dtype:
 def encode_commit(metadata: Metadata, locations: dict[MetadataIndex, ItemLocation], *, step: int,
                   world_size: int, files: dict[str, int], extra: dict | None = None) -> bytes:
     """The JSON commit record for ``metadata`` whose items were written to ``locations``."""
+    record = commit_record(metadata, locations, step=step, world_size=world_size, files=files, extra=extra)
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def commit_record(metadata: Metadata, locations: dict[MetadataIndex, ItemLocation], *, step: int,
+                  world_size: int, files: dict[str, int], extra: dict | None = None) -> dict:
+    """The commit record of :func:`encode_commit`, as a JSON-ready dict."""
     entries = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -94,7 +105,7 @@ def encode_commit(metadata: Metadata, locations: dict[MetadataIndex, ItemLocatio
         "files": files, "extra": extra or {}, "entries": entries,
         "planner_data": {k: list(v) for k, v in (metadata.planner_data or {}).items()},
     }
-    return json.dumps(record, separators=(",", ":")).encode()
+    return record
 
 
 def _loc(loc: ItemLocation) -> list:
@@ -112,6 +123,9 @@ class Commit:
     extra: dict
     metadata: Metadata
     locations: dict[MetadataIndex, ItemLocation]
+    elsewhere: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """A regional view's keys held only by regions outside the view (unavailable ones, or ones the job has no URL
+    for): key -> those regions. Empty for one store."""
 
 
 def decode_commit(data: bytes, where: str) -> Commit:
@@ -152,3 +166,75 @@ def _parse_loc(raw: list) -> ItemLocation:
         raise ValueError(f"bad shard object name {file!r}")
     return ItemLocation(file=file, offset=int(offset), length=int(length), crc32=int(crc),
                         dtype=dtype, sizes=tuple(int(s) for s in sizes) if sizes is not None else None)
+
+
+REGIONS_FORMAT = "multidc-checkpoint-regions/1"
+
+
+@dataclass(frozen=True)
+class RegionalCommit:
+    """A decoded regional commit record (``checkpoint.regions``): one :class:`Commit` per region, each listing the
+    items stored in that region (its shard objects are the region's own)."""
+
+    step: int
+    world_size: int
+    created_unix: float
+    extra: dict
+    parts: dict[str, Commit]
+
+    def view(self, order: list[str]) -> Commit:
+        """One commit whose every item comes from the first region of ``order`` that holds it, its locations
+        tagged with that region (``ItemLocation.region``); items held only by regions outside ``order`` are left
+        out, their keys listed in ``Commit.elsewhere``."""
+        md, locations, planner_data, files = {}, {}, {}, {}
+        for region in order:
+            part = self.parts.get(region)
+            if part is None:
+                continue
+            for fqn, item in part.metadata.state_dict_metadata.items():
+                if fqn in md:
+                    continue
+                md[fqn] = item
+                for index in ([MetadataIndex(fqn)] if isinstance(item, BytesStorageMetadata)
+                              else [MetadataIndex(fqn, c.offsets) for c in item.chunks]):
+                    loc = part.locations[index]
+                    locations[index] = dataclasses.replace(loc, region=region)
+                    files[(region, loc.file)] = part.files[loc.file]
+            for key, value in (part.metadata.planner_data or {}).items():
+                planner_data.setdefault(key, value)
+        elsewhere: dict[str, tuple[str, ...]] = {}
+        for region, part in self.parts.items():
+            for fqn in part.metadata.state_dict_metadata:
+                if fqn not in md and region not in order:
+                    elsewhere[fqn] = (*elsewhere.get(fqn, ()), region)
+        metadata = Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=locations)
+        first = next((self.parts[r] for r in order if r in self.parts), None)
+        if first is not None and getattr(first.metadata, "version", None) is not None:
+            metadata.version = first.metadata.version
+        return Commit(step=self.step, world_size=self.world_size, created_unix=self.created_unix, files=files,
+                      extra=self.extra, metadata=metadata, locations=locations, elsewhere=elsewhere)
+
+
+def encode_regional_commit(parts: dict[str, dict], *, step: int, world_size: int, extra: dict | None) -> bytes:
+    """The regional commit record: ``parts[region]`` is that region's :func:`commit_record`."""
+    record = {"format": REGIONS_FORMAT, "step": step, "world_size": world_size, "created_unix": time.time(),
+              "extra": extra or {}, "regions": parts}
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def decode_any(data: bytes, where: str) -> Commit | RegionalCommit:
+    """A commit record of either kind (one store, or regional); CheckpointCorruptError naming ``where``."""
+    try:
+        record = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"commit record {where} is invalid: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != REGIONS_FORMAT:
+        return decode_commit(data, where)
+    try:
+        parts = {str(region): decode_commit(json.dumps(part).encode(), f"{where} (region {region!r})")
+                 for region, part in record["regions"].items()}
+        return RegionalCommit(step=int(record["step"]), world_size=int(record["world_size"]),
+                              created_unix=float(record["created_unix"]), extra=dict(record.get("extra") or {}),
+                              parts=parts)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"commit record {where} is invalid: {type(exc).__name__}: {exc}") from None

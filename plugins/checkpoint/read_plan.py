@@ -86,7 +86,7 @@ def plan_reads(needs: list[dict[ItemLocation, str]], sites: list[int], *, piece_
         for loc, name in wanted.items():
             needers[loc].append(rank)
             names.setdefault(loc, name)
-    locations = sorted(needers, key=lambda loc: (loc.file, loc.offset, loc.length))
+    locations = sorted(needers, key=lambda loc: (loc.region or "", loc.file, loc.offset, loc.length))
     groups: dict[tuple[int, tuple[int, ...]], list[int]] = defaultdict(list)  # (site, holders) -> locations
     for index, loc in enumerate(locations):
         by_site: dict[int, list[int]] = defaultdict(list)
@@ -185,11 +185,11 @@ def _gets(segments: list[tuple[int, int, int]], locations: list[ItemLocation], p
         row = row_bytes(loc)
         while start < stop:
             here = loc.offset + start
-            joins = bool(gets) and loc.file == file and 0 <= here - end <= MAX_GAP
+            joins = bool(gets) and (loc.region, loc.file) == file and 0 <= here - end <= MAX_GAP
             take = min(stop - start, (piece_bytes - (here - begin)) // row * row) if joins else 0
             if take <= 0:  # a new GET
                 gets.append([])
-                file, begin = loc.file, here
+                file, begin = (loc.region, loc.file), here
                 take = min(stop - start, max(row, piece_bytes // row * row))
             gets[-1].append((index, start, start + take))
             start += take

@@ -76,13 +76,16 @@ class ObjectStoreReader(StorageReader):
             reads what it needs alone.
         sites: the site of every rank of ``comm``'s group (default: one site).
         config: :class:`ReadConfig`.
+        regions: region name -> store, for the locations that name a region (a regional checkpoint, whose ranks
+            may each see another view of it: each rank's plan carries its own locations to the coordinator).
     """
 
     def __init__(self, store, checkpoint: str, commit=None, *, comm=None, sites: list[int] | None = None,
-                 config: ReadConfig | None = None) -> None:
+                 config: ReadConfig | None = None, regions: dict | None = None) -> None:
         super().__init__()
         self.store, self.checkpoint, self.commit, self.comm = store, checkpoint, commit, comm
         self.sites, self.config = sites, (config or ReadConfig()).resolved()
+        self.regions = regions
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -97,12 +100,13 @@ class ObjectStoreReader(StorageReader):
         self.locations: dict[MetadataIndex, ItemLocation] = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # this rank's locations travel with its plan: under regions each rank resolves items in its own view
+        return dataclasses.replace(plan, storage_data=[self.locations[item.storage_index] for item in plan.items])
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         striped = self.comm is not None and getattr(self.comm, "data_group", None) is not None
         sites = (self.sites or [0] * len(plans)) if striped else list(range(len(plans)))  # own site: no exchange
-        needs = [{self.locations[item.storage_index]: _name(item.storage_index) for item in plan.items}
+        needs = [{loc: _name(item.storage_index) for item, loc in zip(plan.items, plan.storage_data, strict=True)}
                  for plan in plans]
         schedule = plan_reads(needs, sites, piece_bytes=self.config.piece_bytes,
                               round_bytes=self.config.round_bytes, stripe_min_bytes=self.config.stripe_min_bytes)
@@ -134,7 +138,7 @@ class ObjectStoreReader(StorageReader):
                            stop=comm.stopped if comm else None, concurrency=self.config.concurrency,
                            read_ahead_bytes=self.config.read_ahead_bytes, piece_bytes=self.config.piece_bytes,
                            peer_failed=getattr(comm, "peer_failed", None),
-                           on_abandon=getattr(comm, "abandon_exchange", None))
+                           on_abandon=getattr(comm, "abandon_exchange", None), regions=self.regions)
         read.run(error)
         targets.commit(planner)
 

@@ -42,12 +42,18 @@ def resolve(store: ObjectStore, which) -> str:
         if found is None:
             raise FileNotFoundError(f"no committed checkpoint under {store.where()}")
         return found[1]
+    return require_committed(store, name_of(which))
+
+
+def name_of(which) -> str:
+    """The folder name ``which`` (a step, a name or a CheckpointInfo; not ``"latest"``) means; ValueError if none."""
+    which = getattr(which, "name", which)
     if isinstance(which, bool) or not isinstance(which, (int, str)):
         raise ValueError(f"which={which!r}: pass 'latest', a step number or a checkpoint name.")
     name = checkpoint_name(which) if isinstance(which, int) else which.strip("/").rsplit("/", 1)[-1]
     if parse_step(name) is None:
         raise ValueError(f"which={which!r} is not 'latest', a step number or a name like {checkpoint_name(100)!r}.")
-    return require_committed(store, name)
+    return name
 
 
 def require_committed(store: ObjectStore, name: str) -> str:
@@ -64,17 +70,22 @@ def claim(store: ObjectStore, name: str, step: int, *, replace: bool) -> str | N
         ValueError: without ``replace``, a committed checkpoint of this or a later step exists: the save would not
             become ``latest`` and ``keep_last_k`` could delete it at once.
     """
-    newest = newest_committed(store)
+    check_order(newest_committed(store), step, replace=replace, where=store.where, name=name)
+    return claim_folder(store, name)
+
+
+def check_order(newest: tuple[int, str] | None, step: int, *, replace: bool, where, name: str) -> None:
+    """ValueError unless a save of ``step`` (folder ``name``) may follow the ``newest`` committed ``(step, name)``
+    (see :func:`claim`); ``where(name)`` names a folder in messages."""
     if newest is not None and newest[0] >= step and not replace:
         if newest[0] == step:
-            raise ValueError(f"checkpoint {store.where(name)} is already committed; save under a higher step, "
+            raise ValueError(f"checkpoint {where(name)} is already committed; save under a higher step, "
                              "delete it first, or pass replace=True to replace it.")
         raise ValueError(
-            f"step {step} is not after the newest committed checkpoint {store.where(newest[1])}: latest() and "
+            f"step {step} is not after the newest committed checkpoint {where(newest[1])}: latest() and "
             f"keep_last_k order checkpoints by step, so this save would not be the latest and retention could "
             f"delete it at once. Save a step > {newest[0]}, delete the newer checkpoints, save under another URL, "
             "or pass replace=True to supersede them. Nothing was written.")
-    return claim_folder(store, name)
 
 
 def clear_file(store: ObjectStore, name: str = "") -> None:

@@ -68,12 +68,14 @@ class _Either:
 
 class StripedRead:
     """Runs this rank's reads and exchanges of ``schedule``; ``deliver(piece, buffer)`` copies a piece's bytes (a
-    uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``."""
+    uint8 tensor) into this rank's destination tensors. Call :meth:`run` on every rank of ``group``. ``regions``:
+    the store of each region a location names (``ItemLocation.region``); ``store`` serves the others."""
 
     def __init__(self, store, checkpoint: str, schedule: ReadSchedule, deliver, *, rank: int, group, stop,
                  concurrency: int, read_ahead_bytes: int, piece_bytes: int, peer_failed=None,
-                 on_abandon=None, direct=None) -> None:
+                 on_abandon=None, direct=None, regions: dict | None = None) -> None:
         self.store, self.checkpoint, self.schedule, self.deliver = store, checkpoint, schedule, deliver
+        self.regions = regions or {}
         self.direct = direct or (lambda piece: None)
         self.rank, self.group, self.concurrency, self.read_ahead = rank, group, concurrency, read_ahead_bytes
         self.halt = threading.Event()  # this load failed somewhere: read nothing more
@@ -213,6 +215,10 @@ class StripedRead:
             except FutureTimeout:
                 self._check_peers("waiting for a download")
 
+    def store_of(self, loc):
+        """The store that holds ``loc``'s object."""
+        return self.regions[loc.region] if loc.region is not None else self.store
+
     def _get(self, pieces: list[Piece], buffers: list[torch.Tensor]) -> None:
         """One ranged GET of ``pieces`` (adjacent in one object, gaps of padding between them dropped), each
         into its buffer or destination; then each piece's CRC, and delivery of those that need a copy."""
@@ -222,7 +228,7 @@ class StripedRead:
         begin = locs[0].offset + pieces[0].start
         views = [byte_view(buffer, writable=True) for buffer in buffers]
         parts = [(loc.offset + piece.start - begin, view) for loc, piece, view in zip(locs, pieces, views)]
-        self.store.read_into(f"{self.checkpoint}/{locs[0].file}", begin, parts, stop=self.stop)
+        self.store_of(locs[0]).read_into(f"{self.checkpoint}/{locs[0].file}", begin, parts, stop=self.stop)
         for piece, view, buffer in zip(pieces, views, buffers):
             self.crcs[_crc_key(piece)] = zlib.crc32(view)  # off the event loop, while other GETs stream
             check_stop(self.stop, f"loading {self.store.where(self.checkpoint)}")
@@ -358,7 +364,7 @@ class StripedRead:
             crc = combine((crcs[_crc_key(p)], p.size) for p in pieces)
             if crc != loc.crc32:
                 raise CheckpointCorruptError(
-                    f"corrupt shard {loc.file} of checkpoint {self.store.where(self.checkpoint)}: bytes "
+                    f"corrupt shard {loc.file} of checkpoint {self.store_of(loc).where(self.checkpoint)}: bytes "
                     f"[{loc.offset}, {loc.offset + loc.length}) holding {self.schedule.names[index]} have crc32 "
                     f"{crc:08x}, the commit record says crc32 {loc.crc32:08x}. The object was changed or damaged "
                     "after it was committed; load an older checkpoint (list_checkpoints) instead.")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multidc.plugins.checkpoint.crc import combine
-from multidc.plugins.checkpoint.format import COMMIT, Commit, decode_commit
+from multidc.plugins.checkpoint.format import COMMIT, Commit, RegionalCommit, decode_any
 from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreNotFoundError
 
 SLICE_BYTES = 8 << 20
@@ -33,16 +33,25 @@ class Verdict:
     problems: list[str] = field(default_factory=list)
 
 
-def verify(store: ObjectStore, name: str, *, slice_bytes: int = SLICE_BYTES, concurrency: int = 8) -> Verdict:
+def verify(store: ObjectStore, name: str, *, commit: Commit | None = None, slice_bytes: int = SLICE_BYTES,
+           concurrency: int = 8) -> Verdict:
     """Check every shard object's size and every item's CRC-32 of checkpoint folder ``name``.
+
+    ``commit``: the record to check against (default: ``name``'s ``COMMIT.json`` in ``store``); for a region-local
+    checkpoint the region's part (``RegionalCommit.parts[region]``), whose shard names are that region's objects.
 
     Raises ``CheckpointCorruptError`` if the commit record itself is unreadable, ``ObjectStoreError`` subclasses
     if the store cannot be read (credentials, missing bucket); missing or short objects and CRC mismatches are
-    reported in the verdict's ``problems``, each naming the object, the byte range and the item.
+    reported in the verdict's ``problems``, each naming the object, the byte range and the item. ValueError: the
+    record is a regional one (or a load's view of it, whose shards span regions): pass one region's part.
     """
     if slice_bytes < 1 or concurrency < 1:
         raise ValueError(f"slice_bytes={slice_bytes} and concurrency={concurrency} must be >= 1.")
-    commit = decode_commit(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+    if commit is None:
+        commit = decode_any(store.get(f"{name}/{COMMIT}"), store.where(f"{name}/{COMMIT}"))
+    if isinstance(commit, RegionalCommit) or not all(isinstance(file, str) for file in commit.files):
+        raise ValueError(f"{store.where(name)} is checked one region at a time: pass commit=<the region's part> "
+                         "(RegionalCommit.parts[region]); a load's view names shards of several regions.")
     verdict = Verdict(name=name, commit=commit, items=len(commit.locations))
     items: dict[str, list] = {}
     for index, loc in commit.locations.items():

@@ -1,0 +1,121 @@
+"""The ``Checkpointer``'s steps under regions (one store per site; the protocol is ``checkpoint.regions``'s):
+planning a save per region, writing the regional commit record, opening a checkpoint in this rank's view, and
+reporting the bytes a load read from other regions."""
+
+from __future__ import annotations
+
+import logging
+
+from multidc.hierarchical import _env
+from multidc.plugins.checkpoint.format import (
+    COMMIT,
+    Commit,
+    RegionalCommit,
+    commit_record,
+    decode_any,
+    encode_regional_commit,
+)
+from multidc.plugins.checkpoint.object_store import ObjectStore
+from multidc.plugins.checkpoint.regions import CheckpointRegionUnavailableError, Regions
+
+_log = logging.getLogger("multidc.plugins.checkpoint")
+
+
+def plan_by_region(planner, plans: list, regions_of_rank: list[str]) -> list:
+    """DCP's global save plan made for each region's ranks alone (replicated state striped over them, stored once
+    per region; a key held with other values by another site stays that site's); each region's metadata goes to
+    ``planner.region_metadata``. Returns every rank's plan, in rank order."""
+    out, planner.region_metadata = [None] * len(plans), {}
+    for region in dict.fromkeys(regions_of_rank):
+        ranks = [rank for rank, r in enumerate(regions_of_rank) if r == region]
+        region_plans, metadata = planner.create_global_plan([plans[rank] for rank in ranks])
+        planner.region_metadata[region] = metadata
+        for rank, plan in zip(ranks, region_plans, strict=True):
+            out[rank] = plan
+    return out
+
+
+def commit(regions: Regions, region_metadata: dict, results: list[list], regions_of_rank: list[str], *, name: str,
+           step: int, extra: dict | None) -> dict[str, set[str]]:
+    """Write the regional commit record of checkpoint ``name`` (rank 0, after every upload succeeded) into every
+    region; returns each region's shard objects. Raises if a region's record could not be written (then none is)."""
+    parts, files_by_region = {}, {}
+    for region, metadata in region_metadata.items():
+        locations, files = {}, {}
+        for rank, rank_results in enumerate(results):
+            if regions_of_rank[rank] != region:
+                continue
+            for result in rank_results:
+                loc = result.storage_data
+                locations[result.index] = loc
+                files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        metadata.storage_data = locations
+        parts[region] = commit_record(metadata, locations, step=step, world_size=len(results), files=files,
+                                      extra=extra)
+        files_by_region[region] = set(files)
+    regions.commit(name, encode_regional_commit(parts, step=step, world_size=len(results), extra=extra))
+    return files_by_region
+
+
+def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit, dict[str, str]]:
+    """``(name, this rank's view of its commit record, {unavailable region: why})`` for ``which``, on every rank
+    (collective): its own region first when available, then the other available regions in site order. Refused
+    credentials of any rank's region fail the load on every rank, naming the region."""
+
+    def open_():
+        up, down = regions.available()  # on every rank: the same requests, so the same error on every rank
+        if comm.rank != 0:
+            return None
+        name = regions.resolve(which, up)
+        source = regions.local if regions.local in up else up[0]
+        return name, regions.call(source, ObjectStore.get, f"{name}/{COMMIT}"), source, up, down
+
+    name, raw, source, up, down = comm.broadcast(comm.raise_if_any(open_, what=what))
+    record = decode_any(raw, regions.stores[source].where(f"{name}/{COMMIT}"))
+    if not isinstance(record, RegionalCommit):  # saved with one URL into what is now one of the regions
+        record = RegionalCommit(step=record.step, world_size=record.world_size, created_unix=record.created_unix,
+                                extra=record.extra, parts={source: record})
+    if regions.local not in up and regions.local in down:
+        _log.warning("checkpoint region %r (this site's) is unavailable, reading %s from regions %s: %s",
+                     regions.local, name, up, down[regions.local])
+    order = ([regions.local] if regions.local in up else []) + [r for r in up if r != regions.local]
+    return name, record.view(order), down
+
+
+def check_held(commit: Commit, wanted, *, name: str, down: dict[str, str]) -> None:
+    """Raise ``CheckpointRegionUnavailableError`` if a key of ``wanted`` (flattened state dict keys) is held only by
+    regions outside ``commit``'s view (``Commit.elsewhere``); ``down`` says why a region is unavailable. Every rank
+    sees the same regions left out, so the ranks that want such keys raise the same message."""
+    missing = sorted(key for key in wanted if key in commit.elsewhere)
+    if not missing:
+        return
+    held = sorted({region for key in missing for region in commit.elsewhere[key]})
+    why = "; ".join(f"region {r!r}: " + (f"unavailable ({down[r]})" if r in down else "this job has no URL for it")
+                    for r in held)
+    keys = ", ".join(repr(key) for key in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise CheckpointRegionUnavailableError(
+        f"{len(missing)} key(s) of checkpoint {name} ({keys}) are stored only in region(s) {', '.join(map(repr, held))}"
+        f", which this load cannot read: {why}. Bring that region's store back (or give this job its URL and "
+        f"credentials: url[{held[0]!r}] / {_env.CKPT_URL}, storage_options[{held[0]!r}] / "
+        f"{_env.CKPT_STORAGE_OPTIONS}) and load again; or load a state without those keys (a site's own state is "
+        "saved in its region only), or an older checkpoint.")
+
+
+def log_crossing(schedule, rank: int, sites: list[int], regions_of_rank: list[str]) -> int:
+    """On the lowest rank of each site, log one line: the bytes this site's ranks read from other regions' stores
+    in ``schedule`` (a ``ReadSchedule``). Returns that count (0 elsewhere)."""
+    site, region = sites[rank], regions_of_rank[rank]
+    if sites.index(site) != rank:
+        return 0
+    crossed: dict[str, int] = {}
+    for piece in schedule.pieces():
+        source = schedule.locations[piece.loc].region
+        if sites[piece.reader] == site and source != region:
+            crossed[source] = crossed.get(source, 0) + piece.size
+    total = sum(crossed.values())
+    if total:
+        _log.warning("site %r: this load reads %d bytes (%.1f MiB) from other regions (%s)", region, total,
+                     total / (1 << 20), ", ".join(f"{r}: {n} bytes" for r, n in sorted(crossed.items())))
+    else:
+        _log.info("site %r: this load reads 0 bytes from other regions", region)
+    return total
