@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from multidc.plugins import Checkpointer, RNGState, SaveHandle
 from multidc.plugins.checkpoint.comm import Comm, default_timeout_s
 from multidc.plugins.checkpoint.format import COMMIT, parse_step
+from multidc.plugins.checkpoint.regions import refuse_regional
 from multidc.plugins.checkpoint.retention import clear_file, delete_committed
 from multidc.plugins.checkpoint.state import load_optimizer_state_dict, site_key
 from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_state_dict
@@ -244,6 +245,7 @@ class LightningCheckpoints:
     def _checkpointer(self, root: str) -> Checkpointer:
         ckpt = self._open.pop(root, None)
         if ckpt is None:  # collective: every rank opens the same roots in the same order
+            refuse_regional(root, "the Lightning strategies' checkpoints")
             ckpt = Checkpointer(root, storage_options=self.storage_options, keep_last_k=1,
                                 async_save=self.async_save, topology=self.topology)
         self._open[root] = ckpt

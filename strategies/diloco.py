@@ -139,10 +139,6 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
             _register(strategy_registry, name, cls, description=description, start_method=start_method)
 
 
-register_all()  # the names, also when this module's own import of Lightning came first (see _registry)
-
-
-
 def refuse_time_round_hazards(trainer: pl.Trainer) -> None:
     """With rounds by time each site reaches a step count, an epoch's end or a time limit at its own moment: refuse
     the Trainer settings that would then wait for each other across sites (or stop one site alone) and hang.
@@ -150,7 +146,7 @@ def refuse_time_round_hazards(trainer: pl.Trainer) -> None:
     Raises:
         ValueError: naming the Trainer setting and the fix.
     """
-    from lightning.pytorch.callbacks import Timer
+    from lightning.pytorch.callbacks import EarlyStopping, Timer
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     why = "DiLoCoConfig.sync_every_s is set: each site runs its own number of steps, so"
@@ -165,6 +161,12 @@ def refuse_time_round_hazards(trainer: pl.Trainer) -> None:
         raise ValueError(f"{why} a ModelCheckpoint (Lightning adds one by default, saving at each epoch's end) would "
                          f"save at different moments on different sites and wait for the others: pass "
                          f"Trainer(enable_checkpointing=False) and no ModelCheckpoint callback.")
+    if trainer.min_steps not in (None, -1, 0):
+        raise ValueError(f"{why} Trainer(min_steps={trainer.min_steps}) would keep a site training past the sites' "
+                         f"last round, while the others stop: leave min_steps unset.")
+    if any(isinstance(cb, EarlyStopping) for cb in trainer.callbacks):
+        raise ValueError(f"{why} EarlyStopping decides at each epoch's end with a collective over every rank, which "
+                         f"the sites reach at different moments: remove the EarlyStopping callback.")
     if trainer.ckpt_path is not None:
         raise ValueError(f"{why} Lightning's one global_step cannot hold every site's step count: fit(ckpt_path="
                          f"{trainer.ckpt_path!r}) is not supported with rounds by time yet: start anew (no ckpt_path), "
@@ -174,3 +176,6 @@ def refuse_time_round_hazards(trainer: pl.Trainer) -> None:
         raise ValueError(f"{why} validation inside fit would run at different moments on different sites (its "
                          f"dataloader set-up is a barrier over every rank): pass Trainer(limit_val_batches=0) and "
                          f"call trainer.validate after fit.")
+
+
+register_all()  # the names, also when this module's own import of Lightning came first (see _registry)

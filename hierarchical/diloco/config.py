@@ -178,8 +178,9 @@ def resolve_cross_site(cross_site: str | None, diloco: DiLoCoConfig | None, *, o
     ``MULTIDC_CROSS_SITE``. ``owner`` names the front-end in messages.
 
     Raises:
-        ValueError: an unknown mode, a ``diloco`` that is not a ``DiLoCoConfig``, or ``diloco`` given without
-            ``cross_site="diloco"``.
+        ValueError: an unknown mode, a ``diloco`` that is not a ``DiLoCoConfig``, ``diloco`` given without
+            ``cross_site="diloco"``, or rounds by time (``sync_every_s``), which only ``DiLoCoStrategy`` and the raw
+            ``DiLoCo`` drive so far (their sites end at the same round; these front-ends would hang at the end).
     """
     source = f"{owner}.cross_site"
     if cross_site is None:
@@ -195,7 +196,14 @@ def resolve_cross_site(cross_site: str | None, diloco: DiLoCoConfig | None, *, o
             raise ValueError(f"{owner}.diloco is set but cross_site is 'allreduce' ({source}); add "
                              f"cross_site='diloco' to train with DiLoCo.")
         return None
-    return diloco if diloco is not None else DiLoCoConfig()
+    config = diloco if diloco is not None else DiLoCoConfig()
+    if config.sync_every_s is not None:
+        raise ValueError(
+            f"{owner} does not support rounds by time yet ({config._source('sync_every_s')}): "
+            f"its sites would stop at different rounds and wait on each other. Unset sync_every_s / "
+            f"MULTIDC_DILOCO_SYNC_EVERY_S (rounds of sync_every steps), or use DiLoCoStrategy or the raw DiLoCo."
+        )
+    return config
 
 
 def config_or_default(config) -> DiLoCoConfig:

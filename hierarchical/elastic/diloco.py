@@ -128,6 +128,9 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         super().__init__(model, inner_optimizer, _site_topology(wan, replicas), config, wan=wan,
                          outer_optimizer=outer_optimizer, blocks=blocks)
         self._model, self._inner = model, inner_optimizer
+        # top-k with overlap merges by taking the global parameters here: a healing site takes another site's state,
+        # whose in-flight local fragment is not its own, so the in-flight progress kept by DiLoCo is not kept
+        self._kept = None
         self._residual_before: torch.Tensor | None = None
         self._user_state, self._load_user_state = state_dict, load_state_dict
         self._start_rounds, self.round_pending = start_rounds, False

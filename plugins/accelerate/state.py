@@ -21,6 +21,7 @@ import os
 
 from multidc.plugins.checkpoint import Checkpointer, CheckpointInfo, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
+from multidc.plugins.checkpoint.regions import refuse_regional
 from multidc.plugins.checkpoint.state import ModelState, RNGState, StatefulDict, site_key, state_dicts
 
 
@@ -167,6 +168,7 @@ class StateMixin:
 
     def _checkpointer(self, url) -> Checkpointer:
         """One ``Checkpointer`` per root URL (constructing one is collective: every rank gets here together)."""
+        refuse_regional(url, "MultiDCPlugin's save_state / load_state")
         cache = self.__dict__.setdefault("_checkpointers", {})
         key = os.fspath(url).rstrip("/")
         if key not in cache:

@@ -150,13 +150,16 @@ class Checkpointer:
             url, storage_options = _regions.from_env(url, storage_options)
         site_names = tuple(topology.layout.site_names) if topology is not None else ("0",)
         self.regions, self._regions_down = None, {}
+        if _regions.is_regional(url) and topology is None:
+            raise ValueError(f"url={url!r} names one store per site, but this Checkpointer has no topology to tell "
+                             f"which site each rank is in: pass topology= (e.g. Topology.build()), or one URL.")
         if _regions.is_regional(url):
             urls, options = _regions.site_urls(url, storage_options, site_names=site_names)
             self.regions = _regions.Regions(urls, options, local=site_names[getattr(topology, "site", 0)],
                                             retry=retry, part_size_mb=part_size_mb, max_concurrency=max_concurrency)
             self.store = self.regions.store
         else:
-            _regions.check_one_store_options(storage_options)
+            _regions.check_one_store_options(storage_options, site_names=site_names)
             self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                      max_concurrency=max_concurrency)
         self.keep_last_k, self.async_save = keep_last_k, async_save

@@ -75,13 +75,27 @@ def is_regional(url) -> bool:
     return isinstance(url, Mapping) or SITE in str(url)
 
 
-_DICT_OPTIONS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "requester_pays_kwargs")
+def refuse_regional(url, where: str) -> None:
+    """ValueError if ``url`` names one store per site where ``where`` (a front-end) writes to one store only."""
+    if is_regional(url):
+        raise ValueError(f"{where}: {url!r} names one store per site ({SITE} or a mapping); {where} does not write "
+                         f"region-local checkpoints yet (its clean-up and resume lookup use one store): give one URL, "
+                         f"or save with multidc.plugins.Checkpointer(url, topology=...) yourself.")
 
 
-def check_one_store_options(options, *, setting: str = "storage_options") -> None:
-    """ValueError if ``options`` (for one URL) look like options per site (every value a mapping or ``None``, none
-    of them an fsspec option that takes a mapping): one store takes one set of options."""
-    if isinstance(options, Mapping) and options and not any(k in _DICT_OPTIONS for k in options) and all(
+def _is_site_key(key, names) -> bool:
+    """Whether ``key`` names a site: an index, a digit string, or one of ``names``."""
+    if isinstance(key, bool):
+        return False
+    return isinstance(key, int) or (isinstance(key, str) and (key.isdigit() or key in names))
+
+
+def check_one_store_options(options, *, site_names=(), setting: str = "storage_options") -> None:
+    """ValueError if ``options`` (for one URL) are options per site (every key a site name or index, every value a
+    mapping or ``None``): one store takes one set of options. fsspec options that take a mapping (``client_kwargs``,
+    a ``token`` dict, chained-URL options) pass."""
+    names = {str(n) for n in site_names}
+    if isinstance(options, Mapping) and options and all(_is_site_key(k, names) for k in options) and all(
             v is None or isinstance(v, Mapping) for v in options.values()):
         raise ValueError(f"{setting} gives options per site ({sorted(map(str, options))}) but the URL names one "
                          f"store: pass one URL per site (a template with {SITE}, or a mapping), or one set of "
@@ -122,8 +136,13 @@ def _site_key(key, names: list[str], setting: str) -> str:
 def _site_options(options, names: list[str], urls: dict[str, str]) -> dict:
     if not options:
         return dict.fromkeys(urls)
-    per_site = all((isinstance(k, int) and not isinstance(k, bool)) or k in urls for k in options) and all(
-        v is None or isinstance(v, Mapping) for v in options.values())
+    mappings = all(v is None or isinstance(v, Mapping) for v in options.values())
+    sites = [k for k in options if (isinstance(k, int) and not isinstance(k, bool)) or k in urls]
+    per_site = mappings and len(sites) == len(options)
+    if mappings and sites and not per_site:  # some keys name sites, others nothing: a misspelt site
+        unknown = sorted(str(k) for k in options if k not in sites)
+        raise ValueError(f"storage_options gives options per site, but {unknown} name no site (sites: "
+                         f"{sorted(urls)}): spell each key as a site name or index.")
     if not per_site:
         return dict.fromkeys(urls, dict(options))
     given = {_site_key(k, names, "storage_options"): v for k, v in options.items()}

@@ -23,6 +23,7 @@ from multidc.hierarchical import (
 from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
 from tests._batched import run_cases
+from tests._diloco_state import named_global
 from tests.diloco_reference import LR, run_reference, second_step_error
 from tests.diloco_reference import model as _model
 from tests.diloco_reference import rows as _rows
@@ -174,7 +175,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
     with diloco.global_parameters():
         inside = _flat(dict(model.named_parameters())).clone()
     diloco.close()
-    glob = _flat(_named_global(model, diloco, state))
+    glob = _flat(named_global(model, diloco.config.fragments, state))
     return {
         "local": {n: p.detach().clone() for n, p in model.named_parameters()},
         "inside_global_parameters": inside,
@@ -186,14 +187,6 @@ def _train(rank: int, world: int, case: dict) -> dict:
     }
 
 
-def _named_global(model, diloco, state) -> dict:
-    """The global copy (kept per fragment) by parameter name, in model order, as the reference holds it."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    named = {}
-    for params, flat in zip(split_fragments(model, diloco.config.fragments), state["global"].values()):
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            named[name_of[id(p)]] = piece.view(p.shape)
-    return {n: named[n] for n in name_of.values()}
 
 
 def _setup(topo, case):
@@ -286,7 +279,8 @@ def _protocol(rank: int, world: int, config: dict | None) -> dict:
     sites, diloco = sync.checkpoint_sites(), sync.diloco
     state = diloco.state_dict() if diloco is not None else None
     sync.close()
-    glob = _flat(_named_global(model, diloco, state) if diloco is not None else dict(model.named_parameters()))
+    named = named_global(model, diloco.config.fragments, state) if diloco is not None else None
+    glob = _flat(named if named is not None else dict(model.named_parameters()))
     return {"local": {n: p.detach().clone() for n, p in model.named_parameters()}, "global": glob.detach().clone(),
             "digest": _digest(glob.detach()), "site": topo.site, "sent": sent, "drives_steps": sync.drives_steps,
             "sites": {key: type(value).__name__ for key, value in sites.items()}, "placement": sync.placement}
@@ -399,7 +393,7 @@ def _start(rank: int, world: int, case: dict) -> dict:
         copy_sent.append(topo.wan_stats.snapshot()["bytes_sent"] - before)
     return {"start_sent": start_sent, "copy_sent": copy_sent, "local": _digest(_flat(dict(model.named_parameters()))),
             "site_0": _digest(_flat(dict(_model().named_parameters()))),
-            "global": _digest(_flat(_named_global(model, diloco, state)))}
+            "global": _digest(_flat(named_global(model, diloco.config.fragments, state)))}
 
 
 def test_resume_from_checkpoint_mid_sync_equals_unbroken_run(four_ranks, saved_dirs):

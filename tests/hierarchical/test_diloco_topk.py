@@ -18,10 +18,10 @@ from multidc.hierarchical import (
     register_ddp_hook,
     register_site_ddp_hook,
 )
-from multidc.hierarchical.diloco.fragments import split_fragments
 from multidc.hierarchical.tools.ranks import run_ranks
 from multidc.plugins import Checkpointer, ModelState
 from tests._batched import run_cases
+from tests._diloco_state import named_global
 from tests._topk_by_hand import TopKByHand
 from tests.diloco_reference import LR, run_reference
 from tests.diloco_reference import model as _model
@@ -92,7 +92,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
     state = diloco.state_dict()
     residuals = [fragment.residual.clone() for fragment in diloco._fragments]
     diloco.close()
-    glob = _flat(_named_global(model, diloco.config.fragments, state))
+    glob = _flat(named_global(model, diloco.config.fragments, state))
     return {"local": {n: p.detach().clone() for n, p in model.named_parameters()}, "global": glob,
             "digest": hashlib.sha256(glob.numpy().tobytes()).hexdigest(), "residuals": residuals,
             "site": topo.site, "rank_in_site": topo.local_rank_in_site}
@@ -103,13 +103,6 @@ def _ckpt_state(topo, ddp, opt, diloco) -> dict:
     return {"diloco": diloco, f"site_{topo.site}": ModelState(ddp, opt)}
 
 
-def _named_global(model, fragments: int, state) -> dict:
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    named = {}
-    for params, flat in zip(split_fragments(model, fragments), state["global"].values()):
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            named[name_of[id(p)]] = piece.view(p.shape)
-    return {n: named[n] for n in name_of.values()}
 
 
 def _flat(named: dict) -> torch.Tensor:

@@ -10,10 +10,7 @@ so each call reads the credentials of its own environment, as a new process woul
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -25,6 +22,7 @@ import torch
 from multidc.plugins import Checkpointer, ObjectStore
 from multidc.plugins.checkpoint import cli
 from multidc.plugins.checkpoint.verify import verify
+from tests._cli import run_cli
 from tests.conftest import AUTH_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,21 +46,7 @@ def _cli_subprocess(server, *args: str, secret: str = AUTH_KEYS[1],
 
 
 def _main(args: tuple[str, ...]) -> subprocess.CompletedProcess:
-    """``cli.main(args)`` in this process: its exit status (argparse's ``SystemExit`` too) and what it printed,
-    warnings logged included (a process of its own prints them on stderr through logging's last resort)."""
-    out, err = io.StringIO(), io.StringIO()
-    logged = logging.StreamHandler(err)
-    logged.setLevel(logging.WARNING)
-    logging.getLogger().addHandler(logged)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        logging.getLogger().removeHandler(logged)
-    return subprocess.CompletedProcess(["multidc.plugins.checkpoint", *args], code, out.getvalue(), err.getvalue())
+    return run_cli(cli.main, args, prog="multidc.plugins.checkpoint")
 
 
 def _clear_s3fs_cache() -> None:

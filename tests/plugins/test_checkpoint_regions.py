@@ -125,11 +125,12 @@ def _save_and_load(rank, world, urls, options):
 
 
 def _load_on_one_site(rank, world, urls, options):
-    """2 ranks as one site (no topology: every rank in the first site) load what 2 x 2 saved."""
+    """2 ranks as one site (a one-site topology: every rank in the first site) load what 2 x 2 saved."""
+    from multidc.hierarchical import Topology
     from multidc.plugins import Checkpointer
 
     lines = _capture()
-    ckpt = Checkpointer(urls, storage_options=options)
+    ckpt = Checkpointer(urls, storage_options=options, topology=Topology.build(num_sites=1))
     target = _zeros(rank)
     ckpt.load(target)
     ckpt.close()

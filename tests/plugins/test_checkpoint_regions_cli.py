@@ -6,8 +6,6 @@ the installed ``multidc`` console script), each asserting its exit status and wh
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
@@ -22,6 +20,7 @@ import torch
 from multidc.plugins import ObjectStore
 from multidc.plugins.checkpoint import cli
 from tests._batched import run_cases
+from tests._cli import run_cli
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = (1, 2)
@@ -66,19 +65,7 @@ def _use(saved, case: str, monkeypatch) -> tuple:
 
 
 def _main(*args: str) -> subprocess.CompletedProcess:
-    """``cli.main(args)`` in this process: exit status (argparse's too) and what it printed, warnings included."""
-    out, err = io.StringIO(), io.StringIO()
-    logged = logging.StreamHandler(err)
-    logging.getLogger().addHandler(logged)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        logging.getLogger().removeHandler(logged)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run_cli(cli.main, args, prog="multidc ckpt", level=logging.NOTSET)
 
 
 def _keys(url: str, options: dict) -> list[str]:

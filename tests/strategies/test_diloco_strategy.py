@@ -138,12 +138,18 @@ class _WithValidation(pl.LightningModule):
     ({"max_steps": 10}, r"enable_checkpointing=False"),
     ({"max_steps": 10, "enable_checkpointing": False, "ckpt": "last"}, r"fit\(ckpt_path='last'\) is not supported"),
     ({"max_steps": 10, "enable_checkpointing": False, "validation": True}, r"limit_val_batches=0"),
+    ({"max_steps": 10, "enable_checkpointing": False, "min_steps": 5}, r"leave min_steps unset"),
+    ({"max_steps": 10, "enable_checkpointing": False, "early": True}, r"remove the EarlyStopping"),
 ])
 def test_trainer_settings_that_hang_under_time_rounds_are_refused_naming_the_fix(kwargs, fix):
     from multidc.strategies.diloco import refuse_time_round_hazards
 
     kwargs = dict(kwargs)
     ckpt, validation = kwargs.pop("ckpt", None), kwargs.pop("validation", False)
+    if kwargs.pop("early", False):
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        kwargs["callbacks"] = [EarlyStopping(monitor="loss")]
     trainer = _trainer(**kwargs)
     trainer.fit_loop.max_epochs = -1 if trainer.max_epochs is None else trainer.max_epochs  # as fit() parses it
     trainer._checkpoint_connector._ckpt_path = ckpt
