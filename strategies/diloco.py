@@ -8,9 +8,7 @@ is required); ``DiLoCoStrategy(diloco=DiLoCoConfig(...))`` takes them as argumen
 
 from __future__ import annotations
 
-from typing import Any
-
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING, Any
 
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import DiLoCoConfig
@@ -18,6 +16,9 @@ from multidc.plugins._lightning_patches import site_sigterm_broadcast, undo_site
 from multidc.strategies._registry import register as _register
 from multidc.strategies._registry import register_all
 from multidc.strategies.hierarchical_ddp import HierarchicalDDPStrategy
+
+if TYPE_CHECKING:  # Lightning is imported (with a clear ImportError) by hierarchical_ddp above
+    import lightning.pytorch as pl
 
 
 class DiLoCoStrategy(HierarchicalDDPStrategy):

@@ -148,11 +148,11 @@ class Checkpointer:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
         if url is None:
             url, storage_options = _regions.from_env(url, storage_options)
-        site_names = tuple(topology.layout.site_names) if topology is not None else ("0",)
         self.regions, self._regions_down = None, {}
         if _regions.is_regional(url) and topology is None:
             raise ValueError(f"url={url!r} names one store per site, but this Checkpointer has no topology to tell "
                              f"which site each rank is in: pass topology= (e.g. Topology.build()), or one URL.")
+        site_names = tuple(topology.layout.site_names) if _regions.is_regional(url) else ()
         if _regions.is_regional(url):
             urls, options = _regions.site_urls(url, storage_options, site_names=site_names)
             self.regions = _regions.Regions(urls, options, local=site_names[getattr(topology, "site", 0)],
@@ -167,7 +167,7 @@ class Checkpointer:
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s), topology=topology)
         # which site each rank of the group is in: a striped load exchanges pieces only inside a site
         self._sites = self.comm.all_gather(getattr(topology, "site", 0))
-        self._site_names = [site_names[s] for s in self._sites]  # each rank's region, under regions
+        self._site_names = [site_names[s] for s in self._sites] if self.regions is not None else None  # rank -> region
         # fields the caller's ReadConfig leaves None come from max_concurrency / stripe_min_mb
         self._read_config = (read_config or ReadConfig()).resolved(concurrency=max_concurrency,
                                                                    stripe_min_bytes=self.stripe_min_bytes)

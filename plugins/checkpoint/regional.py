@@ -5,6 +5,7 @@ reporting the bytes a load read from other regions."""
 from __future__ import annotations
 
 import logging
+import math
 
 from multidc.hierarchical import _env
 from multidc.plugins.checkpoint.format import (
@@ -24,15 +25,41 @@ _log = logging.getLogger("multidc.plugins.checkpoint")
 def plan_by_region(planner, plans: list, regions_of_rank: list[str]) -> list:
     """DCP's global save plan made for each region's ranks alone (replicated state striped over them, stored once
     per region; a key held with other values by another site stays that site's); each region's metadata goes to
-    ``planner.region_metadata``. Returns every rank's plan, in rank order."""
+    ``planner.region_metadata``. Returns every rank's plan, in rank order.
+
+    Raises:
+        ValueError: a region's ranks hold only part of a tensor (state sharded across sites, e.g.
+            ``fsdp_across_sites=True``): no region would hold it whole, so a load from one region would miss the rest.
+    """
     out, planner.region_metadata = [None] * len(plans), {}
     for region in dict.fromkeys(regions_of_rank):
         ranks = [rank for rank, r in enumerate(regions_of_rank) if r == region]
+        _check_whole([plans[rank] for rank in ranks], region)
         region_plans, metadata = planner.create_global_plan([plans[rank] for rank in ranks])
         planner.region_metadata[region] = metadata
         for rank, plan in zip(ranks, region_plans, strict=True):
             out[rank] = plan
     return out
+
+
+def _check_whole(plans: list, region: str) -> None:
+    """ValueError naming the first tensor of which ``region``'s ranks (their local save plans) hold only a part."""
+    chunks: dict[str, dict[tuple, int]] = {}
+    sizes: dict[str, tuple] = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.tensor_data is None:
+                continue
+            fqn, chunk = item.index.fqn, item.tensor_data.chunk
+            sizes[fqn] = tuple(item.tensor_data.size)
+            chunks.setdefault(fqn, {})[tuple(chunk.offsets)] = math.prod(chunk.sizes)  # replicas: the same chunk
+    for fqn, size in sizes.items():
+        held = sum(chunks[fqn].values())
+        if held < math.prod(size):
+            raise ValueError(
+                f"region-local checkpoint: the ranks of region {region!r} hold only {held} of the {math.prod(size)} "
+                f"elements of {fqn!r} (state sharded across sites, e.g. Parallel3DStrategy(fsdp_across_sites=True)), "
+                f"so no region would hold it whole: save it with one URL, or shard it inside each site only.")
 
 
 def commit(regions: Regions, region_metadata: dict, results: list[list], regions_of_rank: list[str], *, name: str,

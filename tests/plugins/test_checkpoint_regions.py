@@ -179,6 +179,23 @@ def _lost_region(rank, world, urls, options):
                                                                     if "other regions" in line]
 
 
+def _sharded_across_sites(rank, world, urls, options):
+    """A DTensor sharded over every rank (as fsdp_across_sites shards): each region would hold only its half."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ckpt, _ = _checkpointer(rank, world, urls, options)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(ROWS * 4.0).view(ROWS, 4), mesh, [Shard(0)])}
+    try:
+        ckpt.save(state, step=1)
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(exc).__name__}: {exc}", [info.step for info in ckpt.list()]
+    finally:
+        ckpt.close()
+    return "saved", [info.step for info in ckpt.list()]
+
+
 def _only_in_a_lost_region(rank, world, urls, options):
     """Region 1's bucket goes after the save: ranks 2 and 3 want their own keys, which only region 1 held."""
     import s3fs
@@ -252,13 +269,14 @@ def regions_job(s3_server, s3_auth_server, victim):
         tag = uuid.uuid4().hex[:10]
         return {"0": s3_server.make_bucket(f"r0-{tag}") + "/run", "1": second.make_bucket(f"r1-{tag}") + "/run"}
 
-    main, lost, only, killed = pair(), pair(), pair(), pair(victim)
+    main, lost, only, killed, sharded = pair(), pair(), pair(), pair(victim), pair()
     bad = s3_auth_server.storage_options(key="MDCTESTACCESSKEY", secret="wrong-secret")
     cases = {
         "save and load": (_save_and_load, (main, options)),
         "wrong credentials": (_wrong_credentials, (main, options, bad)),
         "lost region": (_lost_region, (lost, options)),
         "only in a lost region": (_only_in_a_lost_region, (only, options)),
+        "sharded across sites": (_sharded_across_sites, (sharded, options)),
         "killed": (_killed_mid_save, (killed, {**options, "1": victim.storage_options()}, victim.process.pid)),
     }
     return run_cases(cases, 4, timeout=360), main
@@ -327,3 +345,10 @@ def test_a_region_killed_mid_save_commits_nothing_and_the_previous_checkpoint_st
     for outcome, steps in results["killed"]:
         assert outcome == "CheckpointSaveError"
         assert steps == [1]
+
+
+def test_state_sharded_across_sites_is_refused_on_every_rank_naming_the_key(regions_job):
+    results, _ = regions_job
+    for error, steps in results["sharded across sites"]:
+        assert "region-local checkpoint" in error and "'w'" in error and "fsdp_across_sites" in error, error
+        assert steps == []  # nothing committed
