@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-checkpoint bench-pipeline faults clean
+.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-diloco-hetero bench-checkpoint bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,7 +40,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Benchmarks (figures in docs/benchmarks.md): all of them, or one at a time.
-bench: bench-allreduce bench-diloco bench-checkpoint bench-pipeline
+bench: bench-allreduce bench-diloco bench-diloco-hetero bench-checkpoint bench-pipeline
 
 bench-allreduce: $(STAMP)
 	$(BIN)/multidc bench allreduce --sites 2 --ranks-per-site 2 --size-mb 64 --wan-rate 400mbit \
@@ -51,6 +51,11 @@ bench-allreduce: $(STAMP)
 # Rewrites the figure and data of docs/benchmarks.md (docs/bench_diloco.png, .json).
 bench-diloco: $(STAMP)
 	$(BIN)/multidc bench diloco --rates 1mbit,10mbit,50mbit,200mbit --json docs/bench_diloco.json
+
+# Unequal sites on the lab WAN: one site slowed 2x (fixed H vs rounds by time with token weights), sites of 3+1 ranks
+# (equal vs token weights). Rewrites docs/bench_diloco_hetero.png and .json (docs/benchmarks.md).
+bench-diloco-hetero: $(STAMP)
+	$(BIN)/multidc bench diloco --heterogeneous --json docs/bench_diloco_hetero.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png

@@ -39,7 +39,7 @@ def _tx_bytes(iface: str | None) -> int:
 class _Run:
     """One method's model, optimizer and (for DiLoCo) outer loop on this rank."""
 
-    def __init__(self, method: dict, plan: dict, topo: Topology) -> None:
+    def __init__(self, method: dict, plan: dict, topo: Topology, schedule=None) -> None:
         torch.manual_seed(plan["seed"])
         self.model = TinyGPT(**plan["model"])
         # Same seed on every rank: equal start without DDP's start-up broadcast, which would cross the WAN once
@@ -51,7 +51,7 @@ class _Run:
         else:
             register_site_ddp_hook(self.ddp, topo)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=plan["lr"], weight_decay=0.0)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(method["steps"]))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule or _warmup_cosine(method["steps"]))
         self.diloco = None
         if method["kind"] == "diloco":
             self.diloco = DiLoCo(self.ddp, self.opt, topo, DiLoCoConfig(**method["diloco"]),

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="results file (default bench-results/diloco-<time>.json)")
     parser.add_argument("--plot", default=None, help="plot file (default: the JSON path with .png)")
     parser.add_argument("--png", dest="plot", help=argparse.SUPPRESS)  # the flag's former name
+    parser.add_argument("--heterogeneous", action="store_true",
+                        help="the benchmark of unequal sites instead (slowed, unequally sized), with options of its "
+                             "own: multidc bench diloco --heterogeneous --help")
     parser.add_argument("--timeout-s", type=float, default=3600.0,
                         help="give up on a job after this many seconds (default 3600: the quality phase trains 5 "
                              "methods x --steps; it ran past 1800 s on 2 busy cores)")

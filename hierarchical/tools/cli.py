@@ -1,6 +1,7 @@
-"""The ``multidc`` command: ``multidc bench allreduce|diloco``, ``multidc lab run``, ``multidc lighthouse``,
-``multidc doctor``, and the commands the installed layers above declare under the ``multidc.commands`` entry point
-group (``multidc ckpt ls|verify|rm``, from ``multidc.plugins``: this layer names none of them).
+"""The ``multidc`` command: ``multidc bench allreduce|diloco`` (``diloco --heterogeneous``: unequal sites),
+``multidc lab run``, ``multidc lighthouse``, ``multidc doctor``, and the commands the installed layers above declare
+under the ``multidc.commands`` entry point group (``multidc ckpt ls|verify|rm``, from ``multidc.plugins``: this
+layer names none of them).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up and imports just the module of the subcommand being run.
@@ -26,6 +27,9 @@ _COMMANDS = {
                   "print the detected sites and measure intra/inter-site bandwidth"),
 }
 
+# A flag that turns a subcommand into another benchmark with its own options: subcommand path -> (flag, module)
+_VARIANTS = {("bench", "diloco"): ("--heterogeneous", "multidc.hierarchical.tools.bench_diloco_hetero")}
+
 
 def _commands() -> dict[tuple[str, ...], tuple[str, str]]:
     """This layer's commands, then those declared by the installed package under ``multidc.commands`` (name ->
@@ -36,7 +40,7 @@ def _commands() -> dict[tuple[str, ...], tuple[str, str]]:
     return {**_COMMANDS, **{path: spec for path, spec in declared.items() if path not in _COMMANDS}}
 
 
-def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
+def _parser(selected: tuple[str, ...] | None, argv: list[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multidc", description="multidc: train one model across datacenters.")
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -49,7 +53,8 @@ def _parser(selected: tuple[str, ...] | None) -> argparse.ArgumentParser:
                     dest="subcommand", required=True)
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
         if path == selected:
-            module = importlib.import_module(module_name)
+            flag, variant = _VARIANTS.get(path, (None, None))
+            module = importlib.import_module(variant if flag in argv else module_name)
             if path not in _COMMANDS and module.__doc__:  # a declared command describes itself
                 sub.description = module.__doc__.split("\n\n")[0].replace("``", "")
             module.add_arguments(sub)
@@ -67,7 +72,7 @@ def _selected(argv: list[str]) -> tuple[str, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser(_selected(argv)).parse_args(argv)
+    args = _parser(_selected(argv), argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except ValueError as exc:  # user mistakes: one clear line, not a traceback

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 from multidc.hierarchical.tools.lab import SITE_IFACE, Lab, lab_available, parse_rate
@@ -79,16 +80,21 @@ class SiteJob:
     Args:
         argv: the command every rank runs.
         sites: number of sites (>= 1; the lab needs >= 2, one site runs on loopback).
-        ranks_per_site: ranks in each site.
+        ranks_per_site: ranks in each site, or one count per site (e.g. ``[3, 1]``: unequal sites; ranks are
+            numbered site by site).
         wan_rate: per-direction WAN rate such as ``"400mbit"``, or ``None`` for an unshaped lab link.
         loopback: run on loopback even when the lab is available.
         env: extra environment for every rank.
     """
 
-    def __init__(self, argv: list[str], *, sites: int, ranks_per_site: int, wan_rate: str | None = None,
-                 loopback: bool = False, env: dict[str, str] | None = None) -> None:
-        if sites < 1 or ranks_per_site < 1:
-            raise ValueError(f"sites={sites} and ranks_per_site={ranks_per_site} must both be at least 1.")
+    def __init__(self, argv: list[str], *, sites: int, ranks_per_site: int | Sequence[int],
+                 wan_rate: str | None = None, loopback: bool = False, env: dict[str, str] | None = None) -> None:
+        counts = [ranks_per_site] * max(sites, 0) if isinstance(ranks_per_site, int) else list(ranks_per_site)
+        if sites < 1 or len(counts) != sites or min(counts) < 1:
+            raise ValueError(f"sites={sites} and ranks_per_site={ranks_per_site} must both be at least 1 (a list: one "
+                             f"count >= 1 per site, {sites} in all).")
+        self._site_of = [site for site, n in enumerate(counts) for _ in range(n)]
+        self._counts = counts
         if wan_rate is not None:
             parse_rate(wan_rate)
         self.argv, self.sites, self.ranks_per_site = list(argv), sites, ranks_per_site
@@ -121,11 +127,12 @@ class SiteJob:
         self._stack.close()
 
     def rank_env(self, rank: int) -> dict[str, str]:
-        site, local = divmod(rank, self.ranks_per_site)
+        site = self._site_of[rank]
+        local = rank - self._site_of.index(site)
         return {
             "MASTER_ADDR": self.lab.site_ip(0) if self.lab else "127.0.0.1", "MASTER_PORT": self._port,
-            "WORLD_SIZE": str(self.sites * self.ranks_per_site), "RANK": str(rank),
-            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_site),
+            "WORLD_SIZE": str(len(self._site_of)), "RANK": str(rank),
+            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self._counts[site]),
             "NODE_RANK": str(site), "GROUP_RANK": str(site), "MULTIDC_SITE": str(site),
             "GLOO_SOCKET_IFNAME": SITE_IFACE if self.lab else "lo",
             "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
@@ -133,9 +140,9 @@ class SiteJob:
 
     def _start(self) -> None:
         self._port = str(free_port())
-        for rank in range(self.sites * self.ranks_per_site):
+        for rank, site in enumerate(self._site_of):
             env = os.environ | self.extra_env | self.rank_env(rank)
-            argv = self.lab.wrap(rank // self.ranks_per_site, self.argv) if self.lab else self.argv
+            argv = self.lab.wrap(site, self.argv) if self.lab else self.argv
             self.procs.append(subprocess.Popen(argv, env=env))
 
     def wait(self, timeout_s: float | None = None) -> list[int]:
