@@ -83,8 +83,9 @@ def validate(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--big-site-ranks {args.big_site_ranks}: site 0 needs at least 1 rank (3: sites 3+1).")
     if min(args.steps, args.sync_every, args.first_round, args.dim, args.layers, args.batch, args.seq) < 1:
         raise ValueError("--steps, --sync-every, --first-round, --dim, --layers, --batch and --seq must be >= 1.")
-    if args.steps < 2 * args.sync_every:
-        raise ValueError(f"--steps {args.steps} must be at least 2 x --sync-every {args.sync_every} (two rounds).")
+    if args.steps < 2 * args.sync_every or args.steps % args.sync_every:
+        raise ValueError(f"--steps {args.steps} must be a multiple of --sync-every {args.sync_every}, at least two "
+                         f"rounds (the fixed runs end at a sync).")
     if args.round_s is not None and not (math.isfinite(args.round_s) and args.round_s > 0):
         raise ValueError(f"--round-s {args.round_s}: a positive number of seconds, or leave it out (measured).")
     if not 0 <= args.own_share <= 1:

@@ -99,7 +99,7 @@ def test_token_weights_are_judged_no_worse_than_equal_weights_at_equal_tokens(sa
 
 @pytest.mark.parametrize("flags, message", [
     ({"parts": "slow,fast"}, "--parts"), ({"slowdown": 0.5}, "--slowdown"), ({"big_site_ranks": 0}, "--big-site"),
-    ({"steps": 20, "sync_every": 16}, "two rounds"), ({"first_round": 0}, "--first-round"),
+    ({"steps": 16, "sync_every": 16}, "two rounds"), ({"steps": 40, "sync_every": 16}, "multiple"), ({"first_round": 0}, "--first-round"),
     ({"round_s": -1.0}, "--round-s"), ({"own_share": 1.5}, "--own-share"), ({"wan_rate": "fast"}, "fast"),
 ])
 def test_bad_arguments_name_the_flag(flags, message):
