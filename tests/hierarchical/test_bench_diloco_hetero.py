@@ -84,7 +84,8 @@ def test_slow_site_targets_judge_idle_shares_and_loss_at_equal_wall_time(time_id
     out = report.targets({"fixed": fixed, "time": timed}, slow_site=1)
     assert {k: out[k]["met"] for k in met} == met
     # equal wall time: 10 s, the fixed run's end; the time run at 10 s lies 5/6 of the way from 4.0 to its last loss
-    assert out["wall_loss"]["seconds"] == 10.0 and out["wall_loss"]["time"] == pytest.approx(4 + (time_loss - 4) * 5 / 6)
+    assert out["wall_loss"]["seconds"] == 10.0
+    assert out["wall_loss"]["time"] == pytest.approx(4 + (time_loss - 4) * 5 / 6)
     assert out["time_tokens_loss"]["tokens"] == 200 and out["time_tokens_loss"]["met"] is None
     assert "token_weights" not in out
 
@@ -99,7 +100,8 @@ def test_token_weights_are_judged_no_worse_than_equal_weights_at_equal_tokens(sa
 
 @pytest.mark.parametrize("flags, message", [
     ({"parts": "slow,fast"}, "--parts"), ({"slowdown": 0.5}, "--slowdown"), ({"big_site_ranks": 0}, "--big-site"),
-    ({"steps": 16, "sync_every": 16}, "two rounds"), ({"steps": 40, "sync_every": 16}, "multiple"), ({"first_round": 0}, "--first-round"),
+    ({"steps": 16, "sync_every": 16}, "two rounds"), ({"steps": 40, "sync_every": 16}, "multiple"),
+    ({"first_round": 0}, "--first-round"),
     ({"round_s": -1.0}, "--round-s"), ({"own_share": 1.5}, "--own-share"), ({"wan_rate": "fast"}, "fast"),
 ])
 def test_bad_arguments_name_the_flag(flags, message):
