@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 from multidc.hierarchical.tools import _figures
 
 FAST_IDLE_AT_MOST, FIXED_IDLE_WITHIN = 0.05, 0.10
+
+
+def load(path: str) -> dict:
+    """A results file of this benchmark, with its site keys back as integers (JSON made them strings)."""
+    with open(path) as f:
+        results = json.load(f)
+    for run in results["runs"].values():
+        run["sites"] = {int(site): s for site, s in run["sites"].items()}
+    return results
 
 
 def summarize(records: list[dict], plan: dict) -> dict[str, dict]:
@@ -69,10 +80,14 @@ def targets(runs: dict, slow_site: int) -> dict:
         share, slowdown = timed["sites"][fast]["idle_share"], max(fixed["slowdown"])
         out["fast_idle"] = {"time": share, "met": share <= FAST_IDLE_AT_MOST,
                             "rule": f"rounds by time: the fast site idles <= {FAST_IDLE_AT_MOST:.0%} of wall time"}
-        expected, got = 1 - 1 / slowdown, fixed["sites"][fast]["idle_share"]
-        out["fixed_idle"] = {"fixed": got, "expected": expected, "met": abs(got - expected) <= FIXED_IDLE_WITHIN,
-                             "rule": f"fixed H: the fast site idles about 1 - 1/slowdown = {expected:.0%} of wall "
-                                     f"time (within {FIXED_IDLE_WITHIN:.0%})"}
+        # The slow site sleeps (slowdown - 1) x its own step's work; the fast site's work, in another process on a
+        # shared machine, need not take as long: the speed gap the sites had is their measured step times' ratio.
+        ratio = fixed["sites"][slow_site]["step_s"] / fixed["sites"][fast]["step_s"]
+        expected, got = 1 - 1 / ratio, fixed["sites"][fast]["idle_share"]
+        out["fixed_idle"] = {"fixed": got, "expected": expected, "speed_ratio": ratio, "slowdown": slowdown,
+                             "met": abs(got - expected) <= FIXED_IDLE_WITHIN,
+                             "rule": f"fixed H: the fast site idles about 1 - 1/(measured speed ratio) of wall time "
+                                     f"(within {FIXED_IDLE_WITHIN:.0%}; 50% at exactly 2x)"}
         wall = compare(timed, fixed, "seconds", "uniform")
         out["wall_loss"] = {"seconds": wall["x"], "time": wall["a"], "fixed": wall["b"], "met": wall["a"] < wall["b"],
                             "rule": "validation loss at equal wall time: rounds by time + token weights below fixed "

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
     parser.add_argument("--json", default=None, help="results file (default bench-results/diloco-hetero-<time>.json)")
     parser.add_argument("--plot", default=None, help="plot file (default: the JSON path with .png)")
+    parser.add_argument("--rejudge", default=None, metavar="JSON",
+                        help="train nothing: recompute the targets, table and plot of a results file of this "
+                             "benchmark (rewritten in place; the plot beside it unless --plot)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a job after this many seconds "
                         "(default 1800)")
 
@@ -138,7 +141,23 @@ def _job(args, part: str, tmp: str) -> tuple[dict, list[dict], bool]:
         return job_plan, json.load(f), not job.reason
 
 
+def rejudge(args: argparse.Namespace) -> int:
+    """``--rejudge``: the targets, table and plot of an earlier run, from its results file."""
+    from multidc.hierarchical.tools import _hetero_report as report
+
+    results = report.load(args.rejudge)
+    saved = argparse.Namespace(**results["config"])
+    results["targets"] = report.targets(results["runs"], saved.slow_site)
+    report.print_tables(results, saved)
+    with open(args.rejudge, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(report.plot(results, args.plot or os.path.splitext(args.rejudge)[0] + ".png"))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rejudge:
+        return rejudge(args)
     parts = validate(args)
     args = _quick(args)
     out = args.json or os.path.join("bench-results",

@@ -4,6 +4,7 @@ bad arguments, the CLI's variant flag, and SiteJob's per-site rank counts."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -66,20 +67,24 @@ def test_loss_outside_the_curve_is_refused():
         report.at([{"s": 0.0, "y": 1.0}, {"s": 1.0, "y": 0.5}], "s", 1.5, "y")
 
 
-def _run(idle_fast: float, losses: list[float], seconds: list[float], tokens: list[int], weighting="samples"):
-    site = {"idle_share": idle_fast}
-    return {"slowdown": [1.0, 2.0], "sites": {0: site, 1: {"idle_share": 0.01}}, "weighting": weighting,
+def _run(idle_fast: float, losses: list[float], seconds: list[float], tokens: list[int], weighting="samples",
+         slow_step_s: float = 2.0):
+    sites = {0: {"idle_share": idle_fast, "step_s": 1.0}, 1: {"idle_share": 0.01, "step_s": slow_step_s}}
+    return {"slowdown": [1.0, 2.0], "sites": sites, "weighting": weighting,
             "curve": [{"seconds": s, "tokens": t, "uniform": x, "pooled": x} for s, t, x in zip(seconds, tokens,
                                                                                                 losses)]}
 
 
-@pytest.mark.parametrize("time_idle, fixed_idle, time_loss, met", [
-    (0.03, 0.48, 3.0, {"fast_idle": True, "fixed_idle": True, "wall_loss": True}),
-    (0.07, 0.48, 3.0, {"fast_idle": False, "fixed_idle": True, "wall_loss": True}),
-    (0.03, 0.30, 3.6, {"fast_idle": True, "fixed_idle": False, "wall_loss": False}),
+@pytest.mark.parametrize("time_idle, fixed_idle, slow_step_s, time_loss, met", [
+    (0.03, 0.48, 2.0, 3.0, {"fast_idle": True, "fixed_idle": True, "wall_loss": True}),
+    (0.07, 0.48, 2.0, 3.0, {"fast_idle": False, "fixed_idle": True, "wall_loss": True}),
+    (0.03, 0.30, 2.0, 3.6, {"fast_idle": True, "fixed_idle": False, "wall_loss": False}),
+    # the sites ran 3x apart (a shared machine): 67% idle expected, 64% is about that, 50% is not
+    (0.03, 0.64, 3.0, 3.0, {"fixed_idle": True}), (0.03, 0.50, 3.0, 3.0, {"fixed_idle": False}),
 ])
-def test_slow_site_targets_judge_idle_shares_and_loss_at_equal_wall_time(time_idle, fixed_idle, time_loss, met):
-    fixed = _run(fixed_idle, [5.0, 4.0, 3.5], [0.0, 5.0, 10.0], [0, 100, 200])
+def test_slow_site_targets_judge_idle_shares_and_loss_at_equal_wall_time(time_idle, fixed_idle, slow_step_s,
+                                                                         time_loss, met):
+    fixed = _run(fixed_idle, [5.0, 4.0, 3.5], [0.0, 5.0, 10.0], [0, 100, 200], slow_step_s=slow_step_s)
     timed = _run(time_idle, [5.0, 4.0, time_loss], [0.0, 5.0, 11.0], [0, 150, 300])
     out = report.targets({"fixed": fixed, "time": timed}, slow_site=1)
     assert {k: out[k]["met"] for k in met} == met
@@ -147,3 +152,23 @@ def test_plot_draws_timelines_and_losses(tmp_path):
     path = tmp_path / "hetero.png"
     assert "plot written" in report.plot({"runs": runs}, str(path))
     assert path.stat().st_size > 10_000
+
+
+def test_rejudge_recomputes_targets_and_plot_from_a_results_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    fixed = _run(0.9, [5.0, 4.0, 3.5], [0.0, 5.0, 10.0], [0, 100, 200])
+    timed = _run(0.02, [5.0, 4.0, 3.0], [0.0, 5.0, 11.0], [0, 150, 300])
+    for run, rounds in ((fixed, [16, 16]), (timed, [4, 30])):
+        for site in run["sites"].values():
+            site.update(steps=32, wall_s=10.0, idle_s=1.0, tokens=512, steps_per_round=rounds, syncs=[[4.0, 1.0]],
+                        start_s=0.0)
+        run["ranks"] = [1, 1]
+    config = vars(_args()) | {"quick": False}
+    path = tmp_path / "hetero.json"
+    path.write_text(json.dumps({"config": config, "runs": {"fixed": fixed, "time": timed}, "targets": {},
+                                "shaped": True, "load_before": [1.0, 1.0, 1.0], "load_after": [2.0, 2.0, 2.0]}))
+    assert cli.main(["bench", "diloco", "--heterogeneous", "--rejudge", str(path)]) == 0
+    targets = json.loads(path.read_text())["targets"]
+    assert targets["fast_idle"]["met"] and not targets["fixed_idle"]["met"]  # 90% idle, 50% expected at 2x
+    assert "target fast_idle: PASS" in capsys.readouterr().out
+    assert (tmp_path / "hetero.png").stat().st_size > 10_000
