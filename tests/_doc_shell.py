@@ -241,7 +241,7 @@ def _launched(parser: argparse.ArgumentParser, launcher: str, args: list[str]) -
 def _check_multidc(args: list[str]) -> list[tuple[str, str | None]]:
     from multidc.hierarchical.tools.cli import _parser, _selected
 
-    results = [("multidc", _parse_error(_parser(_selected(args)), args, prog="multidc"))]
+    results = [("multidc", _parse_error(_parser(_selected(args), args), args, prog="multidc"))]
     if "--" in args:
         results += _check_command(args[args.index("--") + 1:])
     return results
