@@ -9,6 +9,7 @@ docs/guides/plan.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ class Job:
     """Share of backward that hierarchical DDP's all-reduce actually hides (1: as on GPUs with DDP's buckets;
     0: none, as on CPU ranks whose compute and gloo threads share the same cores)."""
     outer_hides_backward: bool = False
-    """Whether a blocking DiLoCo sync hides behind the backward of the step that ends the round (the Streaming
-    DiLoCo paper's simulation assumes so; multidc's DiLoCo syncs after the optimizer step: False)."""
+    """Whether a DiLoCo sync also hides behind the backward of the step that starts it (the Streaming DiLoCo
+    paper's simulation assumes so; multidc's DiLoCo starts a sync after the optimizer step: False)."""
     grad_bytes: int = 4
     """Bytes per element of the gradients DDP reduces (4: float32; 2: bf16 gradients)."""
 
@@ -150,15 +151,22 @@ def wan_bytes_per_sync(numel: int, element_size: int, setting: Setting, job: Job
     """
     codec = get_codec(setting.compression)
     k = job.sites
-    chunks = plan_chunks(numel, element_size, setting.chunk_mb, job.ranks_per_site)
+    shards = _shard_sizes(numel, element_size, setting.chunk_mb, job.ranks_per_site)
     total = 0
-    for shard_numel, count in Counter(chunk.shard_numel for chunk in chunks).items():  # 2-3 distinct sizes
+    for shard_numel, count in shards.items():
         if codec is None:
             per_rail = shard_numel * element_size * 2 * (k - 1) // k
         else:
             per_rail = codec.wire_bytes(shard_numel) * (k - 1)
         total += per_rail * job.ranks_per_site * count
-    return total, len(chunks)
+    return total, sum(shards.values())
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_sizes(numel: int, element_size: int, chunk_mb: float, rails: int) -> Counter:
+    """Shard length -> chunks with it, of ``plan_chunks``' plan (2-3 distinct lengths; cached: ``bandwidth_for``
+    asks for the same plan at every rate it tries)."""
+    return Counter(chunk.shard_numel for chunk in plan_chunks(numel, element_size, chunk_mb, rails))
 
 
 def _sync_seconds(numel: int, element_size: int, setting: Setting, job: Job, link: Link) -> tuple[float, int]:
@@ -178,8 +186,7 @@ def predict(setting: Setting, job: Job, link: Link) -> Prediction:
         extra = {"sync_s": comm}
     elif setting.method == "diloco":
         comm, payload = _sync_seconds(job.params, 4, setting, job, link)  # float32 pseudo-gradients
-        hidden = job.backward_share * s if job.outer_hides_backward else 0.0
-        exposed = max(0.0, comm - hidden) / h  # the inner loop waits for every sync
+        exposed = max(0.0, comm - _outer_hidden(job)) / h  # the inner loop waits for every sync
         per_step = payload / h
         extra = {"sync_s": comm}
     else:
@@ -187,13 +194,17 @@ def predict(setting: Setting, job: Job, link: Link) -> Prediction:
         fragment = math.ceil(job.params / p)
         comm, payload = _sync_seconds(fragment, 4, setting, job, link)
         # each fragment's sync hides behind tau inner steps; the link carries all P syncs once per round
-        waited = p * max(0.0, comm - setting.overlap_steps * s)
+        waited = p * max(0.0, comm - setting.overlap_steps * s - _outer_hidden(job))
         saturated = p * comm - h * s
         exposed = max(waited, saturated, 0.0) / h
         per_step = payload * p / h
         extra = {"sync_s": comm, "fragment_params": fragment}
     step = s + exposed
     return Prediction(setting, float(per_step), step, exposed, s / step, extra)
+
+
+def _outer_hidden(job: Job) -> float:
+    return job.backward_share * job.step_s if job.outer_hides_backward else 0.0
 
 
 def bandwidth_for(target: float, setting: Setting, job: Job, *, rtt_s: float = 0.0, efficiency: float = 1.0,
