@@ -3,8 +3,8 @@
 Bytes come from the code that sends them: ``chunking.plan_chunks`` cuts the flat tensor into per-rail shards and
 each codec's ``wire_bytes`` sizes a shard, counted as ``all_reduce`` counts them (a ring all-reduce of ``k`` sites
 sends ``2(k-1)/k`` of a shard, a compressed all-gather ``k-1`` times its wire). Time is bytes over the site's link
-rate plus one round trip per ring step of each wave of ``streams`` chunks. Equations, and what the model ignores:
-docs/guides/plan.md.
+rate, or ``streams`` chunks per ring of round trips when that is slower, plus one ring of round trips. Equations,
+and what the model ignores: docs/guides/plan.md.
 """
 
 from __future__ import annotations
@@ -171,8 +171,12 @@ def _shard_sizes(numel: int, element_size: int, chunk_mb: float, rails: int) -> 
 
 def _sync_seconds(numel: int, element_size: int, setting: Setting, job: Job, link: Link) -> tuple[float, int]:
     payload, chunks = wan_bytes_per_sync(numel, element_size, setting, job)
-    # each wave of `streams` chunks pays the ring's latency: 2(k-1) one-way hops = (k-1) round trips
-    return link.seconds(payload, math.ceil(chunks / setting.streams) * (job.sites - 1)), payload
+    # A ring step of a chunk costs at least a round trip, and at most `streams` chunks are in flight: the pipeline
+    # moves at the link rate or at `streams` chunks per (k-1) round trips, whichever is slower; plus one ring's
+    # latency to fill it.
+    ring_rtts = job.sites - 1
+    latency_bound = math.ceil(chunks / setting.streams) * ring_rtts * link.rtt_s
+    return max(link.seconds(payload, 0), latency_bound) + ring_rtts * link.rtt_s, payload
 
 
 def predict(setting: Setting, job: Job, link: Link) -> Prediction:

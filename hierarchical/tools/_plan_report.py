@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from multidc.hierarchical.planning import paper as paper_model
-from multidc.hierarchical.planning.model import Job, Link, Setting, bandwidth_for, cheapest, predict
+from multidc.hierarchical.planning.model import Job, Link, Setting, bandwidth_for, candidates, cheapest, predict
 
 CHECK_PP = 10.0  # the issue's tolerance: predicted utilization within 10 percentage points of the measured one
 
@@ -32,7 +32,7 @@ def plan(job: Job, link: Link, settings: list[Setting], *, target: float) -> dic
                      "wan_bytes_per_step": pred.wan_bytes_per_step, "step_s": pred.step_s,
                      "exposed_s": pred.exposed_s, "utilization": pred.utilization,
                      "needs_gbps": None if math.isinf(need) else need / 1e9})
-    best = cheapest(target, job, link)
+    best = cheapest(target, job, link, candidates(chunk_mb=settings[0].chunk_mb, streams=settings[0].streams))
     if best is None:
         print(f"no setting reaches {target:.0%} on this link: a faster link, a larger H or fewer ranks' traffic")
     else:

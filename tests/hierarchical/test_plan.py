@@ -12,8 +12,16 @@ import torch
 
 from multidc.hierarchical.chunking import plan_chunks
 from multidc.hierarchical.compression import get_codec
-from multidc.hierarchical.planning import Job, Link, Setting, bandwidth_for, cheapest, predict, wan_bytes_per_sync
-from multidc.hierarchical.planning import paper
+from multidc.hierarchical.planning import (
+    Job,
+    Link,
+    Setting,
+    bandwidth_for,
+    cheapest,
+    paper,
+    predict,
+    wan_bytes_per_sync,
+)
 from multidc.hierarchical.tools.cli import main
 from tests._cli import run_cli
 from tests._tiny_models import TinyGPT
@@ -87,6 +95,15 @@ def test_ddp_step_time_is_compute_plus_what_backward_does_not_hide():
     assert pred.wan_bytes_per_step == 4_000_000
     assert pred.exposed_s == pytest.approx(4.0 - 0.5 * 2 / 3)
     assert pred.utilization == pytest.approx(1.0 / (1.0 + 4.0 - 1 / 3))
+
+
+@pytest.mark.parametrize("streams, sites", [(1, 2), (2, 2), (4, 3)])
+def test_on_a_fast_link_each_wave_of_streams_chunks_costs_a_ring_of_round_trips(streams, sites):
+    job = Job(params=1_000_000, step_s=1.0, sites=sites, ranks_per_site=1, ddp_overlap=0.0)
+    setting = Setting(method="hierarchical_ddp", chunk_mb=0.5, streams=streams)
+    chunks = len(plan_chunks(1_000_000, 4, 0.5, 1))
+    pred = predict(setting, job, Link(bandwidth_bps=1e15, rtt_s=0.01))
+    assert pred.exposed_s == pytest.approx((math.ceil(chunks / streams) + 1) * (sites - 1) * 0.01, rel=1e-6)
 
 
 def test_round_trips_can_make_a_target_unreachable():
