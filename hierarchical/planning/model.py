@@ -242,23 +242,22 @@ DILOCO_CODECS = ("none", "bf16", "int8", "int4", "topk")
 SYNC_EVERY = (8, 16, 32, 64, 100, 128, 256, 512)
 FRAGMENTS = (2, 4, 8)
 OVERLAP_STEPS = (1, 2, 5)
+WAN_PIPELINES = ((128.0, 4), (512.0, 8))
 
 
 def candidates(*, chunk_mb: float = 32.0, streams: int = 2) -> list[Setting]:
     """Settings ``cheapest`` tries, in the order it prefers them: hierarchical DDP (codecs from exact to coarse),
     then streaming DiLoCo and DiLoCo by growing H; within an H, exact codecs before coarse ones, fewer fragments and
-    less overlap first (less staleness)."""
-    wan = {"chunk_mb": chunk_mb, "streams": streams}
-    out = [Setting(method="hierarchical_ddp", compression=c, **wan) for c in DDP_CODECS]
+    less overlap first (less staleness). Each is tried with the given WAN pipeline (``chunk_mb``, ``streams``)
+    first, then with larger ones (``WAN_PIPELINES``: fewer round trips over a long link, more memory in flight)."""
+    pipelines = [(chunk_mb, streams)] + [(c, n) for c, n in WAN_PIPELINES if c > chunk_mb or n > streams]
+    methods = [{"method": "hierarchical_ddp", "compression": c} for c in DDP_CODECS]
     for h in SYNC_EVERY:
         for codec in DILOCO_CODECS:
-            out.append(Setting(method="diloco", compression=codec, sync_every=h, **wan))
-            for p in FRAGMENTS:
-                for tau in OVERLAP_STEPS:
-                    if tau * p < h:
-                        out.append(Setting(method="streaming_diloco", compression=codec, sync_every=h,
-                                           fragments=p, overlap_steps=tau, **wan))
-    return out
+            methods.append({"method": "diloco", "compression": codec, "sync_every": h})
+            methods += [{"method": "streaming_diloco", "compression": codec, "sync_every": h, "fragments": p,
+                         "overlap_steps": tau} for p in FRAGMENTS for tau in OVERLAP_STEPS if tau * p < h]
+    return [Setting(**m, chunk_mb=c, streams=n) for m in methods for c, n in pipelines]
 
 
 def cheapest(target: float, job: Job, link: Link, settings: list[Setting] | None = None) -> Prediction | None:

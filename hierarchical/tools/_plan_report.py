@@ -6,7 +6,17 @@ from __future__ import annotations
 import math
 
 from multidc.hierarchical.planning import paper as paper_model
-from multidc.hierarchical.planning.model import Job, Link, Setting, bandwidth_for, candidates, cheapest, predict
+from multidc.hierarchical.planning.model import (
+    SYNC_EVERY,
+    WAN_PIPELINES,
+    Job,
+    Link,
+    Setting,
+    bandwidth_for,
+    candidates,
+    cheapest,
+    predict,
+)
 
 CHECK_PP = 10.0  # the issue's tolerance: predicted utilization within 10 percentage points of the measured one
 
@@ -34,9 +44,11 @@ def plan(job: Job, link: Link, settings: list[Setting], *, target: float) -> dic
                      "needs_gbps": None if math.isinf(need) else need / 1e9})
     best = cheapest(target, job, link, candidates(chunk_mb=settings[0].chunk_mb, streams=settings[0].streams))
     if best is None:
-        print(f"no setting reaches {target:.0%} on this link: a faster link, a larger H or fewer ranks' traffic")
+        print(f"no setting reaches {target:.0%} on this link (up to H={SYNC_EVERY[-1]}, chunk_mb="
+              f"{WAN_PIPELINES[-1][0]:g}, streams={WAN_PIPELINES[-1][1]}): a faster link or a shorter step time")
     else:
-        print(f"cheapest setting reaching {target:.0%}: {best.setting.label} (utilization {best.utilization:.1%}, "
+        print(f"cheapest setting reaching {target:.0%}: {best.setting.label}, chunk_mb={best.setting.chunk_mb:g} "
+              f"streams={best.setting.streams} (utilization {best.utilization:.1%}, "
               f"{best.wan_bytes_per_step / 1e6:.4g} MB per inner step)")
     return {"job": {f: getattr(job, f) for f in ("params", "step_s", "sites", "ranks_per_site", "ddp_overlap")},
             "link": {"bandwidth_bps": link.bandwidth_bps, "rtt_s": link.rtt_s, "efficiency": link.efficiency},
@@ -47,7 +59,8 @@ def plan(job: Job, link: Link, settings: list[Setting], *, target: float) -> dic
 
 def _setting_dict(setting: Setting) -> dict:
     return {"method": setting.method, "compression": setting.compression, "sync_every": setting.sync_every,
-            "fragments": setting.fragments, "overlap_steps": setting.overlap_steps}
+            "fragments": setting.fragments, "overlap_steps": setting.overlap_steps, "chunk_mb": setting.chunk_mb,
+            "streams": setting.streams}
 
 
 def paper(target: float) -> dict:

@@ -106,6 +106,15 @@ def test_on_a_fast_link_each_wave_of_streams_chunks_costs_a_ring_of_round_trips(
     assert pred.exposed_s == pytest.approx((math.ceil(chunks / streams) + 1) * (sites - 1) * 0.01, rel=1e-6)
 
 
+def test_cheapest_takes_larger_chunks_and_more_streams_before_leaving_ddp_on_a_long_link():
+    job = Job(params=100_000_000, step_s=10.0, sites=2, ddp_overlap=0.0)
+    link = Link(bandwidth_bps=1e15, rtt_s=0.2)  # latency-bound: 12 chunks of 32 MiB, 2 in flight
+    assert predict(Setting(method="hierarchical_ddp"), job, link).utilization < 0.95
+    best = cheapest(0.95, job, link)
+    assert (best.setting.method, best.setting.compression) == ("hierarchical_ddp", "none")
+    assert (best.setting.chunk_mb, best.setting.streams) == (128.0, 4) and best.utilization >= 0.95
+
+
 def test_round_trips_can_make_a_target_unreachable():
     job = Job(params=1_000, step_s=0.01, sites=2)
     assert math.isinf(bandwidth_for(0.95, Setting(method="hierarchical_ddp"), job, rtt_s=0.1))
