@@ -1,7 +1,7 @@
 """The ``multidc`` command: ``multidc bench allreduce|diloco`` (``diloco --heterogeneous``: unequal sites),
-``multidc lab run``, ``multidc lighthouse``, ``multidc doctor``, and the commands the installed layers above declare
-under the ``multidc.commands`` entry point group (``multidc ckpt ls|verify|rm``, from ``multidc.plugins``: this
-layer names none of them).
+``multidc lab run``, ``multidc lighthouse``, ``multidc doctor``, ``multidc plan``, and the commands the installed
+layers above declare under the ``multidc.commands`` entry point group (``multidc ckpt ls|verify|rm``, from
+``multidc.plugins``: this layer names none of them).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up and imports just the module of the subcommand being run.
@@ -25,6 +25,8 @@ _COMMANDS = {
                       "run the torchft lighthouse that keeps elastic sites' quorum"),
     ("doctor",): ("multidc.hierarchical.tools.doctor",
                   "print the detected sites and measure intra/inter-site bandwidth"),
+    ("plan",): ("multidc.hierarchical.tools.plan",
+                "predict which cross-site method and settings keep the compute busy on a given WAN"),
 }
 
 # A flag that turns a subcommand into another benchmark with its own options: subcommand path -> (flag, module)
