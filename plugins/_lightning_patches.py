@@ -119,7 +119,7 @@ def install_regional_checkpoints(answers: Callable[[object], object | None]) -> 
         def warn_if_dir_not_empty(self, dirpath) -> None:  # no trainer here: a warning only, skipped for {site}
             if "{site}" not in str(dirpath):
                 original(self, dirpath)
-        return warn
+        return warn_if_dir_not_empty
 
     wrap(_CheckpointConnector, "_parse_ckpt_path", parse)
     wrap(_CheckpointConnector, "resume_start", resume)
