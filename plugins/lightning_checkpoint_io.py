@@ -84,8 +84,10 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         if SITE in text:  # one process, no topology: it would see one site and write one region only
             raise ValueError(
                 f"checkpoint path {text!r} names one store per site ({SITE}), which ObjectStoreCheckpointIO cannot "
-                "write: it runs on rank 0 alone and knows no sites. Use Checkpointer(url, topology=...) for a "
-                "region-local checkpoint (see the checkpoints guide, 'One store per site'), or one URL here.")
+                "write: Lightning calls it on rank 0 alone, which knows no sites and would send every region's copy "
+                "over the WAN. Use a multidc strategy (strategy='hierarchical_ddp', 'diloco' or 'parallel_3d' take "
+                "{site} paths, each site writing its own region) or Checkpointer(url, topology=...), or one URL here "
+                "(see the checkpoints guide, 'One store per site').")
         root, _, name = text.rpartition("/")
         if not name:
             raise ValueError(f"checkpoint path {text!r} has no file name.")

@@ -242,6 +242,7 @@ def test_site_template_checkpoints_resume_last_committed_in_every_region_like_an
         assert report["ckpt_path"].startswith(f"{regional_runs['template']}/ckpts/"), report["ckpt_path"]
         assert report["ckpt_path"].endswith("/step_0000000008/COMMIT.json"), report["ckpt_path"]
         assert report["global_step"] == 12 and report["loaded_rng"] == first["ranks"][rank]["saved_rng"]["8"]
+    assert "from other regions" not in resumed["log"]  # each site read its own region only (else a warning)
 
 
 def test_each_region_holds_its_sites_shards_and_top_k_removal_removes_every_regions_part(regional_runs):
@@ -353,6 +354,33 @@ def test_deferred_removal_runs_once_the_next_checkpoint_committed(tmp_path):
 ])
 def test_paths_map_to_a_checkpointer_root_and_a_checkpoint(path, expected):
     assert locate(path) == expected
+
+
+def test_a_mapping_path_maps_to_one_root_per_site_naming_the_same_checkpoint():
+    from multidc.strategies._checkpoint_paths import path_key, url_of
+
+    root, which = locate({1: "s3://b1/run/last.ckpt/step_0000000008/", "0": "s3://b0/run/last.ckpt/step_0000000008"})
+    assert which == "step_0000000008"
+    assert url_of(root) == {"0": "s3://b0/run/last.ckpt", "1": "s3://b1/run/last.ckpt"}
+    assert path_key(url_of(root)) == root  # what the ranks agree on, and back
+    assert locate("s3://ckpt-{site}/run/last.ckpt/COMMIT.json") == ("s3://ckpt-{site}/run/last.ckpt", "latest")
+    with pytest.raises(ValueError, match="names different checkpoints per site"):
+        locate({"0": "s3://b0/last.ckpt/step_0000000008", "1": "s3://b1/last.ckpt/step_0000000004"})
+
+
+def test_last_under_a_site_template_waits_for_the_strategy_and_other_trainers_keep_lightnings_rule(tmp_path):
+    from multidc.plugins._lightning_patches import DeferredLast
+
+    template = str(tmp_path / "ckpt-{site}")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalDDPStrategy(), logger=False,
+                         callbacks=[ModelCheckpoint(dirpath=template)])
+    found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    assert isinstance(found, DeferredLast) and found.dirs == (template,)  # resolved in resume_start, after set-up
+    assert not list(tmp_path.iterdir())  # nothing touched the template as a path
+    ddp = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                     callbacks=[ModelCheckpoint(dirpath=template)])
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        assert ddp._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
 
 
 def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
