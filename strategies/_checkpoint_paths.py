@@ -106,6 +106,13 @@ def newest_committed(dirs, storage_options, topology) -> str | None:
     return max(candidates)[2] if candidates else None
 
 
+def site_leader(ckpt) -> bool:
+    """Whether this rank writes what Lightning keeps once (its loops, callbacks, hyper-parameters): rank 0, and under
+    regions the first rank of each site, so each region holds it and no site reads it across the WAN."""
+    sites = ckpt._sites  # rank -> site, as the Checkpointer gathered it
+    return ckpt.comm.rank == 0 or (ckpt.regions is not None and sites.index(sites[ckpt.comm.rank]) == ckpt.comm.rank)
+
+
 def stores(ckpt) -> list:
     """Every store the Checkpointer writes: its regions' (in site order), or its one."""
     return list(ckpt.regions.stores.values()) if ckpt.regions is not None else [ckpt.store]
@@ -121,4 +128,4 @@ def refuse_single_file(ckpt) -> None:
 
 
 __all__ = ["exists_anywhere", "is_regional", "locate", "newest_committed", "path_key", "refuse_single_file",
-           "regions_of", "stores", "url_of"]
+           "regions_of", "site_leader", "stores", "url_of"]

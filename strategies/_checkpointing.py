@@ -62,6 +62,7 @@ from multidc.strategies._checkpoint_paths import (  # noqa: E402
     path_key,
     refuse_single_file,
     regions_of,
+    site_leader,
     stores,
     url_of,
 )
@@ -160,7 +161,8 @@ class LightningCheckpoints:
         state = _per_site({_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)}},
                           site, diloco)
         state[_RNG] = RNGState()
-        if ckpt.comm.rank == 0:  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters
+        if site_leader(ckpt):  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters (regions: each
+            # site's first rank's, so every region holds them and a site reads its own)
             rest = {k: v for k, v in checkpoint.items() if k not in (_MODEL, _OPTIMIZERS)}
             buffer = io.BytesIO()
             torch.save({"checkpoint": rest, "optimizers": len(optimizers)}, buffer)

@@ -37,7 +37,7 @@ from multidc.strategies._checkpointing import LightningCheckpoints, locate  # no
 from tests._tiny_models import loss_fn  # noqa: E402
 from tests.conftest import AUTH_KEYS, READONLY_KEYS  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)  # the shared fixture: 3 Trainer launches twice, at once
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
