@@ -6,6 +6,11 @@ runs at import: importing multidc changes nothing in Lightning for a Trainer tha
 * ``install_last_resolution``: ``ModelCheckpoint._find_last_checkpoints``, so ``ckpt_path="last"`` finds committed
   multidc checkpoints (installed when a multidc strategy or ``ObjectStoreCheckpointIO`` is built; the original runs
   for every other Trainer). ``checkpoint_dir`` reads ``ModelCheckpoint``'s private directory rule.
+* ``install_regional_checkpoints``: for a ``ModelCheckpoint`` directory with ``{site}`` (one store per site), four
+  places where Lightning would touch that path with its own filesystem (which has neither the sites nor their
+  credentials): ``_CheckpointConnector._parse_ckpt_path`` (``"last"`` is deferred until the strategy is set up),
+  ``_CheckpointConnector.resume_start`` (where the deferred ``"last"`` is resolved, collectively),
+  ``ModelCheckpoint.file_exists`` and ``ModelCheckpoint.__warn_if_dir_not_empty``.
 * ``wrap_lr_scheduler_updates`` / ``unwrap_lr_scheduler_updates``: one Trainer's epoch loop
   ``update_lr_schedulers`` (elastic: the schedulers step on committed steps only; elastic DiLoCo: a round's quorum
   once they stepped).
@@ -47,6 +52,79 @@ def install_last_resolution(find: Callable[[ModelCheckpoint, object], set[str] |
     _find_last_checkpoints.__multidc_original__ = original
     _find_last_checkpoints.__doc__ = original.__doc__
     ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+
+
+class DeferredLast(str):
+    """``ckpt_path="last"`` waiting for the strategy's set-up: a multidc strategy resolves it in ``resume_start``
+    (the newest checkpoint committed in every region needs the job's sites). ``dirs``: every ``ModelCheckpoint``
+    directory, as configured."""
+
+    dirs: tuple[str, ...] = ()
+
+    def __new__(cls, dirs) -> DeferredLast:
+        text = super().__new__(cls, "last (the newest committed checkpoint under " + ", ".join(dirs) + ")")
+        text.dirs = tuple(dirs)
+        return text
+
+
+def install_regional_checkpoints(answers: Callable[[object], object | None]) -> None:
+    """Route Lightning's own filesystem calls on regional checkpoint paths to ``answers(trainer)``: an object with
+    ``is_regional(path)``, ``resolve_last(dirs)`` (collective: a ``ckpt_path`` or ``None``) and ``exists(path)``
+    (rank 0), or ``None`` for a Trainer that writes no multidc checkpoints (Lightning's own rule then). Idempotent.
+
+    Why patches: Lightning 2.6 resolves ``"last"`` in ``_parse_ckpt_path`` before the strategy is set up and then
+    checks the candidates with ``get_filesystem(path).exists``; ``ModelCheckpoint`` checks its directory and each
+    name with its own ``self._fs``. Neither knows the sites a ``{site}`` path names nor their credentials."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    def wrap(owner, attribute: str, make) -> None:
+        current = getattr(owner, attribute)
+        original = getattr(current, "__multidc_original__", current)
+        patched = make(original)
+        patched.__multidc_original__ = original
+        patched.__doc__ = original.__doc__
+        setattr(owner, attribute, patched)
+
+    def regional(trainer, path):
+        found = answers(trainer)
+        return found if found is not None and path is not None and found.is_regional(path) else None
+
+    def parse(original):
+        def _parse_ckpt_path(self, state_fn, ckpt_path, model_provided, model_connected):
+            if ckpt_path == "last":
+                dirs = [checkpoint_dir(cb, self.trainer) for cb in self.trainer.checkpoint_callbacks
+                        if isinstance(cb, ModelCheckpoint)]
+                if any(regional(self.trainer, d) is not None for d in dirs):
+                    return DeferredLast(dirs)
+            return original(self, state_fn, ckpt_path, model_provided, model_connected)
+        return _parse_ckpt_path
+
+    def resume(original):
+        def resume_start(self, checkpoint_path=None, weights_only=None):
+            if isinstance(checkpoint_path, DeferredLast):
+                checkpoint_path = answers(self.trainer).resolve_last(checkpoint_path.dirs)
+            return original(self, checkpoint_path, weights_only)
+        return resume_start
+
+    def exists(original):
+        def file_exists(self, filepath, trainer) -> bool:
+            found = regional(trainer, filepath)
+            if found is None:
+                return original(self, filepath, trainer)
+            return trainer.strategy.reduce_boolean_decision(found.exists(filepath) if trainer.is_global_zero
+                                                            else False, all=False)
+        return file_exists
+
+    def warn(original):
+        def warn_if_dir_not_empty(self, dirpath) -> None:  # no trainer here: a warning only, skipped for {site}
+            if "{site}" not in str(dirpath):
+                original(self, dirpath)
+        return warn_if_dir_not_empty
+
+    wrap(_CheckpointConnector, "_parse_ckpt_path", parse)
+    wrap(_CheckpointConnector, "resume_start", resume)
+    wrap(ModelCheckpoint, "file_exists", exists)
+    wrap(ModelCheckpoint, "_ModelCheckpoint__warn_if_dir_not_empty", warn)
 
 
 def checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:

@@ -46,7 +46,10 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     raise ImportError("ObjectStoreCheckpointIO needs Lightning: pip install 'multidc[lightning]'") from None
 
-from multidc.plugins._lightning_patches import checkpoint_dir  # noqa: E402  (needs Lightning, checked above)
+from multidc.plugins._lightning_patches import (  # noqa: E402  (needs Lightning, checked above)
+    checkpoint_dir,
+    install_regional_checkpoints,
+)
 from multidc.plugins._lightning_patches import install_last_resolution as install_last_resolution_patch  # noqa: E402
 
 _TENSOR = "__multidc_tensor__"
@@ -81,8 +84,10 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         if SITE in text:  # one process, no topology: it would see one site and write one region only
             raise ValueError(
                 f"checkpoint path {text!r} names one store per site ({SITE}), which ObjectStoreCheckpointIO cannot "
-                "write: it runs on rank 0 alone and knows no sites. Use Checkpointer(url, topology=...) for a "
-                "region-local checkpoint (see the checkpoints guide, 'One store per site'), or one URL here.")
+                "write: Lightning calls it on rank 0 alone, which knows no sites and would send every region's copy "
+                "over the WAN. Use a multidc strategy (strategy='hierarchical_ddp', 'diloco' or 'parallel_3d' take "
+                "{site} paths, each site writing its own region) or Checkpointer(url, topology=...), or one URL here "
+                "(see the checkpoints guide, 'One store per site').")
         root, _, name = text.rpartition("/")
         if not name:
             raise ValueError(f"checkpoint path {text!r} has no file name.")
@@ -209,8 +214,19 @@ def install_last_resolution() -> None:
     """Make ``ckpt_path="last"`` find committed multidc checkpoints when the Trainer writes them (a multidc
     strategy, or ``ObjectStoreCheckpointIO``): the newest commit under each ``ModelCheckpoint`` directory, any
     name, never a half-written one. Other Trainers keep Lightning's rule. Called when a multidc strategy or an
-    ``ObjectStoreCheckpointIO`` is built; idempotent (see ``multidc.plugins._lightning_patches``)."""
+    ``ObjectStoreCheckpointIO`` is built; idempotent (see ``multidc.plugins._lightning_patches``). Also routes
+    Lightning's own checks of ``{site}`` paths (one store per site) to a multidc strategy's checkpoint writer:
+    ``"last"`` waits for the strategy's set-up (the job's sites), see ``multidc.strategies._checkpointing``."""
     install_last_resolution_patch(_find_last_for)
+    install_regional_checkpoints(_regional_answers)
+
+
+def _regional_answers(trainer):
+    """A multidc strategy's checkpoint writer, handed the strategy's topology; ``None`` for other Trainers."""
+    strategy = getattr(trainer, "strategy", None)
+    if getattr(strategy, "multidc_checkpoints", None) is None:
+        return None
+    return strategy._checkpoints()
 
 
 def _find_last_for(callback: ModelCheckpoint, trainer) -> set[str] | None:

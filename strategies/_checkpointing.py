@@ -21,6 +21,11 @@ safe unpickler.
 ``trainer.fit(ckpt_path="last")`` with a multidc strategy resolves to the newest committed checkpoint under each
 ``ModelCheckpoint`` directory (half-written ones have no ``COMMIT.json`` and are never candidates; see
 ``multidc.plugins.lightning_checkpoint_io.install_last_resolution``).
+
+Region-local: a path with ``{site}`` (or a mapping site -> URL, see ``_checkpoint_paths``) names one store per site;
+every site writes its ranks' shards to its own region and loads from it (``multidc.plugins.checkpoint.regions``).
+``"last"`` then waits for the strategy's set-up and is the newest step committed in every region; removing a
+checkpoint (``save_top_k``) removes every region's part.
 """
 
 from __future__ import annotations
@@ -35,8 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from multidc.plugins import Checkpointer, RNGState, SaveHandle
 from multidc.plugins.checkpoint.comm import Comm, default_timeout_s
-from multidc.plugins.checkpoint.format import COMMIT, parse_step
-from multidc.plugins.checkpoint.regions import refuse_regional
+from multidc.plugins.checkpoint.regions import env_storage_options, is_regional
 from multidc.plugins.checkpoint.retention import clear_file, delete_committed
 from multidc.plugins.checkpoint.state import load_optimizer_state_dict, site_key
 from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_state_dict
@@ -44,12 +48,24 @@ from multidc.plugins.checkpoint.state import optimizer_state_dict as _optimizer_
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as exc:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
 
 from multidc.plugins.lightning_checkpoint_io import find_last, install_last_resolution  # needs Lightning (above)
+from multidc.strategies._checkpoint_paths import (  # noqa: E402
+    exists_anywhere,
+    locate,
+    newest_committed,
+    path_key,
+    refuse_single_file,
+    regions_of,
+    site_leader,
+    stores,
+    url_of,
+)
 
 _MODEL, _OPTIMIZERS, _RNG, _LIGHTNING = "state_dict", "optimizer_states", "rng", "lightning"
 _DILOCO = "diloco"
@@ -70,17 +86,6 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer) -> dict[str, Any]:
     return _optimizer_state_dict(module, optimizer)
 
 
-def locate(path) -> tuple[str, str]:
-    """``(Checkpointer root, which)`` for a Lightning checkpoint path, one of its step folders, or its commit file."""
-    text = str(path).rstrip("/")
-    if text.endswith(f"/{COMMIT}"):
-        text = text[: -len(COMMIT) - 1]
-    root, _, leaf = text.rpartition("/")
-    if root and parse_step(leaf) is not None:
-        return root, leaf
-    return text, "latest"
-
-
 class LightningCheckpoints:
     """Save, load, remove and find Lightning checkpoints as multidc checkpoints. Framework-thin: the strategy
     passes in what it holds. ``save``/``load``/``remove``/``wait``/``close`` are collective (every rank calls them);
@@ -92,8 +97,9 @@ class LightningCheckpoints:
     Args:
         async_save: upload in the background; training blocks only for the host-memory snapshot. The next save,
             load, removal or ``close`` (strategy teardown) waits for it and raises its error.
-        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...); default the standard
-            AWS environment / config. Never logged.
+        storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...), or for paths with
+            ``{site}`` a mapping site -> options (each region its endpoint and credentials); default
+            ``MULTIDC_CKPT_STORAGE_OPTIONS`` (a JSON object), else the standard AWS environment / config. Never logged.
     """
 
     def __init__(self, *, async_save: bool = False, storage_options: dict | None = None) -> None:
@@ -103,7 +109,8 @@ class LightningCheckpoints:
             raise ValueError(
                 f"checkpoint_storage_options must be a dict of fsspec options, not {type(storage_options).__name__}."
             )
-        self.async_save, self.storage_options = async_save, storage_options
+        self.async_save = async_save
+        self.storage_options = storage_options if storage_options is not None else env_storage_options()
         self._open: OrderedDict[str, Checkpointer] = OrderedDict()
         self._pending: SaveHandle | None = None
         self._deferred: list[str] = []  # removals waiting for the pending save to commit
@@ -124,13 +131,16 @@ class LightningCheckpoints:
         """Rank 0's ``path`` (``/``-stripped) on every rank. Collective; the first call opens the group, under the
         same bounded wait (an unresponsive rank fails the others within the timeout, naming it as a WAN failure
         in a multi-site job)."""
-        text = str(path).rstrip("/")
+        text = path_key(path)
         what = f"agreeing on the checkpoint path to {what} ({text})"
+        return self._comm(what).all_gather(text, what=what)[0]
+
+    def _comm(self, what: str) -> Comm:
         if self._paths is None:
             timeout = datetime.timedelta(seconds=default_timeout_s(self.topology))
             self._paths = Comm.create(None, timeout=timeout, topology=self.topology, data=False, what=what)
         self._paths.check_usable()
-        return self._paths.all_gather(text, what=what)[0]
+        return self._paths
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], path, *, site: int | None = None, diloco=None) -> None:
@@ -145,12 +155,14 @@ class LightningCheckpoints:
         step = int(checkpoint.get("global_step") or 0)
         ckpt = self._checkpointer(root)
         # a single-file checkpoint (another strategy's) at this path goes: a folder cannot coexist with it
-        ckpt.comm.from_rank0(lambda: clear_file(ckpt.store), what=f"preparing {ckpt.url}", error_type=None)
+        ckpt.comm.from_rank0(lambda: [clear_file(store) for store in stores(ckpt)], what=f"preparing {ckpt.url}",
+                             error_type=None)
         optimizers = checkpoint.get(_OPTIMIZERS) or []
         state = _per_site({_MODEL: checkpoint[_MODEL], _OPTIMIZERS: {str(i): s for i, s in enumerate(optimizers)}},
                           site, diloco)
         state[_RNG] = RNGState()
-        if ckpt.comm.rank == 0:  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters
+        if site_leader(ckpt):  # like Lightning's DDP: rank 0's loops / callbacks / hyper-parameters (regions: each
+            # site's first rank's, so every region holds them and a site reads its own)
             rest = {k: v for k, v in checkpoint.items() if k not in (_MODEL, _OPTIMIZERS)}
             buffer = io.BytesIO()
             torch.save({"checkpoint": rest, "optimizers": len(optimizers)}, buffer)
@@ -175,7 +187,7 @@ class LightningCheckpoints:
         self.wait()
         root, which = locate(self._agree(path, "load"))
         ckpt = self._checkpointer(root)
-        ckpt.comm.from_rank0(lambda: _refuse_single_file(ckpt), what=f"reading {ckpt.url}", error_type=None)
+        ckpt.comm.from_rank0(lambda: refuse_single_file(ckpt), what=f"reading {ckpt.url}", error_type=None)
         header = {_LIGHTNING: b""}
         info = ckpt.load(header, which, trusted=trusted)
         saved = _safe_load(header[_LIGHTNING], trusted, ckpt.store.where(info.name))
@@ -211,15 +223,38 @@ class LightningCheckpoints:
         for root in roots:  # collective: every rank removes the same roots in the same order
             ckpt = self._checkpointer(root)
             try:
-                ckpt.comm.from_rank0(lambda: delete_committed(ckpt.store), what=f"removing {ckpt.url}",  # noqa: B023
-                                     error_type=None)
+                ckpt.comm.from_rank0(lambda: [delete_committed(s) for s in stores(ckpt)],  # noqa: B023
+                                     what=f"removing {ckpt.url}", error_type=None)
             finally:
                 del self._open[root]
                 ckpt.close()
 
     def find_last(self, dirpath) -> set[str]:
-        """See ``multidc.plugins.lightning_checkpoint_io.find_last``."""
+        """See ``multidc.plugins.lightning_checkpoint_io.find_last`` (one store; ``"last"`` under a ``{site}``
+        directory is :meth:`resolve_last`'s)."""
         return find_last(dirpath, storage_options=self.storage_options, step_folders=True)
+
+    # ------------------------------------------------------------------ regional paths (Lightning's own calls)
+    def is_regional(self, path) -> bool:
+        """Whether ``path`` names one store per site (``{site}`` or a mapping)."""
+        return is_regional(path)
+
+    def resolve_last(self, dirs) -> str | None:
+        """``ckpt_path="last"`` under the ``ModelCheckpoint`` directories ``dirs``, after set-up: the newest
+        checkpoint committed in every region (``_checkpoint_paths.newest_committed``), or ``None`` (warned, as
+        Lightning does). Collective: rank 0 looks, every rank gets its answer or its error."""
+        what = f"finding the last checkpoint under {', '.join(map(str, dirs))}"
+        comm = self._comm(what)
+        found = comm.from_rank0(lambda: newest_committed(dirs, self.storage_options, self.topology), what=what,
+                                error_type=None)
+        if found is None:
+            rank_zero_warn(f'ckpt_path="last" is set, but no checkpoint is committed in every region under '
+                           f"{', '.join(map(str, dirs))}. No checkpoint will be loaded.")
+        return found
+
+    def exists(self, path) -> bool:
+        """Whether any region holds something at the regional ``path`` (rank 0; ``ModelCheckpoint.file_exists``)."""
+        return exists_anywhere(regions_of(path_key(path), self.storage_options, self.topology))
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -245,8 +280,10 @@ class LightningCheckpoints:
     def _checkpointer(self, root: str) -> Checkpointer:
         ckpt = self._open.pop(root, None)
         if ckpt is None:  # collective: every rank opens the same roots in the same order
-            refuse_regional(root, "the Lightning strategies' checkpoints")
-            ckpt = Checkpointer(root, storage_options=self.storage_options, keep_last_k=1,
+            url = url_of(root)
+            if is_regional(url):
+                regions_of(root, self.storage_options, self.topology)  # no sites: say so in Lightning's words
+            ckpt = Checkpointer(url, storage_options=self.storage_options, keep_last_k=1,
                                 async_save=self.async_save, topology=self.topology)
         self._open[root] = ckpt
         while len(self._open) > _OPEN_ROOTS:
@@ -259,15 +296,6 @@ def _per_site(state: dict, site: int | None, diloco) -> dict:
     if site is None:
         return dict(state)
     return {site_key(site): state, **({_DILOCO: diloco} if diloco is not None else {})}
-
-
-def _refuse_single_file(ckpt: Checkpointer) -> None:
-    if ckpt.store.fs.isfile(ckpt.store.path("")):
-        raise ValueError(
-            f"{ckpt.url} is a single-file Lightning checkpoint; multidc strategies read the directory checkpoints "
-            "they write. Load it with the strategy that wrote it, or give HierarchicalDDPStrategy a CheckpointIO "
-            "(Trainer(plugins=[...])) / Parallel3DStrategy(save_distributed_checkpoint=False)."
-        )
 
 
 def _safe_load(blob: bytes, trusted: bool, where: str) -> dict:

@@ -98,8 +98,9 @@ class HierarchicalDDPStrategy(CrossSiteMixin, _HierarchicalSync, CheckpointingMi
         wan: WAN settings; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
         checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
             save and the end of ``fit`` wait for it and raise its error.
-        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
-            default the standard AWS environment / config. Never logged.
+        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...), or
+            for checkpoint paths with ``{site}`` (one store per site) a mapping site -> options; default env
+            ``MULTIDC_CKPT_STORAGE_OPTIONS`` (JSON), else the standard AWS environment / config. Never logged.
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one
             job per site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
             ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others

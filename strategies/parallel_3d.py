@@ -115,8 +115,9 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
             the syncs (its ``compression`` replaced by ``diloco.compression``).
         checkpoint_async: upload checkpoints in the background (training blocks only for the host copy); the next
             save and the end of ``fit`` wait for it and raise its error.
-        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...);
-            default the standard AWS environment / config. Never logged.
+        checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...), or
+            for checkpoint paths with ``{site}`` (one store per site) a mapping site -> options; default env
+            ``MULTIDC_CKPT_STORAGE_OPTIONS`` (JSON), else the standard AWS environment / config. Never logged.
         save_distributed_checkpoint: ``True``: sharded checkpoints through multidc's ``Checkpointer`` to any
             fsspec URL (``s3://...``), loadable into another layout, ``ckpt_path="last"`` = newest committed (see
             ``multidc.strategies._checkpointing``). ``False``: ``ModelParallelStrategy``'s full single file.

@@ -81,8 +81,10 @@ class MultiDCPlugin:
     blocks, see ``multidc.hierarchical.parallel.transformer_block_plan``) or ``fn(model, tp_mesh)``."""
 
     storage_options: dict | None = field(default=None, metadata={"help": "fsspec/s3fs options for save_state."})
-    """fsspec / s3fs options for ``save_state`` / ``load_state`` URLs (``endpoint_url``, ...); credentials
-    come from the standard places (AWS env / config) unless given here, and are never logged."""
+    """fsspec / s3fs options for ``save_state`` / ``load_state`` URLs (``endpoint_url``, ...); with one URL per site
+    also a mapping site -> options (each region its endpoint and credentials). ``None``:
+    ``MULTIDC_CKPT_STORAGE_OPTIONS`` (a JSON object) if set, else the standard places (AWS env / config). Never
+    logged."""
     async_save: bool = field(default=False, metadata={"help": "save_state uploads in the background."})
     """``save_state`` returns after the snapshot to host memory; the upload runs in the background."""
     keep_last_k: int | None = field(default=None, metadata={"help": "Committed checkpoints kept per root."})

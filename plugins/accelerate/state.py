@@ -2,7 +2,11 @@
 
 Which path a call takes (the same rule for save and load):
 
-* a URL (anything with ``proto://``: ``s3://``, ``file://``, ``gs://`` ...) -> multidc;
+* a URL (anything with ``proto://``: ``s3://``, ``file://``, ``gs://`` ...) -> multidc; also one URL per site, each
+  site's region (a template with ``{site}`` or a mapping site -> URL: region-local checkpoints, see
+  ``multidc.plugins.checkpoint.regions``), with ``MultiDCPlugin.storage_options`` one set or site -> options;
+* ``None`` with ``MULTIDC_CKPT_URL`` set (a launcher's setting; ``MULTIDC_CKPT_STORAGE_OPTIONS`` for the options
+  when ``MultiDCPlugin.storage_options`` is ``None``) -> multidc, at that URL;
 * a parallel layout (pipeline / tensor / FSDP shards) -> multidc, also for a local directory (Accelerate's own
   format cannot hold a model split across ranks);
 * a local directory with ``MultiDCPlugin(shard_local_checkpoints=True)`` -> multidc;
@@ -18,10 +22,11 @@ Private: the public face is ``multidc.plugins.MultiDCAccelerator``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from multidc.plugins.checkpoint import Checkpointer, CheckpointInfo, latest
 from multidc.plugins.checkpoint.format import checkpoint_name
-from multidc.plugins.checkpoint.regions import refuse_regional
+from multidc.plugins.checkpoint.regions import env_storage_options, env_url, is_regional
 from multidc.plugins.checkpoint.state import ModelState, RNGState, StatefulDict, site_key, state_dicts
 
 
@@ -34,7 +39,9 @@ class StateMixin:
         """Save the training state; every rank must call it. See ``MultiDCAccelerator`` for where it goes.
 
         Args:
-            output_dir: ``s3://bucket/prefix``, ``file:///dir``, any fsspec URL, or a local directory.
+            output_dir: ``s3://bucket/prefix``, ``file:///dir``, any fsspec URL, or a local directory; one URL per
+                site (``s3://ckpt-{site}/run1``, or a mapping site -> URL): each site writes to and loads from its
+                own region; ``None``: ``MULTIDC_CKPT_URL`` if set, else Accelerate's automatic naming.
             safe_serialization: Accelerate's own format only.
             step: names the checkpoint (``<root>/step_<step>``) and orders ``latest``; default Accelerate's save
                 iteration (``save_iteration``: 0, 1, 2, ... per ``save_state`` call). Through multidc it must be
@@ -142,6 +149,10 @@ class StateMixin:
             raise first
 
     def _through_multidc(self, path, *, loading: bool) -> bool:
+        if path is None and env_url() is not None:  # a launcher's checkpoint URL
+            return True
+        if path is not None and is_regional(path):
+            return True
         if self.multidc_plugin.elastic:  # one site writes the job's state: Accelerate's format has every site write
             if path is None:
                 raise ValueError("with MultiDCPlugin(elastic=True) save_state / load_state need a URL or directory "
@@ -167,14 +178,21 @@ class StateMixin:
         return loading and os.path.isdir(text) and latest(text) is not None
 
     def _checkpointer(self, url) -> Checkpointer:
-        """One ``Checkpointer`` per root URL (constructing one is collective: every rank gets here together)."""
-        refuse_regional(url, "MultiDCPlugin's save_state / load_state")
+        """One ``Checkpointer`` per root URL or set of regions (constructing one is collective: every rank gets here
+        together). ``None``: ``MULTIDC_CKPT_URL`` (the Checkpointer reads it)."""
         cache = self.__dict__.setdefault("_checkpointers", {})
-        key = os.fspath(url).rstrip("/")
+        if url is None:
+            key = None
+        elif isinstance(url, Mapping):
+            url = {k: str(v).rstrip("/") for k, v in url.items()}
+            key = tuple(sorted((str(k), v) for k, v in url.items()))
+        else:
+            url = key = os.fspath(url).rstrip("/")
         if key not in cache:
             plugin = self.multidc_plugin
             keep = plugin.keep_last_k if plugin.keep_last_k is not None else self.project_configuration.total_limit
-            cache[key] = Checkpointer(key, storage_options=plugin.storage_options, keep_last_k=keep,
+            options = plugin.storage_options if plugin.storage_options is not None else env_storage_options()
+            cache[key] = Checkpointer(url, storage_options=options, keep_last_k=keep,
                                       async_save=plugin.async_save, topology=getattr(self, "topology", None))
         return cache[key]
 

@@ -49,15 +49,26 @@ def from_env(url, storage_options):
     """``(url, storage_options)`` with ``None`` filled from ``MULTIDC_CKPT_URL`` (a URL, a ``{site}`` template or a
     JSON object site -> URL) and ``MULTIDC_CKPT_STORAGE_OPTIONS`` (a JSON object: options, or site -> options)."""
     if url is None:
-        url = _json_or_text(_env.CKPT_URL)
+        url = env_url()
     if storage_options is None:
-        raw = _env.read(_env.CKPT_STORAGE_OPTIONS)
-        storage_options = None if raw is None else _json_or_text(_env.CKPT_STORAGE_OPTIONS)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ValueError(f"{_env.CKPT_STORAGE_OPTIONS} must be a JSON object (options, or site -> options).")
+        storage_options = env_storage_options()
     if url is None:
         raise ValueError(f"no checkpoint URL: pass url=... or set {_env.CKPT_URL}.")
     return url, storage_options
+
+
+def env_url():
+    """``MULTIDC_CKPT_URL`` (a URL, a ``{site}`` template or a JSON object site -> URL), or ``None`` if unset."""
+    return _json_or_text(_env.CKPT_URL)
+
+
+def env_storage_options() -> dict | None:
+    """``MULTIDC_CKPT_STORAGE_OPTIONS`` (a JSON object: options, or site -> options), or ``None`` if unset."""
+    raw = _env.read(_env.CKPT_STORAGE_OPTIONS)
+    options = None if raw is None else _json_or_text(_env.CKPT_STORAGE_OPTIONS)
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"{_env.CKPT_STORAGE_OPTIONS} must be a JSON object (options, or site -> options).")
+    return options
 
 
 def _json_or_text(variable: str):
@@ -73,14 +84,6 @@ def _json_or_text(variable: str):
 def is_regional(url) -> bool:
     """Whether ``url`` names one store per site (a mapping or a ``{site}`` template)."""
     return isinstance(url, Mapping) or SITE in str(url)
-
-
-def refuse_regional(url, where: str) -> None:
-    """ValueError if ``url`` names one store per site where ``where`` (a front-end) writes to one store only."""
-    if is_regional(url):
-        raise ValueError(f"{where}: {url!r} names one store per site ({SITE} or a mapping); {where} does not write "
-                         f"region-local checkpoints yet (its clean-up and resume lookup use one store): give one URL, "
-                         f"or save with multidc.plugins.Checkpointer(url, topology=...) yourself.")
 
 
 def _is_site_key(key, names) -> bool:

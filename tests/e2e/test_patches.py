@@ -45,6 +45,18 @@ def test_lightnings_last_checkpoint_lookup_loop_and_step_counter_are_where_multi
 
     find = ModelCheckpoint._find_last_checkpoints
     assert _parameters(getattr(find, "__multidc_original__", find)) == ["self", "trainer"]
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    def original(function):
+        return getattr(function, "__multidc_original__", function)
+
+    # install_regional_checkpoints
+    assert _parameters(original(_CheckpointConnector._parse_ckpt_path)) == [
+        "self", "state_fn", "ckpt_path", "model_provided", "model_connected"]
+    assert "get_filesystem(path)" in inspect.getsource(original(_CheckpointConnector._parse_ckpt_path))
+    assert _parameters(original(_CheckpointConnector.resume_start)) == ["self", "checkpoint_path", "weights_only"]
+    assert _parameters(original(ModelCheckpoint.file_exists)) == ["self", "filepath", "trainer"]
+    assert _parameters(original(ModelCheckpoint._ModelCheckpoint__warn_if_dir_not_empty)) == ["self", "dirpath"]
     assert _parameters(ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir) == ["self", "trainer"]
     assert _parameters(_TrainingEpochLoop.update_lr_schedulers) == ["self", "interval", "update_plateau_schedulers"]
     assert _parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == ["self"]  # site_sigterm_broadcast

@@ -60,15 +60,16 @@ def prepared(accelerator, steps: range):
 
 
 def train(accelerator, model, opt, loader, sched, *, save_at: dict | None = None, first_step: int = 0) -> dict:
-    """Train over ``loader``; ``save_at = {step: (url, async)}`` saves before that step. Returns the mean loss
+    """Train over ``loader``; ``save_at = {step: (url, async) or [(url, async), ...]}`` saves before that step
+    (url ``None``: ``MULTIDC_CKPT_URL``). Returns the mean loss
     per step, this rank's RNG draw right after each save, and the full values of this rank's parameters."""
     from torch.distributed.tensor import DTensor
 
     out = {"losses": [], "draws": {}}
     for step, (x, y) in enumerate(loader, start=first_step):
         if save_at and step in save_at:
-            url, async_save = save_at[step]
-            out.setdefault("saved", []).append(accelerator.save_state(url, step=step, async_save=async_save))
+            for url, async_save in save_at[step] if isinstance(save_at[step], list) else [save_at[step]]:
+                out.setdefault("saved", []).append(accelerator.save_state(url, step=step, async_save=async_save))
             out["draws"][step] = torch.rand(3)
         loss = accelerator.pipeline_step(model, x, y, loss_fn)
         opt.step()
@@ -81,26 +82,36 @@ def train(accelerator, model, opt, loader, sched, *, save_at: dict | None = None
     return out
 
 
-def save_runs(rank, world, s3_url, options, file_url):
-    """4 ranks: DDP over 2 sites saving to S3 before steps 2 (sync) and 4 (async); pp 2 x dp_shard 2 saving to
-    file:// before step 2. Both keep training: the unbroken runs."""
+def save_runs(rank, world, s3_url, options, file_url, template):
+    """4 ranks: DDP over 2 sites saving to S3 before steps 2 (sync) and 4 (async), and before step 4 also
+    region-local to ``template`` (``{site}``: a bucket per site) given as ``MULTIDC_CKPT_URL``; pp 2 x dp_shard 2
+    saving to file:// before step 2. Both keep training: the unbroken runs."""
     results = {}
-    with fresh_accelerator({"MULTIDC_NUM_SITES": "2"}, dict(storage_options=options),
+    with fresh_accelerator({"MULTIDC_NUM_SITES": "2", "MULTIDC_CKPT_URL": template}, dict(storage_options=options),
                            step_scheduler_with_optimizer=False) as acc:
-        results["ddp"] = train(acc, *prepared(acc, range(6)), save_at={2: (s3_url, False), 4: (s3_url, True)})
+        results["ddp"] = train(acc, *prepared(acc, range(6)),
+                               save_at={2: (s3_url, False), 4: [(s3_url, True), (None, False)]})
     with fresh_accelerator(None, dict(pipeline_parallel_size=2, microbatches=2),
                            step_scheduler_with_optimizer=False) as acc:
         results["pp"] = train(acc, *prepared(acc, range(4)), save_at={2: (file_url, False)})
     return results
 
 
-def resume_runs(rank, world, s3_url, options, file_url, local_dir):
-    """2 ranks, one site, plain DDP: resume both unbroken runs from their latest checkpoints and finish them;
-    then where local directories go."""
+def resume_runs(rank, world, s3_url, options, file_url, local_dir, template):
+    """2 ranks, one site, plain DDP: resume both unbroken runs from their latest checkpoints and finish them (the
+    DDP run from the S3 URL, its model then zeroed and RNG advanced, then again from the region-local copy, given as
+    a mapping site -> URL: this site's region "0" and region "1", which this job has no site for); then where local
+    directories go."""
     results = {}
     with fresh_accelerator(None, dict(storage_options=options), step_scheduler_with_optimizer=False) as acc:
         model, opt, loader, sched = prepared(acc, range(4, 6))
         info = acc.load_state(s3_url)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+        torch.rand(5)
+        regional = acc.load_state({site: template.replace("{site}", site) for site in ("0", "1")})
+        results["regional"] = (regional.step, regional.url)
         draws = torch.rand(3)
         results["ddp"] = {**train(acc, model, opt, loader, sched, first_step=4), "info": (info.step, info.world_size),
                           "draw": draws, "iteration": acc.save_iteration, "lr": sched.get_last_lr()}

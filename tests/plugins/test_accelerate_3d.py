@@ -152,8 +152,12 @@ def spawned(request, tmp_path_factory):
         server = request.getfixturevalue("s3_server")
         url = f"{server.make_bucket(f'acc-{uuid.uuid4().hex[:10]}')}/run"
         tmp = tmp_path_factory.mktemp("accelerate_ckpt")
-        checkpoint_args = (url, server.storage_options(), f"file://{tmp}/pp", str(tmp))
-    per_rank = run_ranks(_four_ranks, 4, checkpoint_args and checkpoint_args[:3], env=_launch_env(4), timeout=240)
+        tag = uuid.uuid4().hex[:10]
+        for site in ("0", "1"):  # region-local: a bucket per site (on one server here)
+            server.make_bucket(f"accr-{tag}-{site}")
+        checkpoint_args = (url, server.storage_options(), f"file://{tmp}/pp", str(tmp), f"s3://accr-{tag}-{{site}}/run")
+    save_args = checkpoint_args and (*checkpoint_args[:3], checkpoint_args[4])
+    per_rank = run_ranks(_four_ranks, 4, save_args, env=_launch_env(4), timeout=240)
     return per_rank, checkpoint_args
 
 
@@ -273,6 +277,16 @@ def test_s3_checkpoint_from_4_ranks_2_sites_resumes_on_2_ranks_1_site_like_the_u
         _assert_close_params([run], saved[0]["ddp"]["params"])
         assert torch.equal(run["draw"], saved[rank]["ddp"]["draws"][4]), "RNG streams of saved rank r % 4"
         assert run["iteration"] == 5 and run["lr"] == pytest.approx([0.2 / 7])
+
+
+def test_region_local_save_state_from_the_environment_resumes_from_this_sites_region(checkpoints):
+    """The resumed run above trained on from the region-local load (its model zeroed before): the same losses,
+    weights and RNG streams as the unbroken run."""
+    saved, resumed = checkpoints
+    assert saved[0]["ddp"]["saved"][-1].endswith("/run/step_0000000004") and "accr-" in saved[0]["ddp"]["saved"][-1]
+    for r in resumed:
+        step, url = r["regional"]
+        assert step == 4 and url.endswith("-0/run/step_0000000004"), url  # this site's region
 
 
 def test_load_state_with_a_step_loads_that_checkpoint(checkpoints):

@@ -49,13 +49,14 @@ def test_the_url_comes_from_the_environment_when_none_is_given(monkeypatch):
 
 
 @pytest.mark.parametrize("call", ["save", "load"])
-def test_lightning_checkpoint_io_refuses_a_site_template_naming_checkpointer(call, tmp_path):
+def test_lightning_checkpoint_io_refuses_a_site_template_naming_the_strategies_and_checkpointer(call, tmp_path):
     pytest.importorskip("lightning")
     from multidc.plugins import ObjectStoreCheckpointIO
 
     io = ObjectStoreCheckpointIO()
     path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
-    with pytest.raises(ValueError, match=r"one store per site.*Use Checkpointer\(url, topology=...\)"):
+    with pytest.raises(ValueError, match=r"one store per site.*Use a multidc strategy .*Checkpointer\(url, "
+                                         r"topology=...\)"):
         io.save_checkpoint({"state_dict": {}}, path) if call == "save" else io.load_checkpoint(path)
     assert not list(tmp_path.iterdir())  # nothing written
 

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ from multidc.strategies._checkpointing import LightningCheckpoints, locate  # no
 from tests._tiny_models import loss_fn  # noqa: E402
 from tests.conftest import AUTH_KEYS, READONLY_KEYS  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)  # the shared fixture: 3 Trainer launches twice, at once
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -106,25 +107,37 @@ def _assert_parity(run: dict, first_step: int, losses: list[float], params: dict
 
 
 @pytest.fixture(scope="module")
-def runs(s3_auth_server, tmp_path_factory):
-    """The runs of both strategies, the two first runs at once, then the two resumed ones at once (each launch's first
+def runs(s3_server, s3_auth_server, tmp_path_factory):
+    """The runs of both strategies, the first runs at once, then the resumed ones at once (each launch's first
     process imports Lightning alone before it starts the others, which leaves a core idle):
 
     hierarchical_ddp: 4 ranks / 2 sites, 8 steps, async saves every 4 steps to S3; then "last" on 2 ranks / 1 site to
     step 12. parallel_3d: dp_shard 2 x pp 2 on 4 ranks, 2 steps, default_root_dir local; then "last" on 2 ranks
-    (dp_shard 2, no pp). Half-written checkpoints are planted before each resume.
+    (dp_shard 2, no pp). Half-written checkpoints are planted before each resume. regional: hierarchical_ddp on
+    2 sites x 1 rank with a ``{site}`` dirpath over two S3 servers (one per site, per-site credentials from
+    MULTIDC_CKPT_STORAGE_OPTIONS, no AWS environment), 8 steps; then "last" on the same layout to step 12, past a
+    commit record planted in one region only.
     """
     bucket = s3_auth_server.make_bucket("lightning-ckpt")
     root = f"{bucket}/run"
     env = {"AWS_ENDPOINT_URL": s3_auth_server.endpoint, "AWS_ACCESS_KEY_ID": AUTH_KEYS[0],
            "AWS_SECRET_ACCESS_KEY": AUTH_KEYS[1], "AWS_DEFAULT_REGION": "us-east-1"}
     tmp, tmp_3d = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("p3d")
+    servers = {"0": s3_server, "1": s3_auth_server}
+    tag = uuid.uuid4().hex[:8]
+    template = f"s3://lreg-{{site}}-{tag}/run"
+    for site, server in servers.items():
+        server.make_bucket(f"lreg-{site}-{tag}")
+    regional_env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_CKPT_STORAGE_OPTIONS": json.dumps(
+        {site: server.storage_options() for site, server in servers.items()})}
+    regional = ["--strategy", "hierarchical_ddp", "--root", template, "--every", "4", "--devices", "2"]
     common = ["--strategy", "hierarchical_ddp", "--root", root, "--every", "4"]
     common_3d = ["--strategy", "parallel_3d", "--root", str(tmp_3d / "run"), "--every", "2"]
     first = _run_at_once({
         "ddp": (tmp / "first", [*common, "--devices", "4", "--max-steps", "8", "--async"],
                 {**env, "MULTIDC_NUM_SITES": "2"}),
-        "3d": (tmp_3d / "first", [*common_3d, "--devices", "4", "--pp", "2", "--max-steps", "2"], {})})
+        "3d": (tmp_3d / "first", [*common_3d, "--devices", "4", "--pp", "2", "--max-steps", "2"], {}),
+        "regional": (tmp / "regional-first", [*regional, "--max-steps", "8", "--async"], regional_env)})
     for name, run in first.items():
         assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
     fs = s3_auth_server.filesystem()
@@ -133,13 +146,24 @@ def runs(s3_auth_server, tmp_path_factory):
     commit = decode_commit(store.get("last.ckpt/step_0000000008/COMMIT.json"), "last.ckpt")
     _plant_half_written(store, "last.ckpt/step_0000000012", "epoch=2-step=12.ckpt/step_0000000012")
     _plant_half_written(ObjectStore(tmp_3d / "run" / "checkpoints"), "epoch=9-step=99.ckpt/step_0000000099")
+    regions = {site: ObjectStore(template.replace("{site}", site) + "/ckpts", storage_options=server.storage_options())
+               for site, server in servers.items()}
+    regional_listing = {site: sorted(store.fs.find(store.path(""))) for site, store in regions.items()}
+    record = regions["0"].get("last.ckpt/step_0000000008/COMMIT.json")
+    regions["0"].put("last.ckpt/step_0000000016/COMMIT.json", record)  # committed in region 0 only: not "last"
     resumed = _run_at_once({
         "ddp": (tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env),
-        "3d": (tmp_3d / "resumed", [*common_3d, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {})})
+        "3d": (tmp_3d / "resumed", [*common_3d, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {}),
+        "regional": (tmp / "regional-resumed", [*regional, "--max-steps", "12", "--ckpt-path", "last"], regional_env)})
     for name, run in resumed.items():
         assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
+    reference = _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)
     return {"ddp": {"first": first["ddp"], "resumed": resumed["ddp"], "listing": listing, "commit": commit,
-                    "reference": _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)},
+                    "reference": reference},
+            "regional": {"first": first["regional"], "resumed": resumed["regional"], "reference": reference,
+                         "template": template, "listing": regional_listing,
+                         "after": {site: sorted(store.fs.find(store.path(""))) for site, store in regions.items()},
+                         "roots": {site: store.path("") for site, store in regions.items()}},
             "3d": {"first": first["3d"], "resumed": resumed["3d"], "root": tmp_3d / "run",
                    "reference": _reference(script.GPT, script.gpt_data(), script.GPT_ROWS, 4)}}
 
@@ -199,7 +223,40 @@ def test_credentials_never_reach_the_output(ddp_runs):
         assert AUTH_KEYS[1] not in run["log"]
 
 
-# ----------------------------------------------------------------------------- parallel_3d on a local path
+# ----------------------------------------------------------------------------- hierarchical_ddp, one store per site
+@pytest.fixture(scope="module")
+def regional_runs(runs):
+    return runs["regional"]
+
+
+def test_site_template_checkpoints_resume_last_committed_in_every_region_like_an_unbroken_run(regional_runs):
+    losses, params = regional_runs["reference"]
+    first, resumed = regional_runs["first"], regional_runs["resumed"]
+    assert [r["world_size"] for r in first["ranks"]] == [2, 2] and len(resumed["ranks"]) == 2
+    for rank in first["ranks"]:
+        got = [rank["losses"][str(s)] for s in range(1, 9)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses[:8]), rtol=1e-5, atol=1e-6)
+    _assert_parity(resumed, 9, losses, params, rtol=1e-5, atol=1e-6)
+    for rank, report in enumerate(resumed["ranks"]):
+        # the newest step committed in every region (step 16's record is in region 0 only), as the template
+        assert report["ckpt_path"].startswith(f"{regional_runs['template']}/ckpts/"), report["ckpt_path"]
+        assert report["ckpt_path"].endswith("/step_0000000008/COMMIT.json"), report["ckpt_path"]
+        assert report["global_step"] == 12 and report["loaded_rng"] == first["ranks"][rank]["saved_rng"]["8"]
+    assert "from other regions" not in resumed["log"]  # each site read its own region only (else a warning)
+
+
+def test_each_region_holds_its_sites_shards_and_top_k_removal_removes_every_regions_part(regional_runs):
+    for phase, step, gone in (("listing", 8, 4), ("after", 12, 8)):
+        for site, files in regional_runs[phase].items():
+            root = regional_runs["roots"][site]
+            names = [f[len(root) + 1:] for f in files]
+            expected = [f"{name}/step_{step:010d}/{leaf}" for name in (f"epoch={step // 4 - 1}-step={step}.ckpt",
+                                                                      "last.ckpt")
+                        for leaf in ("COMMIT.json", f"data/rank0000{site}.distcp")]
+            assert names == sorted(expected), (phase, site, names)  # epoch=..-step={gone} gone from both
+            assert not any(f"step={gone}.ckpt" in n for n in names)
+
+
 @pytest.fixture(scope="module")
 def parallel_3d_runs(runs):
     return runs["3d"]
@@ -297,6 +354,33 @@ def test_deferred_removal_runs_once_the_next_checkpoint_committed(tmp_path):
 ])
 def test_paths_map_to_a_checkpointer_root_and_a_checkpoint(path, expected):
     assert locate(path) == expected
+
+
+def test_a_mapping_path_maps_to_one_root_per_site_naming_the_same_checkpoint():
+    from multidc.strategies._checkpoint_paths import path_key, url_of
+
+    root, which = locate({1: "s3://b1/run/last.ckpt/step_0000000008/", "0": "s3://b0/run/last.ckpt/step_0000000008"})
+    assert which == "step_0000000008"
+    assert url_of(root) == {"0": "s3://b0/run/last.ckpt", "1": "s3://b1/run/last.ckpt"}
+    assert path_key(url_of(root)) == root  # what the ranks agree on, and back
+    assert locate("s3://ckpt-{site}/run/last.ckpt/COMMIT.json") == ("s3://ckpt-{site}/run/last.ckpt", "latest")
+    with pytest.raises(ValueError, match="names different checkpoints per site"):
+        locate({"0": "s3://b0/last.ckpt/step_0000000008", "1": "s3://b1/last.ckpt/step_0000000004"})
+
+
+def test_last_under_a_site_template_waits_for_the_strategy_and_other_trainers_keep_lightnings_rule(tmp_path):
+    from multidc.plugins._lightning_patches import DeferredLast
+
+    template = str(tmp_path / "ckpt-{site}")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalDDPStrategy(), logger=False,
+                         callbacks=[ModelCheckpoint(dirpath=template)])
+    found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)
+    assert isinstance(found, DeferredLast) and found.dirs == (template,)  # resolved in resume_start, after set-up
+    assert not list(tmp_path.iterdir())  # nothing touched the template as a path
+    ddp = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                     callbacks=[ModelCheckpoint(dirpath=template)])
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        assert ddp._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
 
 
 def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
