@@ -65,7 +65,9 @@ class _Crossing:
 
         self.bytes, handler = None, logging.Handler()
         handler.emit = self._emit
-        logging.getLogger("multidc.plugins.checkpoint").addHandler(handler)
+        logger = logging.getLogger("multidc.plugins.checkpoint")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)  # a load that read nothing from other regions says so at INFO
 
     def _emit(self, record) -> None:
         if record.msg.startswith(_CROSSING):
