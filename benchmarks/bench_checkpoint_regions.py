@@ -29,6 +29,7 @@ JSON line, and with ``--plot`` a PNG. Exit status 1 when a target fails. Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -154,22 +155,22 @@ def _worker(config_path: str) -> None:
                 store.delete_tree(sub)
         rep += 1
         step = {"model": state}
-        runner.run("single URL save", lambda: single.save(step, step=rep), rep)
+        runner.run("single URL save", functools.partial(single.save, step, step=rep), rep)
         load(single, "single URL load", rep)
-        put = ("raw PUT (bound)", lambda: store.put(f"raw/{rep}/rank{rank}", raw))
-        for name, fn in _flat._in_turn([put, ("region-local save", lambda: regional.save(step, step=rep))], rep):
+        put = ("raw PUT (bound)", functools.partial(store.put, f"raw/{rep}/rank{rank}", raw))
+        saves = [put, ("region-local save", functools.partial(regional.save, step, step=rep))]
+        for name, fn in _flat._in_turn(saves, rep):
             runner.run(name, fn, rep)
         shard = f"regional/{checkpoint_name(rep)}/{shard_file(rank)}"
         lengths = [None] * topo.site_size
         dist.all_gather_object(lengths, store.size(shard), group=group)
         parts = [torch.zeros(max(lengths), dtype=torch.uint8) for _ in range(topo.site_size)]
-        floors = [("raw GET, then exchange", lambda: _flat._raw_get_and_exchange(
-                      store, shard, parts, local, pieces, conc, group)),
-                  ("raw GET, exchange overlapped", lambda: _flat._raw_get_pipelined(
-                      store, shard, parts, local, pieces, conc, group))]
+        floor_args = (store, shard, parts, local, pieces, conc, group)
+        floors = [("raw GET, then exchange", functools.partial(_flat._raw_get_and_exchange, *floor_args)),
+                  ("raw GET, exchange overlapped", functools.partial(_flat._raw_get_pipelined, *floor_args))]
         for name, fn in _flat._in_turn([*floors, ("region-local load", None)], rep):
             load(regional, name, rep) if fn is None else runner.run(name, fn, rep)
-        parts = None
+        parts = floor_args = floors = None  # free the receive buffers before the next repeat
     single.close()
     regional.close()
     if rank == 0:

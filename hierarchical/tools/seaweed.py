@@ -2,10 +2,10 @@
 
 ``SeaweedS3.start(tmpdir, auth=None | (access_key, secret_key))`` launches one ``weed server`` with every port
 chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. ``ip=`` and ``netns=`` run
-it in a network namespace bound to that namespace's address (a lab site's store, ``lab.Lab``): its readiness probe
-and ``make_bucket`` then run inside that namespace too (``python -m multidc.hierarchical.tools.seaweed``). With ``auth`` the S3
-gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s pair, which may read
-and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
+it in a network namespace bound to that namespace's address (a lab site's store, ``lab.Lab``): its readiness
+probe and ``make_bucket`` then run inside that namespace too (``python -m multidc.hierarchical.tools.seaweed``).
+With ``auth`` the S3 gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s
+pair, which may read and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
 (``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server; so does
 the end of the process that started it, even by SIGKILL.
 
