@@ -17,6 +17,8 @@ Seconds are per site (from a common start to the last of the site's ranks return
 estimated: each site's ``wan0`` interface counters (``/sys/class/net/wan0/statistics``, headers included) before and
 after the operation, read inside the site's namespace; the barriers around the operation are counted too (a few
 KiB). A load's "checkpoint bytes from other regions" is what the library itself reports (``regional.log_crossing``).
+Also per operation: botocore's own retries of S3 requests (each resends the request, e.g. a whole part) and the
+TCP segments the site's namespace retransmitted, which is where WAN bytes beyond the data come from.
 A region-local operation and its bound take turns going first (``--repeats`` even), each on a settled server.
 
 Prints median and spread (min-max) per figure, PASS / FAIL per target (``checkpoint_regions_report.TARGETS``), a
@@ -47,6 +49,13 @@ SETTLE_S = _flat.SETTLE_S
 _CROSSING = "site %r: this load reads"  # the library's line: bytes a site's load reads from other regions
 
 
+def _tcp_retransmits() -> int:
+    """TCP segments this namespace has retransmitted (``/proc/net/snmp``, per network namespace)."""
+    with open("/proc/net/snmp") as f:
+        names, values = [line.split() for line in f if line.startswith("Tcp:")][:2]
+    return int(values[names.index("RetransSegs")])
+
+
 def _wan_counters() -> tuple[int, int]:
     """(tx, rx) bytes of this namespace's WAN interface (the lab's ``wan0``)."""
     from multidc.hierarchical.tools.lab import SITE_IFACE
@@ -75,6 +84,23 @@ class _Crossing:
             self.bytes = int(record.args[1]) if len(record.args) > 1 else 0
 
 
+class _Retries:
+    """A logging handler counting botocore's own retries of S3 requests ("Retry needed"), which resend a request
+    (a whole part) without the library's ``RetryPolicy`` seeing them: what WAN bytes beyond the data come from."""
+
+    def __init__(self):
+        import logging
+
+        self.count, handler = 0, logging.Handler()
+        handler.emit = self._emit
+        for name in ("botocore.retryhandler", "botocore.retries.standard"):
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.DEBUG)
+
+    def _emit(self, record) -> None:
+        self.count += str(record.msg).startswith("Retry needed")
+
+
 class _Runner:
     """One rank's measurements: ``run(name, fn)`` times ``fn`` per site and reads the WAN counters around it."""
 
@@ -82,7 +108,7 @@ class _Runner:
         import torch.distributed as dist
 
         self.topo, self.rank, self.dist = topo, dist.get_rank(), dist
-        self.crossing = _Crossing()
+        self.crossing, self.retries = _Crossing(), _Retries()
         self.records: list[dict] = []  # rank 0: every rank's record of every run
 
     def run(self, name: str, fn, rep: int):
@@ -92,17 +118,18 @@ class _Runner:
         dist.barrier()
         time.sleep(SETTLE_S)
         first = self.topo.local_rank_in_site == 0
-        before = _wan_counters() if first else None
-        self.crossing.bytes = None
+        before = (*_wan_counters(), _tcp_retransmits()) if first else None
+        self.crossing.bytes, retries = None, self.retries.count
         dist.barrier()
         start = time.perf_counter()
         out = fn()
         seconds = time.perf_counter() - start
         dist.barrier()
-        after = _wan_counters() if first else None
+        after = (*_wan_counters(), _tcp_retransmits()) if first else None
+        delta = [a - b for a, b in zip(after, before)] if first else [None] * 3
         mine = {"name": name, "rep": rep, "site": self.topo.site, "rank": self.rank, "seconds": seconds,
-                "wan_tx": after[0] - before[0] if first else None, "wan_rx": after[1] - before[1] if first else None,
-                "remote_read": self.crossing.bytes}
+                "wan_tx": delta[0], "wan_rx": delta[1], "tcp_retrans": delta[2],
+                "http_retries": self.retries.count - retries, "remote_read": self.crossing.bytes}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         if rep > 0:

@@ -1,9 +1,10 @@
 """The table, targets and plot of ``bench_checkpoint_regions.py`` (pure: takes rank 0's gathered records).
 
 A record is one rank's run of one operation in one measured repeat: ``{"name", "rep", "site", "rank", "seconds",
-"wan_tx", "wan_rx", "remote_read"}``; ``wan_*`` (bytes of the site's WAN interface over the operation) are set on one
-rank per site, ``remote_read`` (the bytes the library says the site's load read from other regions) on the site's
-lowest rank after a region-local load, else ``None``.
+"wan_tx", "wan_rx", "tcp_retrans", "http_retries", "remote_read"}``; ``wan_*`` (bytes of the site's WAN interface
+over the operation) and ``tcp_retrans`` (TCP segments the site retransmitted) are set on one rank per site,
+``http_retries`` (botocore's own retries of S3 requests) on every rank, ``remote_read`` (the bytes the library
+says the site's load read from other regions) on the site's lowest rank after a region-local load, else ``None``.
 """
 
 from __future__ import annotations
@@ -45,23 +46,28 @@ def _summary(values: list[float]) -> dict:
 
 
 def per_site(records: list[dict]) -> dict:
-    """name -> site -> {"seconds": [...], "wan_tx": [...], "wan_rx": [...], "remote_read": [...]}, one value per
-    repeat: the slowest of the site's ranks, the site's counters, the library's count (where reported)."""
+    """name -> site -> {"seconds": [...], "wan_tx": [...], ...}, one value per repeat: the slowest of the site's
+    ranks, the site's counters, its ranks' HTTP retries summed, the library's count (where reported)."""
     runs: dict = {}
     for r in records:
         run = runs.setdefault(r["name"], {}).setdefault(r["site"], {}).setdefault(r["rep"], {
-            "seconds": 0.0, "wan_tx": None, "wan_rx": None, "remote_read": None})
+            "seconds": 0.0, "wan_tx": None, "wan_rx": None, "tcp_retrans": None, "http_retries": 0,
+            "remote_read": None})
         run["seconds"] = max(run["seconds"], r["seconds"])
-        for key in ("wan_tx", "wan_rx", "remote_read"):
-            if r[key] is not None:
+        run["http_retries"] += r.get("http_retries") or 0
+        for key in ("wan_tx", "wan_rx", "tcp_retrans", "remote_read"):
+            if r.get(key) is not None:
                 run[key] = r[key]
     out: dict = {}
     for name, sites in runs.items():
         for site, reps in sorted(sites.items()):
             ordered = [reps[rep] for rep in sorted(reps)]
             out.setdefault(name, {})[site] = {key: [run[key] for run in ordered if run[key] is not None]
-                                              for key in ("seconds", "wan_tx", "wan_rx", "remote_read")}
+                                              for key in _KEYS}
     return out
+
+
+_KEYS = ("seconds", "wan_tx", "wan_rx", "tcp_retrans", "http_retries", "remote_read")
 
 
 def _wan_sent(sites: dict) -> list[int]:
@@ -105,19 +111,22 @@ def report(out: dict, *, wan_rate: str, ranks_per_site: int, repeats: int, min_s
     print(f"\nregion-local vs single-URL checkpoints: {size_mib:.0f} MiB model state, {num_sites} sites x "
           f"{ranks_per_site} ranks (replicas), lab WAN {wan_rate} per direction, one SeaweedFS S3 per site in its "
           f"namespace (single URL: site 0's), {os.cpu_count()} CPU cores, {repeats} repeats; seconds: the slowest "
-          f"rank of the site; WAN MiB: the site's wan0 counters (sent / received)")
-    print(f"{'operation':30s} {'site':>4s} {'median s':>9s} {'min s':>7s} {'max s':>7s} {'WAN MiB out':>12s} "
-          f"{'WAN MiB in':>11s} {'from other regions MiB':>23s}")
+          f"rank of the site; WAN MiB: the site's wan0 counters, sent (median, max) / received (median); retries: "
+          f"botocore's resent S3 requests and the site's TCP retransmitted segments, over all repeats")
+    print(f"{'operation':28s} {'site':>4s} {'median s':>8s} {'min s':>6s} {'max s':>6s} {'MiB out':>8s} {'max':>7s} "
+          f"{'MiB in':>7s} {'other regions MiB':>17s} {'HTTP retries':>12s} {'TCP retrans':>11s}")
     rows = {}
     for name, sites in table.items():
         for site, v in sites.items():
             row = rows.setdefault(name, {})[str(site)] = {
                 **_summary(v["seconds"]), "wan_tx_bytes": _summary(v["wan_tx"]), "wan_rx_bytes": _summary(v["wan_rx"]),
-                "remote_read_bytes": max(v["remote_read"]) if v["remote_read"] else None}
+                "remote_read_bytes": max(v["remote_read"]) if v["remote_read"] else None,
+                "http_retries": sum(v["http_retries"]), "tcp_retrans": sum(v["tcp_retrans"])}
             remote = "" if row["remote_read_bytes"] is None else f"{row['remote_read_bytes'] / _MIB:.1f}"
-            print(f"{name:30s} {site:>4} {row['median']:9.2f} {row['min']:7.2f} {row['max']:7.2f} "
-                  f"{row['wan_tx_bytes']['median'] / _MIB:12.2f} {row['wan_rx_bytes']['median'] / _MIB:11.2f} "
-                  f"{remote:>23s}")
+            print(f"{name:28s} {site:>4} {row['median']:8.2f} {row['min']:6.2f} {row['max']:6.2f} "
+                  f"{row['wan_tx_bytes']['median'] / _MIB:8.2f} {row['wan_tx_bytes']['max'] / _MIB:7.2f} "
+                  f"{row['wan_rx_bytes']['median'] / _MIB:7.2f} {remote:>17s} {row['http_retries']:12d} "
+                  f"{row['tcp_retrans']:11d}")
     values = figures(table)
     link_s = {n: values[f"{n}_wan_mib"] * _MIB * 8 / rate_bps for n in ("single_save", "single_load")}
     print(f"  bound: the single URL's save sends {values['single_save_wan_mib']:.0f} MiB over the WAN "

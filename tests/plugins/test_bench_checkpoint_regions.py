@@ -32,7 +32,8 @@ def _records(remote_read=(0, 0), reps=(1, 2, 3)) -> list[dict]:
                     read = remote_read[site] if first and name == "region-local load" else None
                     out.append({"name": name, "rep": rep, "site": site, "rank": 2 * site + local,
                                 "seconds": per_site[site] * (1 + 0.05 * (rep - 1)) * (0.9 if local else 1.0),
-                                "wan_tx": tx if first else None, "wan_rx": tx if first else None, "remote_read": read})
+                                "wan_tx": tx if first else None, "wan_rx": tx if first else None, "remote_read": read,
+                                "tcp_retrans": 3 if first else None, "http_retries": int(name == "single URL save")})
     return out
 
 
@@ -81,6 +82,8 @@ def test_report_prints_every_site_and_returns_a_passing_record(capsys):
     printed = capsys.readouterr().out
     assert record["pass"] and record["valid_size"]
     assert record["rows"]["region-local load"]["1"]["median"] == pytest.approx(_expected("region-local load", 1))
+    single = record["rows"]["single URL save"]["1"]
+    assert (single["http_retries"], single["tcp_retrans"]) == (2 * 3, 3 * 3)  # 2 ranks x 3 repeats; 3 repeats
     assert printed.count("region-local save") >= 2 and "PASS" in printed and "FAIL" not in printed
 
 
