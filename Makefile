@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-diloco-hetero bench-checkpoint bench-pipeline faults clean
+.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-diloco-hetero bench-checkpoint bench-checkpoint-regions bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,11 @@ bench-diloco-hetero: $(STAMP)
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png
+
+# Region-local checkpoints vs one URL (as root: a 100 mbit lab WAN, 2 sites x 2 ranks, one SeaweedFS per site in its
+# namespace): seconds per site, WAN bytes from the interface counters, the raw PUT / GET + exchange bounds per region.
+bench-checkpoint-regions: $(STAMP)
+	$(BIN)/python benchmarks/bench_checkpoint_regions.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint_regions.png
 
 bench-pipeline: $(STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py --plot docs/bench_pipeline.png

