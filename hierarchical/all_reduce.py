@@ -8,7 +8,6 @@ and chunk ``i-1`` is gathered; up to ``WanConfig.streams`` WAN transfers are in 
 from __future__ import annotations
 
 import datetime
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 from multidc.hierarchical import _compat
+from multidc.hierarchical._site_weights import row_sites, site_weights
 from multidc.hierarchical.chunking import Chunk, plan_chunks
 from multidc.hierarchical.compression import get_codec
 from multidc.hierarchical.config import WanConfig
-from multidc.hierarchical.errors import WanError, _site_message, _wan_message, wan_failure
-from multidc.hierarchical.topology import FailFast, Topology
+from multidc.hierarchical.errors import WanError, _site_message, _wan_message
+from multidc.hierarchical.topology import Topology
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("sum", "avg")
@@ -72,11 +72,8 @@ def all_reduce(
     if weight is not None and not (replicated and op == "avg"):
         raise ValueError("all_reduce(weight=...) weighs sites' replicated values: pass replicated=True, op='avg'.")
     wan = _check(tensor, topology, wan, op)
-    if weight is not None and not isinstance(topology.policy, FailFast):
-        raise ValueError("all_reduce(weight=...) needs a topology whose WAN failures raise (Topology.build); an "
-                         "elastic round's topology tolerates them, and its sites' weights are not exchanged yet.")
     # on the caller's thread: a collective over the job's group must not race the caller's own collectives there
-    weights = _site_weights(topology, wan, weight, tensor.device) if weight is not None else None
+    weights = site_weights(topology, wan, weight, tensor.device) if weight is not None else None
     if residual is not None:
         numel = residual_numel(tensor.numel(), tensor.element_size(), topology, wan)
         if residual.dtype != torch.float32 or residual.numel() != numel:
@@ -153,40 +150,6 @@ def _all_reduce(tensor, topology, wan, op, residual, replicated=False, weights=N
     return tensor
 
 
-def _site_weights(topology: Topology, wan: WanConfig, weight: float, device: torch.device) -> torch.Tensor | None:
-    """Every site's share of the total weight (float32, site order) from every rank's part: one all-reduce of a
-    slot per rank over the job's group, then checked alike everywhere (the same ValueError on every rank, naming
-    the ranks with a bad weight). None when there is one site, or the sites weigh the same (or nothing)."""
-    if topology.num_sites == 1:
-        return None
-    parts = torch.zeros(topology.size, dtype=torch.float64, device=device)
-    parts[topology.rank] = float(weight) if isinstance(weight, (int, float)) else math.nan
-    try:
-        dist.all_reduce(parts, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=wan.timeout_s))
-    except RuntimeError as exc:
-        raise wan_failure(topology, "exchanging the sites' weights", wan.timeout_s, exc) from exc
-    parts = parts.cpu().tolist()
-    bad = {rank: w for rank, w in enumerate(parts) if not (math.isfinite(w) and w >= 0)}
-    if bad:
-        raise ValueError(f"all_reduce(weight=...): ranks {sorted(bad)} gave {list(bad.values())}; every rank's part "
-                         f"of its site's weight must be a finite number >= 0 (e.g. the samples it trained).")
-    sites = [0.0] * topology.num_sites
-    for rank, w in enumerate(parts):
-        sites[topology.layout.site_of(rank)] += w
-    total = sum(sites)
-    if total <= 0 or len(set(sites)) == 1:
-        return None
-    return torch.tensor([w / total for w in sites], dtype=torch.float64).float()
-
-
-def _row_sites(topology: Topology) -> list[int]:
-    """The site of each row of an all-gather over this rank's rails (their ranks in the rail group's order)."""
-    members = dist.get_process_group_ranks(topology.rail_groups[0])  # default-group ranks, in rail-group order
-    if topology.group is not None:
-        members = [dist.get_group_rank(topology.group, g) for g in members]
-    return [topology.layout.site_of(r) for r in members]
-
-
 @dataclass
 class _ChunkState:
     """Where one chunk is in the pipeline. Works are waited for (and cleared) before the next stage starts."""
@@ -221,7 +184,7 @@ class _Pipeline:
         self.flat = flat
         self.replicated = replicated  # the site's ranks hold equal values: no reduction inside the site
         # per gathered row (a rail group's rank order, which is the job's rank order, not always site order)
-        self.weights = None if weights is None or not topology.rail_groups else weights[_row_sites(topology)]
+        self.weights = None if weights is None or not topology.rail_groups else weights[row_sites(topology)]
         self.topo = topology
         self.codec = get_codec(wan.compression)
         self.streams = wan.streams

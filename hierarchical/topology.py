@@ -238,13 +238,16 @@ class Topology:
         streams: how many WAN streams were prepared (``WanConfig.streams`` at build time).
         policy: what a failed WAN transfer does (``FAIL_FAST``: raise; an elastic step's: discard the step).
         wan_stats: bytes and seconds of this rank's WAN traffic, see ``WanStats``.
+        rail_sites: the site of each member of this rank's rail groups, in the groups' rank order, for groups
+            outside torch's group map (an elastic round's); ``None``: read off the groups.
     """
 
     def __init__(self, *, layout: SiteLayout, site: int, local_rank_in_site: int, intra_group, rail_groups: list,
                  rail_row: int | None, wan: WanConfig, group=None, rank: int | None = None, streams: int | None = None,
                  policy=FAIL_FAST, rail_all_gather=torch_rail_all_gather, wan_stats: WanStats | None = None,
-                 site_name: str | None = None) -> None:
+                 site_name: str | None = None, rail_sites: list[int] | None = None) -> None:
         self.layout, self.group, self.wan = layout, group, wan
+        self.rail_sites = rail_sites
         self.site, self.site_name = site, site_name if site_name is not None else layout.site_names[site]
         self.num_sites, self.site_size = layout.num_sites, len(layout.site_ranks[site])
         self.local_rank_in_site = local_rank_in_site

@@ -73,8 +73,9 @@ class DiLoCoConfig:
     """How the sites' pseudo-gradients are merged: ``"samples"``: each site weighs what it trained since that
     fragment's last sync: the samples its ranks reported with ``DiLoCo.count(samples)`` (tokens, if you like), one
     per inner step per rank when not reported, so a site of 3 ranks weighs 3 times a site of 1 at equal batches per
-    rank; ``"equal"``: the plain mean over sites. Equal weights give the plain mean bitwise. Elastic DiLoCo merges
-    with equal weights for now. Env ``MULTIDC_DILOCO_WEIGHTING``; default ``"samples"``."""
+    rank; ``"equal"``: the plain mean over sites. Equal weights give the plain mean bitwise. Elastic DiLoCo weighs
+    the sites of each round the same way (a site that healed takes its source's counts with its parameters). Env
+    ``MULTIDC_DILOCO_WEIGHTING``; default ``"samples"``."""
 
     def __post_init__(self) -> None:
         self._env_names = _env.fill_fields(self, (

@@ -211,8 +211,11 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
 
     def _live_state(self) -> dict:
         # A snapshot: torchft serves CPU tensors by reference while this site trains on through the round
+        diloco = DiLoCo.state_dict(self)
+        if self.config.weighting == "samples":  # a healing rank takes its source's counts with its local values
+            diloco["trained"] = {f"rank_{dist.get_rank()}": torch.tensor(self._trained, dtype=torch.float64)}
         state = {"model": module_state(self._model), "inner": optimizer_state(self._inner),
-                 "diloco": DiLoCo.state_dict(self), "user": self._user_state() if self._user_state else None}
+                 "diloco": diloco, "user": self._user_state() if self._user_state else None}
         return {**_to_cpu(state, copy=True), "settings": self._settings()}
 
     def _load_live_state(self, state: dict) -> None:
@@ -258,11 +261,6 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
     def _per_rank_state(self) -> dict:
         # One site saves the job's checkpoints and a healing site must not take its source's residuals: none kept
         return {}
-
-    def _take_weight(self, index: int) -> float | None:
-        # equal weights: a round's sites are not weighted by what they trained yet (DiLoCoConfig.weighting)
-        self._trained[index] = 0.0
-        return None
 
     def _load_residuals(self, saved: dict) -> None:
         # the state of another site or of a checkpoint holds none: a healing site's residuals restart at zero

@@ -97,7 +97,9 @@ def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanSta
     """The sites of the current quorum, as the hierarchical all-reduce sees them: inside the site, the ranks of
     ``intra_group`` (default: the site's job, the default group; under a parallel layout the ranks holding this
     rank's shards); its one rail group is torchft's, reconfigured at each new quorum; the site index is the site's
-    rank in the quorum; a failed WAN transfer discards the step (``DiscardStep``, the topology's ``policy``)."""
+    rank in the quorum, and so its rank in the rail group (torchft configures the rail with the replica rank, which
+    the participating rank equals without async quorum); a failed WAN transfer discards the step (``DiscardStep``,
+    the topology's ``policy``)."""
     intra_group = intra_group if intra_group is not None else dist.group.WORLD
     num_sites, per_site = manager.num_participants(), dist.get_world_size(intra_group)
     site = manager.participating_rank()
@@ -109,7 +111,8 @@ def quorum_topology(manager, rail, wan: WanConfig, site_name: str, stats: WanSta
     return Topology(layout=layout, site=site, local_rank_in_site=dist.get_rank(intra_group),
                     intra_group=intra_group, rail_groups=rails,
                     rail_row=site if rails else None, wan=wan, streams=1, policy=DiscardStep(manager, site_name),
-                    rail_all_gather=torchft_rail_all_gather, wan_stats=stats, site_name=site_name)
+                    rail_all_gather=torchft_rail_all_gather, wan_stats=stats, site_name=site_name,
+                    rail_sites=list(range(num_sites)) if rails else None)
 
 
 class ElasticSite:

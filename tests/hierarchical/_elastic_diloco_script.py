@@ -50,6 +50,8 @@ def main() -> None:
                         "whether each discarded round left the residuals as they were and each heal zeroed them")
     parser.add_argument("--vote-down", type=int, action="append", default=[], help="the site votes down its N-th "
                         "sync (counted from 0) after its transfer completed, recording its residuals then")
+    parser.add_argument("--count-by-site", action="store_true", help="each rank reports site index + 1 samples per "
+                        "inner step (DiLoCo.count): the sites weigh differently")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -101,6 +103,8 @@ def main() -> None:
     while True:
         x, y = rows(index, rank, diloco.inner_steps)
         torch.nn.functional.mse_loss(trained(x), y).backward()  # DDP: averaged inside the site
+        if args.count_by_site:
+            diloco.count(index + 1)
         opt.step()  # the post-hook: at a round's end, the sync and the next quorum
         opt.zero_grad()
         if args.fail_first_flight and flight_check is None and diloco._in_flight is not None:

@@ -85,7 +85,7 @@ def reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor],
 def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Tensor], *, sync_every: int,
                      outer_lr: float, outer_momentum: float, scheduled: bool = False, fragments: int = 1,
                      overlap: int = 0, alpha: float = 0.5, heals: list[dict] = (), until: int | None = None,
-                     with_local: bool = False):
+                     with_local: bool = False, rates: dict[int, float] | None = None):
     """One process replays elastic DiLoCo rounds from the parameters ``initial`` (every site's at the first round).
 
     ``log``: the rounds in order, ``{"t0", "sites"}`` (first inner step, the sites that took part) and optionally
@@ -100,6 +100,9 @@ def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Te
     the global values (``overlap``: ``alpha * local + (1 - alpha) * global``). ``heals``: ``{"site", "source",
     "t0"}``: before the round starting at ``t0`` the site takes the source's parameters. ``until``: the inner
     steps the job ran (more than the last round's ``t1`` when it ended mid-round: every site trains on to it).
+    ``rates``: ``{site: samples each of its ranks reports per inner step}`` (``DiLoCo.count``): a committed sync
+    averages the round's sites weighted by what each trained since the fragment's last sync (a healed site takes its
+    source's counts with its parameters); None: every rank counts one per step.
     Returns the global parameters, and with ``with_local`` also ``{site: its parameters}``."""
     glob = model()
     glob.load_state_dict(initial)
@@ -111,23 +114,33 @@ def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Te
     nets = {site: model() for site in sorted({s for e in log for s in e["sites"]} | {h["site"] for h in heals})}
     for net in nets.values():
         net.load_state_dict(initial)
+    counts = {site: [0.0] * fragments for site in nets}  # what each site trained since each fragment's last sync
+
+    def train(site: int, steps: range) -> None:
+        _train(nets[site], site, steps, per_site, scheduled)
+        counts[site] = [c + (rates or {}).get(site, 1.0) * per_site * len(steps) for c in counts[site]]
     for entry in log:
         t0 = entry["t0"]
         t1 = entry.get("t1", t0 + sync_every)
         for heal in heals:
             if heal["t0"] == t0:
                 nets[heal["site"]].load_state_dict(nets[heal["source"]].state_dict())
+                counts[heal["site"]] = list(counts[heal["source"]])
         start = t1 - overlap  # steps done when the sync starts
-        due = [i for i, f in enumerate(fragment_of) if offsets[f] == start % sync_every]
-        for site, net in nets.items():
-            _train(net, site, range(t0, start), per_site, scheduled)
+        synced = [f for f in range(fragments) if offsets[f] == start % sync_every]
+        due = [i for i, f in enumerate(fragment_of) if f in synced]
+        for site in nets:
+            train(site, range(t0, start))
         deltas = {site: {i: params[i] - list(net.parameters())[i].detach() for i in due} for site, net in nets.items()}
-        for site, net in nets.items():
-            _train(net, site, range(start, t1), per_site, scheduled)
+        weights = {site: sum(counts[site][f] for f in synced) for site in nets}
+        for site in nets:
+            counts[site] = [0.0 if f in synced else c for f, c in enumerate(counts[site])]
+            train(site, range(start, t1))
         local = {site: [p.detach() for p in net.parameters()] for site, net in nets.items()}
         if entry.get("committed", True):
+            total = sum(weights[site] for site in entry["sites"])
             for i in due:
-                params[i].grad = sum(deltas[site][i] for site in entry["sites"]) / len(entry["sites"])
+                params[i].grad = sum(deltas[site][i] * (weights[site] / total) for site in entry["sites"])
             outer.step()
             outer.zero_grad(set_to_none=True)
         weight = alpha if overlap else 0.0
@@ -136,8 +149,8 @@ def diloco_reference(log: list[dict], per_site: int, initial: dict[str, torch.Te
                 for i in due:
                     values[i].copy_(params[i] if weight == 0.0 else weight * values[i] + (1.0 - weight) * params[i])
     end = log[-1].get("t1", log[-1]["t0"] + sync_every) if log else 0
-    for site, net in nets.items():
-        _train(net, site, range(end, until if until is not None else end), per_site, scheduled)
+    for site in nets:
+        train(site, range(end, until if until is not None else end))
     result = {name: p for name, p in zip(names, params)}
     if not with_local:
         return result

@@ -42,15 +42,17 @@ ROUNDS, KILL_AT = 8, 3
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
-@pytest.mark.parametrize("sites,per_site,fragments,overlap", [
-    (3, 1, 1, 0), (2, 2, 1, 0), (3, 1, 2, 0), (3, 1, 2, 1), (2, 2, 1, 2),
-], ids=["3x1", "2x2-ddp", "3x1-streaming", "3x1-streaming-overlap", "2x2-ddp-overlap"])
+# counted: each rank reports site index + 1 samples per inner step, so the sites weigh 1, 2, 3 in the merges (a
+# restarted site takes its source's counts with its parameters); else every site counts the same
+@pytest.mark.parametrize("sites,per_site,fragments,overlap,counted", [
+    (3, 1, 1, 0, True), (2, 2, 1, 0, True), (3, 1, 2, 0, False), (3, 1, 2, 1, True), (2, 2, 1, 2, False),
+], ids=["3x1-weighted", "2x2-ddp-weighted", "3x1-streaming", "3x1-streaming-overlap-weighted", "2x2-ddp-overlap"])
 def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, lighthouse, sites, per_site,
-                                                                     fragments, overlap):
+                                                                     fragments, overlap, counted):
     victim = sites - 1
     run = run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, victim, "--rounds", str(ROUNDS),
                            "--sleep", "0.3", "--fragments", str(fragments), "--overlap", str(overlap),
-                           script=SCRIPT, kill_at=KILL_AT)
+                           *(["--count-by-site"] if counted else []), script=SCRIPT, kill_at=KILL_AT)
     first, survivor = check_rejoined(run, sites, ROUNDS)  # every rank's global parameters bitwise identical
     assert survivor["joined_at"] == 0 and survivor["bytes_sent"] > 0
     # a round runs from a sync's merge to the next one's: every fragment in turn (the first round is longer by
@@ -62,7 +64,8 @@ def test_a_killed_site_leaves_the_others_in_rounds_and_rejoins_live(tmp_path, li
     assert any(h["site"] == victim and h["t0"] > 0 for h in heals), "the restarted site did not receive the live state"
     expected, local = diloco_reference(survivor["syncs"], per_site, survivor["initial"], sync_every=SYNC_EVERY,
                                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, fragments=fragments,
-                                       overlap=overlap, heals=heals, with_local=True)
+                                       overlap=overlap, heals=heals, with_local=True,
+                                       rates={site: site + 1.0 for site in range(sites)} if counted else None)
     for name, value in first["params"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     for (_, _), rank in run["ranks"].items():  # streaming: each site's own parameters besides the fragment synced
