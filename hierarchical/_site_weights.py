@@ -60,12 +60,15 @@ def _over_job(topology: Topology, timeout: datetime.timedelta, part: float, devi
 
 
 def _over_rail(topology: Topology, timeout: datetime.timedelta, part: float, device) -> list[float] | None:
-    if not (math.isfinite(part) and part >= 0):  # DiLoCo.count checks what is reported; a caller's own part here
-        raise ValueError(f"all_reduce(weight={part}): a rank's part of its site's weight must be a finite number >= 0.")
     if not topology.rail_groups or topology.num_rails != topology.site_size:
         raise ValueError("all_reduce(weight=...) in an elastic round needs every rank on a rail (sites of equal size).")
-    own = torch.tensor([part], dtype=torch.float64, device=device)
+    bad = not (math.isfinite(part) and part >= 0)  # sent as NaN: every rank of the site raises below, none hangs
+    own = torch.tensor([math.nan if bad else part], dtype=torch.float64, device=device)
     dist.all_reduce(own, group=topology.intra_group)  # inside the site: its collectives do not discard a round
+    if not math.isfinite(own.item()):
+        raise ValueError(f"all_reduce(weight=...): a rank of site {topology.site_name!r} gave a part that is not a "
+                         f"finite number >= 0 (this rank: {part}); every rank's part of its site's weight must be one "
+                         "(e.g. the samples it trained).")
     if not topology.wan_usable():
         return None
     totals = own.new_zeros(topology.num_sites)

@@ -111,8 +111,7 @@ def install_regional_checkpoints(answers: Callable[[object], object | None]) -> 
             found = regional(trainer, filepath)
             if found is None:
                 return original(self, filepath, trainer)
-            return trainer.strategy.reduce_boolean_decision(found.exists(filepath) if trainer.is_global_zero
-                                                            else False, all=False)
+            return found.exists(filepath)  # collective: every rank gets rank 0's answer or its error
         return file_exists
 
     def warn(original):

@@ -253,8 +253,12 @@ class LightningCheckpoints:
         return found
 
     def exists(self, path) -> bool:
-        """Whether any region holds something at the regional ``path`` (rank 0; ``ModelCheckpoint.file_exists``)."""
-        return exists_anywhere(regions_of(path_key(path), self.storage_options, self.topology))
+        """Whether any region holds something at the regional ``path`` (``ModelCheckpoint.file_exists``).
+        Collective: rank 0 looks, every rank gets its answer or its error."""
+        what = f"checking whether {path} exists"
+        return bool(self._comm(what).from_rank0(
+            lambda: exists_anywhere(regions_of(path_key(path), self.storage_options, self.topology)), what=what,
+            error_type=None))
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:

@@ -163,19 +163,28 @@ def _plan(args, methods: list[dict], *, quality: bool) -> dict:
 
 def _job(args, plan: dict, rate: str | None, tmp: str, tag: str) -> tuple[list[dict], bool]:
     """Run one job of ranks on the lab WAN at ``rate`` (None: unshaped); (records, shaped)."""
-    plan = {**plan, "out": os.path.join(tmp, f"{tag}.json")}
-    argv = [sys.executable, "-m", "multidc.hierarchical.tools._diloco_worker"]
-    job = SiteJob(argv, sites=args.sites, ranks_per_site=args.ranks_per_site, wan_rate=rate,
-                  loopback=args.loopback, env={"OMP_NUM_THREADS": "1"})
+    label = f"[multidc bench diloco] {tag}: {args.sites} sites x {args.ranks_per_site} ranks"
+    return run_job("multidc.hierarchical.tools._diloco_worker", {**plan, "out": os.path.join(tmp, f"{tag}.json")},
+                   sites=args.sites, ranks_per_site=args.ranks_per_site, rate=rate, loopback=args.loopback,
+                   timeout_s=args.timeout_s, label=label)
+
+
+def run_job(worker: str, plan: dict, *, sites: int, ranks_per_site, rate: str | None, loopback: bool,
+            timeout_s: float, label: str) -> tuple[list[dict], bool]:
+    """Run ``python -m worker PLAN_JSON`` as ``sites`` sites on the lab WAN at ``rate`` (None: unshaped; loopback
+    without the lab); the ranks write their records to ``plan["out"]``. Returns (records, shaped); raises
+    RuntimeError when a rank fails. ``plan`` gains ``iface`` (the lab's WAN interface, or None)."""
+    job = SiteJob([sys.executable, "-m", worker], sites=sites, ranks_per_site=ranks_per_site, wan_rate=rate,
+                  loopback=loopback, env={"OMP_NUM_THREADS": "1"})
     plan["iface"] = None if job.reason else SITE_IFACE
     job.argv.append(json.dumps(plan))
     where = f"lab WAN {rate or 'unshaped'}" if not job.reason else f"loopback ({job.reason}), unshaped"
-    print(f"[multidc bench diloco] {tag}: {args.sites} sites x {args.ranks_per_site} ranks, {where}", flush=True)
+    print(f"{label}, {where}", flush=True)
     with job:
-        codes = job.wait(args.timeout_s)
+        codes = job.wait(timeout_s)
     if any(codes):
         raise RuntimeError(f"bench ranks exited with codes {codes} (see their output above); a code of -9 means "
-                           f"killed after --timeout-s {args.timeout_s} or after a peer's failure.")
+                           f"killed after --timeout-s {timeout_s} or after a peer's failure.")
     with open(plan["out"]) as f:
         return json.load(f), not job.reason
 

@@ -29,11 +29,10 @@ import datetime
 import json
 import math
 import os
-import sys
 import tempfile
 
-from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
-from multidc.hierarchical.tools.launch import SiteJob
+from multidc.hierarchical.tools.bench_diloco import run_job
+from multidc.hierarchical.tools.lab import parse_rate
 
 PARTS = ("slow", "sizes")
 QUICK = {"dim": 32, "layers": 2, "batch": 2, "seq": 16, "steps": 24, "sync_every": 4, "first_round": 2}
@@ -63,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr after a warm-up (default 2e-3)")
     parser.add_argument("--own-share", type=float, default=0.8,
                         help="share of a site's sequences from its own topics (default 0.8: non-IID)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model and a few rounds (tests, wiring)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model and a few rounds (tests, wiring); overrides the size and step flags")
     parser.add_argument("--loopback", action="store_true", help="skip the lab WAN even as root")
     parser.add_argument("--json", default=None, help="results file (default bench-results/diloco-hetero-<time>.json)")
     parser.add_argument("--plot", default=None, help="plot file (default: the JSON path with .png)")
@@ -125,20 +125,11 @@ def plan(args: argparse.Namespace, part: str) -> dict:
 def _job(args, part: str, tmp: str) -> tuple[dict, list[dict], bool]:
     """Run one part's job; (plan, records, shaped)."""
     job_plan = {**plan(args, part), "out": os.path.join(tmp, f"{part}.json")}
-    argv = [sys.executable, "-m", "multidc.hierarchical.tools._hetero_worker"]
-    job = SiteJob(argv, sites=2, ranks_per_site=job_plan["ranks"], wan_rate=args.wan_rate, loopback=args.loopback,
-                  env={"OMP_NUM_THREADS": "1"})
-    job_plan["iface"] = None if job.reason else SITE_IFACE
-    job.argv.append(json.dumps(job_plan))
-    where = f"lab WAN {args.wan_rate}" if not job.reason else f"loopback ({job.reason}), unshaped"
-    print(f"[multidc bench diloco --heterogeneous] {part}: sites of {job_plan['ranks']} ranks, {where}", flush=True)
-    with job:
-        codes = job.wait(args.timeout_s)
-    if any(codes):
-        raise RuntimeError(f"bench ranks exited with codes {codes} (see their output above); a code of -9 means "
-                           f"killed after --timeout-s {args.timeout_s} or after a peer's failure.")
-    with open(job_plan["out"]) as f:
-        return job_plan, json.load(f), not job.reason
+    label = f"[multidc bench diloco --heterogeneous] {part}: sites of {job_plan['ranks']} ranks"
+    records, shaped = run_job("multidc.hierarchical.tools._hetero_worker", job_plan, sites=2,
+                              ranks_per_site=job_plan["ranks"], rate=args.wan_rate, loopback=args.loopback,
+                              timeout_s=args.timeout_s, label=label)
+    return job_plan, records, shaped
 
 
 def rejudge(args: argparse.Namespace) -> int:
@@ -158,8 +149,8 @@ def rejudge(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.rejudge:
         return rejudge(args)
+    args = _quick(args)  # --quick sets the sizes first, so what runs is what was validated
     parts = validate(args)
-    args = _quick(args)
     out = args.json or os.path.join("bench-results",
                                     datetime.datetime.now().strftime("diloco-hetero-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -141,7 +141,7 @@ def _from_doctor(doctor: dict, path: str) -> tuple[int, int, float]:
     try:
         sites = doctor["sites"]
         rates = [site["inter_MBps_site"] for site in sites]
-        ranks = max(len(site["ranks"]) for site in sites)
+        ranks = min(site["rails"] for site in sites)  # rails: the ranks that carry WAN traffic
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"--doctor {path}: not a `multidc doctor --json` report (missing {exc}); write one with "
                          f"`multidc lab run ... multidc doctor --json FILE` or give --bandwidth.") from exc

@@ -131,6 +131,8 @@ def site_urls(url, storage_options, *, site_names, setting: str = "url") -> tupl
 def _site_key(key, names: list[str], setting: str) -> str:
     if isinstance(key, bool) or not isinstance(key, (int, str)):
         raise ValueError(f"{setting} key {key!r} is not a site name or index.")
+    if isinstance(key, str) and key.isdigit() and key not in names:  # an index that travelled as text (JSON keys)
+        key = int(key)
     if isinstance(key, int):
         return names[key] if 0 <= key < len(names) else str(key)
     return key

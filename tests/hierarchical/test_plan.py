@@ -186,7 +186,8 @@ def test_plan_prints_every_method_and_writes_json(tmp_path):
 def test_plan_counts_the_parameters_of_a_model_and_reads_a_doctor_report(tmp_path):
     doctor = tmp_path / "doctor.json"
     doctor.write_text(json.dumps({"num_sites": 2, "sites": [
-        {"site": 0, "ranks": [0, 1], "inter_MBps_site": 50.0}, {"site": 1, "ranks": [2, 3], "inter_MBps_site": 40.0}]}))
+        {"site": 0, "ranks": [0, 1, 2], "rails": 2, "inter_MBps_site": 50.0},
+        {"site": 1, "ranks": [3, 4], "rails": 2, "inter_MBps_site": 40.0}]}))
     out = tmp_path / "plan.json"
     proc = _plan("--model", "tests._tiny_models.TinyGPT", "--step-time", "0.1", "--doctor", str(doctor),
                  "--json", str(out))

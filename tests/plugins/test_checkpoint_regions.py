@@ -33,6 +33,12 @@ def test_a_template_gives_every_site_its_url_and_per_site_options_stay_per_site(
     assert shared["0"] == shared["1"] == {"endpoint_url": "http://e", "client_kwargs": {}}
 
 
+def test_a_mapping_keyed_by_indices_as_text_names_the_sites_in_order():
+    # a mapping {0: url, 1: url} travels between ranks as JSON, whose keys are text
+    urls, _ = site_urls({"0": "s3://x/r", "1": "s3://y/r"}, None, site_names=("eu", "us"))
+    assert urls == {"eu": "s3://x/r", "us": "s3://y/r"}
+
+
 def test_a_mapping_without_a_site_raises_naming_the_site_and_the_setting():
     with pytest.raises(ValueError, match=r"url has no URL for site 'b'"):
         site_urls({"a": "s3://x/r"}, None, site_names=("a", "b"))
