@@ -337,8 +337,13 @@ def main(argv=None) -> int:
             server.stop()
     record = report(results[0], ranks=args.ranks, repeats=args.repeats, part_size_mb=args.part_size_mb,
                     concurrency=args.concurrency, min_state_bytes=MIN_STATE_BYTES)
+    return finish(record, args, plot)
+
+
+def finish(record: dict, args: argparse.Namespace, plot_fn) -> int:
+    """Write ``--plot`` and ``--json`` of a benchmark's record; the exit code: 0 when every target passed."""
     if args.plot:
-        plot(record, args.plot)
+        plot_fn(record, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:

@@ -276,13 +276,7 @@ def main(argv=None) -> int:
                 server.stop()
     record = report(out, wan_rate=args.wan_rate, ranks_per_site=RANKS_PER_SITE, repeats=args.repeats,
                     min_state_bytes=MIN_STATE_BYTES)
-    if args.plot:
-        plot(record, args.plot)
-        print(f"plot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(record) + "\n")
-    return 0 if record["pass"] else 1
+    return _flat.finish(record, args, plot)
 
 
 if __name__ == "__main__":

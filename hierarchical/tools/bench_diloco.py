@@ -64,10 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=640, help="inner steps of the quality phase (default 640)")
     parser.add_argument("--eval-every", type=int, default=32, help="validation every N steps (default 32)")
     parser.add_argument("--ddp-steps", type=int, default=3, help="timed hierarchical DDP steps per rate (default 3)")
-    parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    add_model_arguments(parser)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (warm-up, cosine; default 2e-3)")
     parser.add_argument("--own-share", type=float, default=0.8,
                         help="share of a site's sequences from its own topics; 1/sites: alike (default 0.8)")
@@ -85,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=3600.0,
                         help="give up on a job after this many seconds (default 3600: the quality phase trains 5 "
                              "methods x --steps; it ran past 1800 s on 2 busy cores)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench model's size flags, shared with ``multidc bench diloco --heterogeneous``."""
+    parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
 
 
 def _methods(args, *, quality: bool, rate: str | None = None) -> list[dict]:

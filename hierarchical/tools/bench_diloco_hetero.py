@@ -31,7 +31,7 @@ import math
 import os
 import tempfile
 
-from multidc.hierarchical.tools.bench_diloco import run_job
+from multidc.hierarchical.tools.bench_diloco import add_model_arguments, run_job
 from multidc.hierarchical.tools.lab import parse_rate
 
 PARTS = ("slow", "sizes")
@@ -55,10 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "step is measured (default 4)")
     parser.add_argument("--round-s", type=float, default=None, help="sync_every_s of the time run (default: the "
                         "fixed run's measured round length)")
-    parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    add_model_arguments(parser)
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr after a warm-up (default 2e-3)")
     parser.add_argument("--own-share", type=float, default=0.8,
                         help="share of a site's sequences from its own topics (default 0.8: non-IID)")
