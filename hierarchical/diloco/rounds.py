@@ -87,15 +87,22 @@ def next_round(
         minimum: ``minimum_steps``.
 
     Returns:
-        ``"go"``: an ordinary round of ``H_s = max(minimum, round(every_s / t_s))``. ``"last"``: some site would
-        reach its end within that round, or leave less than a round's minimum after it: the next round is the last;
-        the site whose end comes first (in rounds, the lowest site on a tie) runs exactly to it, the others as far
-        into their own round (rounded down, at least ``minimum``, at most their end). ``"stop"``: a site has fewer
-        than ``minimum`` steps left: the round that ended was the last.
+        ``"go"``: an ordinary round: the slowest measured site ``a`` runs ``H_a = max(minimum, round(every_s /
+        t_a))`` steps, and every site fills the time they take: ``H_s = max(minimum, round(H_a * t_a / t_s))``.
+        ``"last"``: some site would reach its end within that round, or leave less than a round's minimum after
+        it: the next round is the last; the site whose end comes first (in rounds, the lowest site on a tie) runs
+        exactly to it, the others as far into their own round (rounded down, at least ``minimum``, at most their
+        end). ``"stop"``: a site has fewer than ``minimum`` steps left: the round that ended was the last.
     """
-    steps = tuple(
-        max(minimum, min(MAX_STEPS_PER_ROUND, int(round(every_s / t)))) if t > 0 else h for t, h in zip(times, current)
-    )
+    def fill(seconds: float, t: float) -> int:
+        return max(minimum, min(MAX_STEPS_PER_ROUND, int(round(seconds / t))))
+
+    measured = [s for s, t in enumerate(times) if t > 0]
+    # The slowest site rounds first (its steps are the coarsest); the round lasts what its steps take, and the
+    # others fill that time: each site's rounding then costs at most half of its own step, not the slowest's.
+    anchor = max(measured, key=lambda s: (times[s], -s), default=None)
+    seconds = fill(every_s, times[anchor]) * times[anchor] if anchor is not None else every_s
+    steps = tuple(fill(seconds, t) if t > 0 else h for t, h in zip(times, current))
     ends = [(s, n) for s, n in enumerate(left) if n is not None]
     if not ends:
         return steps, "go"
@@ -112,22 +119,34 @@ def next_round(
     return last, "last"
 
 
+WARMUP_STEPS = 1
+"""Inner steps a process runs before its step time counts: the first measured step (the one after the first
+``DiLoCo.step()``) carries one-time costs (allocations, the inner optimizer's first update); measured on the
+heterogeneous benchmark at 2-4x a later step, which made the first planned round leave the fast site idle for
+most of it."""
+
+
 class StepTimer:
     """This rank's time outside ``DiLoCo.step()`` since the last round's end: ``enter()`` at each call's start,
-    ``leave()`` at its end; each gap between a ``leave`` and the next ``enter`` is one inner step's work."""
+    ``leave()`` at its end; each gap between a ``leave`` and the next ``enter`` is one inner step's work. The first
+    ``warmup`` gaps of the process (also after a resume) are not counted."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, warmup: int = WARMUP_STEPS) -> None:
         self.clock = clock
         """What the timer reads (seconds); a test may put a deterministic one in."""
         self.busy_s = 0.0
         self.steps = 0
+        self._warmup = warmup
         self._left_at: float | None = None
 
     def enter(self) -> None:
         now = self.clock()
         if self._left_at is not None:
-            self.busy_s += now - self._left_at
-            self.steps += 1
+            if self._warmup > 0:
+                self._warmup -= 1
+            else:
+                self.busy_s += now - self._left_at
+                self.steps += 1
 
     def leave(self) -> None:
         self._left_at = self.clock()

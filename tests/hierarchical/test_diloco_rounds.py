@@ -154,6 +154,7 @@ def test_state_holds_the_plan_and_each_ranks_steps_and_a_load_continues_it(two_r
     [
         ([0.01, 0.03], [None, None], ((12, 4), "go")),
         ([0.01, 0.0], [None, None], ((12, 4), "go")),  # not measured: the site keeps its H
+        ([0.007, 0.05], [None, None], ((14, 2), "go")),  # site 1's 2 steps take 0.10 s: site 0 fills those, not 0.12
         ([1e-12, 10.0], [None, None], ((1 << 30, 2), "go")),  # bounded; at least fragments * (overlap + 1)
         ([0.01, 0.03], [14, 22], ((12, 4), "go")),
         ([0.01, 0.03], [2, 18], ((2, 2), "last")),  # site 0 ends first: exactly; site 1 as far (at least 2)
@@ -167,13 +168,22 @@ def test_next_round_plans_from_the_gathered_numbers_alone(times, left, expected)
 
 def test_step_timer_counts_the_time_between_steps_only():
     now = iter([0.0, 1.0, 3.0, 3.5, 10.0])
-    timer = StepTimer(clock=lambda: next(now))
+    timer = StepTimer(clock=lambda: next(now), warmup=0)
     timer.enter()  # 0.0: the first call, nothing measured before it
     timer.leave()  # 1.0 (the step spent 1 s syncing: not counted)
     timer.enter()  # 3.0: a 2 s step
     timer.leave()  # 3.5
     timer.enter()  # 10.0: a 6.5 s step
     assert timer.take_mean() == 4.25 and timer.take_mean() == 0.0
+
+
+def test_step_timer_leaves_out_the_first_step_after_a_start():
+    now = iter([0.0, 1.0, 9.0, 9.5, 10.0, 10.5, 11.5, 12.0])
+    timer = StepTimer(clock=lambda: next(now))
+    for _ in range(4):
+        timer.enter()
+        timer.leave()
+    assert timer.take_mean() == 0.75  # the 8 s warm-up step (1.0 -> 9.0) does not count; 0.5 and 1.0 do
 
 
 @pytest.mark.parametrize(("value", "message"), [(0, "sync_every_s=0"), (-1.0, "sync_every_s=-1.0"),
