@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-site", type=int, default=1, choices=(0, 1), help="the slowed site (default 1)")
     parser.add_argument("--big-site-ranks", type=int, default=3, help="ranks of site 0 in 'sizes' (default 3; "
                         "site 1 has 1)")
-    parser.add_argument("--steps", type=int, default=128, help="inner steps: of both sites in 'fixed' and "
-                           "'sizes', of the slow site in 'time' (default 128)")
-    parser.add_argument("--sync-every", type=int, default=16, help="H of the fixed rounds (default 16)")
+    parser.add_argument("--steps", type=int, default=256, help="inner steps: of both sites in 'fixed' and "
+                           "'sizes', of the slow site in 'time' (default 256)")
+    parser.add_argument("--sync-every", type=int, default=32, help="H of the fixed rounds (default 32)")
     parser.add_argument("--first-round", type=int, default=4, help="steps of the first time round, before any "
                         "step is measured (default 4)")
     parser.add_argument("--round-s", type=float, default=None, help="sync_every_s of the time run (default: the "
