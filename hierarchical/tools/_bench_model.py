@@ -79,7 +79,10 @@ class TopicData:
         self.tables = torch.zeros(topics, vocab, vocab)
         for k in range(topics):
             successors = torch.stack([torch.randperm(vocab, generator=g)[:branch] for _ in range(vocab)])
-            weights = torch.distributions.Dirichlet(torch.ones(branch)).sample((vocab,))
+            # Dirichlet(1, ..., 1) as normalized Exp(1) draws from ``g``: torch.distributions samples from the global
+            # RNG, which torch seeds differently in every process (each rank and run would get other chains)
+            draws = torch.empty(vocab, branch).exponential_(generator=g)
+            weights = draws / draws.sum(1, keepdim=True)
             self.tables[k].scatter_(1, successors, weights)
 
     def topic_entropy(self) -> float:

@@ -7,9 +7,11 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from multidc.hierarchical.tools import _diloco_report as report
 from multidc.hierarchical.tools import bench_diloco, cli
+from multidc.hierarchical.tools._bench_model import TopicData
 from multidc.hierarchical.tools.lab import lab_available
 from tests._resources import require_module
 
@@ -46,6 +48,18 @@ def test_tiny_run_in_the_lab_measures_every_method_and_streaming_sends_a_fractio
                                       "sparse_loss"}
     assert result["targets"]["sparse_utilization"]["met"] is None  # no 1mbit in this run
     assert (tmp_path / "bench.png").stat().st_size > 10_000  # matplotlib: the "bench" extra, in make test's install
+
+
+def test_topic_tables_come_from_the_seed_alone_so_every_rank_and_run_draws_the_same_chains():
+    tables = []
+    for global_seed in (1, 2):  # torch seeds its global RNG differently in every process
+        torch.manual_seed(global_seed)
+        tables.append(TopicData(vocab=32, topics=4, seed=0).tables)
+    assert torch.equal(tables[0], tables[1])
+    assert not torch.equal(tables[0], TopicData(vocab=32, topics=4, seed=1).tables)
+    # every token of every topic: 4 successors whose probabilities sum to 1
+    assert torch.equal((tables[0] > 0).sum(-1), torch.full((4, 32), 4))
+    assert torch.allclose(tables[0].sum(-1), torch.ones(4, 32))
 
 
 def _args(**kw) -> argparse.Namespace:
