@@ -9,7 +9,7 @@
 
 ``hierarchical_ddp`` trains a small regressor (AdamW, per-step LR schedule) with ``ModelCheckpoint(dirpath=
 <root>/ckpts, every_n_train_steps=--every, save_last=True, save_top_k=--top-k)``; ``diloco`` the same under DiLoCo
-(one site per rank, a sync every 2 steps, ``checkpoint_replicas=--replicas``); a ``--root`` that is a JSON object
+(one site per rank, a sync every 5 steps, ``checkpoint_replicas=--replicas``); a ``--root`` that is a JSON object
 site -> URL gives ``ModelCheckpoint`` a mapping (each URL + ``/ckpts``); ``parallel_3d`` trains a tiny GPT (pipeline
 when ``--pp 2``, FSDP2 over 2 data-parallel shards) with ``default_root_dir=<root>`` and a ``ModelCheckpoint``
 without dirpath (so ``<root>/checkpoints``). Saves happen at the last batch of an epoch (``--every`` = steps per
@@ -147,7 +147,7 @@ def main() -> None:
     if args.strategy in ("hierarchical_ddp", "diloco"):
         module, data, rows = Regressor(), regressor_data(), REGRESSOR_ROWS
         if args.strategy == "diloco":  # one site per rank
-            strategy = DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=2), num_sites=args.devices,
+            strategy = DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=5), num_sites=args.devices,
                                       checkpoint_async=args.async_save, checkpoint_replicas=args.replicas)
         else:
             strategy = HierarchicalDDPStrategy(checkpoint_async=args.async_save)  # sites: MULTIDC_NUM_SITES

@@ -291,7 +291,8 @@ def test_diloco_under_a_site_template_resumes_each_sites_model_like_the_unbroken
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
         for name, value in resumed["rank_weights"][rank].items():
             torch.testing.assert_close(value, first["rank_weights"][rank][name], rtol=1e-5, atol=1e-6, msg=name)
-    assert first["rank_weights"][0]["net.0.weight"].ne(first["rank_weights"][1]["net.0.weight"]).any()  # sites differ
+    # the sites' models differ (the last sync was at step 10): each resumed its own
+    assert first["rank_weights"][0]["net.0.weight"].ne(first["rank_weights"][1]["net.0.weight"]).any()
     assert "from other regions" not in resumed["log"]  # each site read its own region only (else a warning)
 
 
@@ -307,10 +308,13 @@ def test_diloco_site_models_are_in_their_own_region_with_a_copy_in_the_other(dil
 
 def test_a_mapping_dirpath_saves_into_every_region_and_versions_a_name_that_exists_there(diloco_runs):
     for site, files in diloco_runs["after"].items():
-        # step 12's name existed in the regions (the first run's): the resumed run saved it as -v1 in both
-        assert "epoch=2-step=12-v1.ckpt/step_0000000012/COMMIT.json" in files, (site, files)
-        # last.ckpt replaced in place: shard objects with a fresh tag
-        assert any(f.startswith(f"last.ckpt/step_0000000012/data/rank0000{site}-") for f in files), (site, files)
+        # step 12's names existed in the regions (the first run's): ModelCheckpoint asked through the mapping, and
+        # the resumed run saved them as -v1, in both regions, its own shards and the other site's copy
+        for name in ("epoch=2-step=12-v1.ckpt", "last-v1.ckpt"):
+            other = 1 - int(site)
+            assert {f for f in files if f.startswith(f"{name}/")} == {
+                f"{name}/step_0000000012/{leaf}" for leaf in ("COMMIT.json", f"data/rank0000{site}.distcp",
+                                                              f"data/copy-rank0000{other}.distcp")}, (site, files)
 
 
 @pytest.fixture(scope="module")
