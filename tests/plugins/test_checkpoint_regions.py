@@ -2,8 +2,8 @@
 
 Pure cases check the URL and ``replicas`` settings; in-process cases clean up after a regional commit; the
 distributed cases save with 2 sites, load on 2 sites and on 1 site (2 ranks), lose a region's bucket (also after a
-save with ``replicas=1`` of DiLoCo's per-site state), refuse one region's credentials (also through the Lightning
-strategies' checkpoint writer), and kill a region's server mid-save.
+save with ``replicas=1`` of DiLoCo's per-site state), refuse one region's credentials, and kill a region's server
+mid-save.
 """
 
 from __future__ import annotations
@@ -408,34 +408,6 @@ def _replicated_site_state(rank, world, urls, options):
     return same, [line for line in lines.lines if "other regions" in line], listing
 
 
-def _lightning_wrong_credentials(rank, world, urls, options, bad):
-    """The Lightning strategies' checkpoint writer with one region's credentials refused: given as the strategy's
-    argument, then from the environment."""
-    import json
-
-    from multidc.hierarchical import Topology
-    from multidc.plugins import ObjectStoreAuthError
-    from multidc.strategies._checkpointing import LightningCheckpoints
-
-    topology = Topology.build(site=rank * 2 // world)
-    path = {site: f"{url}/lightning/last.ckpt" for site, url in urls.items()}
-    checkpoint = {"state_dict": {"w": torch.ones(4, 4)}, "optimizer_states": [], "global_step": 2}
-    out = {}
-    for source in ("argument", "environment"):
-        if source == "environment":
-            os.environ["MULTIDC_CKPT_STORAGE_OPTIONS"] = json.dumps({**options, "1": bad})
-        writer = LightningCheckpoints(storage_options={**options, "1": bad} if source == "argument" else None)
-        writer.topology = topology
-        try:
-            writer.save(checkpoint, path)
-            out[source] = None
-        except ObjectStoreAuthError as exc:
-            out[source] = str(exc)
-        finally:
-            writer.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     """A third server, killed by the mid-save case (the session's two stay up for other modules)."""
@@ -449,7 +421,6 @@ def victim(tmp_path_factory):
 def regions_job(s3_server, s3_auth_server, victim):
     """Every 2 x 2 case on one set of spawned ranks; each case in its own pair of buckets (site 0: the anonymous
     server, site 1: the one with credentials; the last case's site 1 is ``victim``)."""
-    pytest.importorskip("lightning")  # the Lightning strategies' checkpoint writer, in one case
     options = {"0": s3_server.storage_options(), "1": s3_auth_server.storage_options()}
 
     def pair(second=s3_auth_server):
@@ -461,7 +432,6 @@ def regions_job(s3_server, s3_auth_server, victim):
     cases = {
         "save and load": (_save_and_load, (main, options)),
         "wrong credentials": (_wrong_credentials, (main, options, bad)),
-        "lightning credentials": (_lightning_wrong_credentials, (main, options, bad)),
         "replicas": (_replicated_site_state, (replicated, options)),
         "lost region": (_lost_region, (lost, options)),
         "only in a lost region": (_only_in_a_lost_region, (only, options)),
@@ -541,18 +511,6 @@ def test_state_sharded_across_sites_is_refused_on_every_rank_naming_the_key(regi
     for error, steps in results["sharded across sites"]:
         assert "region-local checkpoint" in error and "'w'" in error and "fsdp_across_sites" in error, error
         assert steps == []  # nothing committed
-
-
-def test_wrong_credentials_under_the_lightning_strategies_name_the_setting_the_user_set(regions_job):
-    results, _ = regions_job
-    outcomes = results["lightning credentials"]
-    for rank, outcome in enumerate(outcomes):
-        for source, setting in (("argument", "checkpoint_storage_options['1']"),
-                                ("environment", "MULTIDC_CKPT_STORAGE_OPTIONS['1']")):
-            message = outcome[source]
-            assert message is not None and "region '1'" in message and setting in message, (rank, source, message)
-            assert "storage_options['1']" not in message.replace(setting, ""), message  # not the Checkpointer's name
-            assert "wrong-secret" not in message
 
 
 def test_a_sites_own_diloco_state_saved_with_replicas_loads_from_another_region_when_its_own_is_lost(regions_job):

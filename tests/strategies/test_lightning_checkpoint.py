@@ -443,6 +443,49 @@ def test_last_under_a_site_template_waits_for_the_strategy_and_other_trainers_ke
         assert ddp._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
 
 
+@pytest.fixture
+def one_site(tmp_path, monkeypatch):
+    """This process as a job of one rank (a gloo group of one) in one site: its topology."""
+    import torch.distributed as dist
+
+    from multidc.hierarchical import Topology
+
+    for name in ("MULTIDC_SITE", "MULTIDC_NUM_SITES", "MULTIDC_CKPT_URL", "MULTIDC_CKPT_STORAGE_OPTIONS",
+                 "MULTIDC_CKPT_REPLICAS"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield Topology.build()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("source", "setting"), [("argument", "checkpoint_storage_options['1']"),
+                                                 ("environment", "MULTIDC_CKPT_STORAGE_OPTIONS['1']")])
+def test_refused_credentials_of_one_region_name_the_setting_the_strategy_took_them_from(
+        one_site, s3_server, s3_auth_server, monkeypatch, source, setting):
+    from multidc.plugins import ObjectStoreAuthError
+
+    tag = uuid.uuid4().hex[:8]  # one site, a mapping of two regions: rank 0 writes the commit record into both
+    path = {"0": s3_server.make_bucket(f"cred0-{tag}") + "/last.ckpt",
+            "1": s3_auth_server.make_bucket(f"cred1-{tag}") + "/last.ckpt"}
+    options = {"0": s3_server.storage_options(),
+               "1": s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="wrong-secret")}
+    if source == "environment":
+        monkeypatch.setenv("MULTIDC_CKPT_STORAGE_OPTIONS", json.dumps(options))
+    writer = LightningCheckpoints(storage_options=options if source == "argument" else None)
+    writer.topology = one_site
+    try:
+        with pytest.raises(ObjectStoreAuthError) as info:
+            writer.save(_lightning_dict(2, 1.0), path)
+    finally:
+        writer.close()
+    message = str(info.value)
+    assert "region '1'" in message and setting in message, message
+    assert "storage_options['1']" not in message.replace(setting, ""), message  # not the Checkpointer's argument
+    assert "wrong-secret" not in message
+
+
 def test_whether_a_regional_name_exists_raises_naming_a_region_that_cannot_be_read(s3_server):
     from multidc.plugins import ObjectStoreError, RetryPolicy
     from multidc.plugins.checkpoint.regions import Regions
