@@ -157,6 +157,7 @@ class Checkpointer:
             if storage_options is None and _regions.env_storage_options() is not None:
                 setting = _env.CKPT_STORAGE_OPTIONS
             url, storage_options = _regions.from_env(url, storage_options)
+        url = _regions.url_of(url) if isinstance(url, str) else url  # a mapping as text (path_key) is a mapping
         self.regions, self._regions_down = None, {}
         if _regions.is_regional(url) and topology is None:
             raise ValueError(f"url={url!r} names one store per site, but this Checkpointer has no topology to tell "

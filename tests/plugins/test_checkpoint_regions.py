@@ -146,12 +146,16 @@ def test_a_superseded_record_left_in_one_region_fails_the_clean_up_naming_that_r
 
 
 @pytest.mark.parametrize("call", ["save", "load"])
-def test_lightning_checkpoint_io_refuses_a_site_template_naming_the_strategies_and_checkpointer(call, tmp_path):
+@pytest.mark.parametrize("form", ["template", "mapping"])
+def test_lightning_checkpoint_io_refuses_a_site_template_naming_the_strategies_and_checkpointer(call, form, tmp_path):
     pytest.importorskip("lightning")
     from multidc.plugins import ObjectStoreCheckpointIO
 
     io = ObjectStoreCheckpointIO()
-    path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
+    if form == "template":
+        path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
+    else:  # a ModelCheckpoint(dirpath=mapping)'s path: the mapping's text, the file name joined
+        path = path_key({"0": str(tmp_path / "region-0"), "1": str(tmp_path / "region-1")}) + "/epoch=0-step=1.ckpt"
     with pytest.raises(ValueError, match=r"one store per site.*Use a multidc strategy .*Checkpointer\(url, "
                                          r"topology=...\)"):
         io.save_checkpoint({"state_dict": {}}, path) if call == "save" else io.load_checkpoint(path)
