@@ -134,7 +134,8 @@ class Checkpointer:
         replicas: with one URL per site, how many other regions also hold each site's own state (the keys only its
             region holds: a DiLoCo site model, per-rank residuals), for a load after its region is lost; those
             bytes cross the WAN at save (see ``checkpoint.regions``). ``None``: ``MULTIDC_CKPT_REPLICAS``, else 0.
-            ValueError for one URL, or more than the other regions.
+            ValueError for more than the other regions, or ``replicas > 0`` with one URL (where the variable is
+            ignored).
     """
 
     def __init__(self, url=None, *, process_group=None, storage_options: dict | None = None,

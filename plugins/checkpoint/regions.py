@@ -94,16 +94,18 @@ def env_replicas() -> int | None:
 def replica_targets(replicas: int | None, regions: list[str] | None) -> dict[str, tuple[str, ...]]:
     """Region -> the regions that also hold its site's own state (module doc): the ``replicas`` regions after it in
     ``regions`` (site order), wrapping around; ``{}`` for none. ``replicas=None``: ``MULTIDC_CKPT_REPLICAS``, else 0.
-    ``regions=None``: one store.
+    ``regions=None``: one store (the environment variable, a setting for the job's region-local checkpoints, is
+    then ignored).
 
     Raises:
-        ValueError: ``replicas`` is not an int >= 0, exceeds the other regions, or is set for one store (naming the
-            argument or the environment variable, and the fix).
+        ValueError: ``replicas`` is not an int >= 0, exceeds the other regions, or is passed for one store (naming
+            the argument or the environment variable, and the fix).
     """
     setting = "replicas"
     if replicas is None:
         replicas, setting = env_replicas(), _env.CKPT_REPLICAS
-    if replicas is None or (replicas == 0 and not isinstance(replicas, bool)):
+    if replicas is None or (replicas == 0 and not isinstance(replicas, bool)) or (
+            regions is None and setting == _env.CKPT_REPLICAS):
         return {}
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise ValueError(f"{setting}={replicas!r} must be an int >= 0: the number of other regions that also hold "

@@ -92,6 +92,7 @@ def test_replicas_come_from_the_environment_when_not_given(monkeypatch):
     monkeypatch.setenv("MULTIDC_CKPT_REPLICAS", "1")
     assert replica_targets(None, ["a", "b"]) == {"a": ("b",), "b": ("a",)}
     assert replica_targets(0, ["a", "b"]) == {}  # an argument wins
+    assert replica_targets(None, None) == {}  # one store: the job's setting for its region-local checkpoints
     monkeypatch.setenv("MULTIDC_CKPT_REPLICAS", "3")
     with pytest.raises(ValueError, match=r"MULTIDC_CKPT_REPLICAS=3, but there are only 1 other region"):
         replica_targets(None, ["a", "b"])
