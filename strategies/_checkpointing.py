@@ -296,6 +296,10 @@ class LightningCheckpoints:
             url = url_of(root)
             if is_regional(url):
                 regions_of(root, self.storage_options, self.topology)  # no sites: say so in Lightning's words
+            elif self.replicas:
+                raise ValueError(f"checkpoint_replicas={self.replicas} copies each site's own state to other regions, "
+                                 f"but checkpoint path {url!r} names one store: put {{site}} in it (or give a mapping "
+                                 "site -> URL), or leave checkpoint_replicas unset.")
             ckpt = Checkpointer(url, storage_options=self.storage_options, keep_last_k=1, replicas=self.replicas,
                                 async_save=self.async_save, topology=self.topology)
             if ckpt.regions is not None:  # errors name what the user set: this argument, or the variable

@@ -514,6 +514,10 @@ def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
         Parallel3DStrategy(checkpoint_storage_options=["endpoint"])
     with pytest.raises(ValueError, match=r"checkpoint_replicas=-1 must be an int >= 0"):
         HierarchicalDDPStrategy(checkpoint_replicas=-1)
+    writer = LightningCheckpoints(replicas=1)
+    with pytest.raises(ValueError, match=r"checkpoint_replicas=1 .* names one store: put \{site\} in it"):
+        writer.save({"state_dict": {}}, "/tmp/one-store/last.ckpt")  # before anything is written
+    writer.close()
     with pytest.raises(TypeError, match="checkpoint_storage_options=..., not per save"):
         HierarchicalDDPStrategy().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"anon": True})
 
