@@ -19,6 +19,8 @@ WAN_TIMEOUT_S = "MULTIDC_WAN_TIMEOUT_S"
 # site -> URL; storage options as a JSON object (options, or site -> options).
 CKPT_URL = "MULTIDC_CKPT_URL"
 CKPT_STORAGE_OPTIONS = "MULTIDC_CKPT_STORAGE_OPTIONS"
+# With one URL per site: how many other regions also hold each site's own state (an int, default 0).
+CKPT_REPLICAS = "MULTIDC_CKPT_REPLICAS"
 
 
 def read(name: str) -> str | None:

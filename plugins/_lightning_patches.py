@@ -6,11 +6,15 @@ runs at import: importing multidc changes nothing in Lightning for a Trainer tha
 * ``install_last_resolution``: ``ModelCheckpoint._find_last_checkpoints``, so ``ckpt_path="last"`` finds committed
   multidc checkpoints (installed when a multidc strategy or ``ObjectStoreCheckpointIO`` is built; the original runs
   for every other Trainer). ``checkpoint_dir`` reads ``ModelCheckpoint``'s private directory rule.
-* ``install_regional_checkpoints``: for a ``ModelCheckpoint`` directory with ``{site}`` (one store per site), four
-  places where Lightning would touch that path with its own filesystem (which has neither the sites nor their
-  credentials): ``_CheckpointConnector._parse_ckpt_path`` (``"last"`` is deferred until the strategy is set up),
-  ``_CheckpointConnector.resume_start`` (where the deferred ``"last"`` is resolved, collectively),
-  ``ModelCheckpoint.file_exists`` and ``ModelCheckpoint.__warn_if_dir_not_empty``.
+* ``install_regional_checkpoints``: for a ``ModelCheckpoint`` directory with ``{site}`` or a mapping site -> URL
+  (one store per site), the places where Lightning would touch that path with its own filesystem (which has
+  neither the sites nor their credentials): ``_CheckpointConnector._parse_ckpt_path`` (``"last"`` is deferred until
+  the strategy is set up), ``_CheckpointConnector.resume_start`` (where the deferred ``"last"`` is resolved,
+  collectively), ``ModelCheckpoint.file_exists`` and ``ModelCheckpoint.__warn_if_dir_not_empty``; and for a
+  mapping, ``ModelCheckpoint.__init_ckpt_dir`` and ``ModelCheckpoint.setup`` (Lightning opens the directory with
+  ``get_filesystem``, which takes one URL): the mapping becomes its text (``checkpoint.regions.path_key``), to
+  which Lightning joins its file names. A ``ModelCheckpoint`` given a mapping must be built after the multidc
+  strategy (which installs these).
 * ``wrap_lr_scheduler_updates`` / ``unwrap_lr_scheduler_updates``: one Trainer's epoch loop
   ``update_lr_schedulers`` (elastic: the schedulers step on committed steps only; elastic DiLoCo: a round's quorum
   once they stepped).
@@ -22,7 +26,7 @@ runs at import: importing multidc changes nothing in Lightning for a Trainer tha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 try:
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,6 +34,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "multidc's Lightning strategies need Lightning: pip install 'multidc[lightning]' (lightning>=2.5,<2.7)."
     ) from exc
+
+from multidc.plugins.checkpoint.regions import is_regional, path_key  # noqa: E402
 
 CHECKED_AGAINST = "lightning 2.6"
 
@@ -115,15 +121,34 @@ def install_regional_checkpoints(answers: Callable[[object], object | None]) -> 
         return file_exists
 
     def warn(original):
-        def warn_if_dir_not_empty(self, dirpath) -> None:  # no trainer here: a warning only, skipped for {site}
-            if "{site}" not in str(dirpath):
+        def warn_if_dir_not_empty(self, dirpath) -> None:  # no trainer here: a warning only, skipped for regions
+            if not is_regional(str(dirpath)):
                 original(self, dirpath)
         return warn_if_dir_not_empty
+
+    def init_dir(original):
+        def init_ckpt_dir(self, dirpath, filename) -> None:
+            original(self, None if isinstance(dirpath, Mapping) else dirpath, filename)
+            if isinstance(dirpath, Mapping):  # its text: Lightning joins file names to it as to a directory
+                self.dirpath = path_key(dirpath)
+        return init_ckpt_dir
+
+    def setup(original):
+        def setup(self, trainer, pl_module, stage) -> None:
+            if not (isinstance(self.dirpath, str) and self.dirpath.startswith('{"')):
+                return original(self, trainer, pl_module, stage)
+            # a mapping's text: Lightning's setup would open it with get_filesystem; of the rest it does for a
+            # given dirpath, the regional calls above take the checks, and this keeps rank 0's directory
+            self.dirpath = trainer.strategy.broadcast(self.dirpath)
+            return None
+        return setup
 
     wrap(_CheckpointConnector, "_parse_ckpt_path", parse)
     wrap(_CheckpointConnector, "resume_start", resume)
     wrap(ModelCheckpoint, "file_exists", exists)
     wrap(ModelCheckpoint, "_ModelCheckpoint__warn_if_dir_not_empty", warn)
+    wrap(ModelCheckpoint, "_ModelCheckpoint__init_ckpt_dir", init_dir)
+    wrap(ModelCheckpoint, "setup", setup)
 
 
 def checkpoint_dir(callback: ModelCheckpoint, trainer) -> str:

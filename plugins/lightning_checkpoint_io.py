@@ -36,7 +36,7 @@ from multidc.plugins.checkpoint.comm import THIS_PROCESS
 from multidc.plugins.checkpoint.format import COMMIT, decode_commit, parse_step
 from multidc.plugins.checkpoint.object_store import ObjectStore, RetryPolicy
 from multidc.plugins.checkpoint.planner import safe_load_bytes
-from multidc.plugins.checkpoint.regions import SITE
+from multidc.plugins.checkpoint.regions import SITE, is_regional
 from multidc.plugins.checkpoint.retention import committed, delete_committed
 from multidc.plugins.checkpoint.storage import byte_view
 
@@ -81,9 +81,10 @@ class ObjectStoreCheckpointIO(CheckpointIO):
         """A Checkpointer of this process alone (Lightning calls a CheckpointIO on rank 0 only) over the folder
         holding ``path``, and ``path``'s name in it."""
         text = str(path).rstrip("/").removesuffix(f"/{COMMIT}")  # "last" resolves to the commit record
-        if SITE in text:  # one process, no topology: it would see one site and write one region only
+        if is_regional(text):  # one process, no topology: it would see one site and write one region only
             raise ValueError(
-                f"checkpoint path {text!r} names one store per site ({SITE}), which ObjectStoreCheckpointIO cannot "
+                f"checkpoint path {text!r} names one store per site ({SITE}, or a mapping site -> URL), which "
+                "ObjectStoreCheckpointIO cannot "
                 "write: Lightning calls it on rank 0 alone, which knows no sites and would send every region's copy "
                 "over the WAN. Use a multidc strategy (strategy='hierarchical_ddp', 'diloco' or 'parallel_3d' take "
                 "{site} paths, each site writing its own region) or Checkpointer(url, topology=...), or one URL here "

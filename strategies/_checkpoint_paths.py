@@ -1,35 +1,20 @@
 """Lightning checkpoint paths for the multidc strategies, one store or one store per site.
 
 A path is one URL (``s3://b/run/ckpts/last.ckpt``), a template whose ``{site}`` names each site's region
-(``s3://ckpt-{site}/run/ckpts/last.ckpt``: ``ModelCheckpoint(dirpath=...)``, ``trainer.save_checkpoint``,
-``ckpt_path``), or a mapping site -> URL (``trainer.save_checkpoint`` / ``ckpt_path`` only: ``ModelCheckpoint``
-takes a string). The ranks agree on a path as text: a mapping travels as its canonical JSON (:func:`path_key`).
+(``s3://ckpt-{site}/run/ckpts/last.ckpt``), or a mapping site -> URL, each as ``ModelCheckpoint(dirpath=...)``,
+``trainer.save_checkpoint`` or ``ckpt_path``. The ranks agree on a path as text: a mapping travels as its canonical
+JSON (:func:`path_key`), to which ``ModelCheckpoint`` joins its file names (``{"eu": "s3://a/run"}/last.ckpt``).
 Which region holds what, and when a step is committed, is ``multidc.plugins.checkpoint.regions``'s protocol.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping
 
+from multidc.hierarchical import _env
 from multidc.plugins.checkpoint.format import COMMIT, parse_step
-from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError
-from multidc.plugins.checkpoint.regions import Regions, is_regional, site_urls
-
-_log = logging.getLogger("multidc.plugins.checkpoint")
-
-
-def path_key(path) -> str:
-    """``path`` as the text the ranks agree on: a URL / template ``/``-stripped, a mapping as canonical JSON."""
-    if isinstance(path, Mapping):
-        return json.dumps({str(k): str(v).rstrip("/") for k, v in path.items()}, sort_keys=True)
-    return str(path).rstrip("/")
-
-
-def url_of(key: str):
-    """The URL / template / mapping a :func:`path_key` stands for."""
-    return json.loads(key) if key.startswith('{"') else key
+from multidc.plugins.checkpoint.object_store import ObjectStoreAuthError, ObjectStoreError, ObjectStoreNotFoundError
+from multidc.plugins.checkpoint.regions import Regions, is_regional, path_key, site_urls, url_of
 
 
 def _locate_one(text: str) -> tuple[str, str]:
@@ -56,8 +41,9 @@ def locate(path) -> tuple[str, str]:
     return path_key({site: root for site, (root, _) in found.items()}), which.pop()
 
 
-def regions_of(key: str, storage_options, topology) -> Regions:
-    """The regions of the regional path ``key`` as this rank sees them (its own site's region local).
+def regions_of(key: str, storage_options, topology, *, setting: str = "checkpoint_storage_options") -> Regions:
+    """The regions of the regional path ``key`` as this rank sees them (its own site's region local); ``setting``
+    names the storage options in errors (``checkpoint_storage_options``, or the environment variable they came from).
 
     Raises:
         ValueError: the strategy has no topology (no sites) to tell which region a rank writes to.
@@ -67,24 +53,44 @@ def regions_of(key: str, storage_options, topology) -> Regions:
                          "(e.g. Parallel3DStrategy without replicas across sites): give one URL.")
     names = tuple(topology.layout.site_names)
     urls, options = site_urls(url_of(key), storage_options, site_names=names, setting="checkpoint path")
-    return Regions(urls, options, local=names[topology.site], setting="checkpoint_storage_options")
+    return Regions(urls, options, local=names[topology.site], setting=setting)
+
+
+def options_setting(given) -> str:
+    """What a user changes to fix the strategies' storage options: ``checkpoint_storage_options`` when ``given``,
+    else ``MULTIDC_CKPT_STORAGE_OPTIONS`` (where the options came from then)."""
+    return "checkpoint_storage_options" if given is not None else _env.CKPT_STORAGE_OPTIONS
 
 
 def exists_anywhere(regions: Regions) -> bool:
-    """Whether any available region holds something at the regions' root (rank 0: ``ModelCheckpoint`` versions a
-    name that exists). An unavailable region counts as holding nothing; refused credentials raise."""
+    """Whether any region holds something at the regions' root (rank 0: ``ModelCheckpoint`` versions a name that
+    exists). A region whose bucket is gone holds nothing.
+
+    Raises:
+        ObjectStoreError: a region could not be read (unreachable after the retries), naming it: the name might be
+            in use there, and a save would overwrite it. ``ObjectStoreAuthError``: refused credentials, naming the
+            region and the setting to fix.
+    """
     for region in regions.stores:
         try:
-            if regions.call(region, lambda s: s.fs.exists(s.path("")) or bool(s.list_dirs())):
+            if regions.call(region, _holds_anything):
                 return True
+        except ObjectStoreNotFoundError:
+            continue  # the bucket is gone: nothing is there
         except ObjectStoreAuthError:
             raise
-        except (ObjectStoreError, OSError) as exc:
-            _log.warning("checkpoint region %r is unavailable, left out: %s", region, exc)
+        except ObjectStoreError as exc:
+            raise type(exc)(f"cannot tell whether checkpoint {regions.stores[region].url} exists (ModelCheckpoint "
+                            f"asks before it names a checkpoint): {exc}. Bring region {region!r} back, or save "
+                            "under a path in regions that are available.") from None
     return False
 
 
-def newest_committed(dirs, storage_options, topology) -> str | None:
+def _holds_anything(store) -> bool:
+    return store.exists("") or bool(store.list_dirs())
+
+
+def newest_committed(dirs, storage_options, topology, *, setting: str = "checkpoint_storage_options") -> str | None:
     """The commit record path (a template when the directory is one) of the newest checkpoint committed in every
     available region under the ``ModelCheckpoint`` directories ``dirs``: each directory's checkpoint paths are
     Checkpointer roots of step folders. Newest: the latest commit record in the first available region (the local
@@ -92,14 +98,14 @@ def newest_committed(dirs, storage_options, topology) -> str | None:
     candidates = []
     for directory in dirs:
         key = path_key(directory)
-        regions = regions_of(key, storage_options, topology)
+        regions = regions_of(key, storage_options, topology, setting=setting)
         up, _ = regions.available()
         if not up:
             continue
         lister = regions.local if regions.local in up else up[0]
         store = regions.stores[lister]
         for root in ["", *(f"{name}/" for name in regions.call(lister, lambda s: s.list_dirs()))]:
-            sub = regions_of(f"{key}/{root}".rstrip("/"), storage_options, topology)
+            sub = regions_of(f"{key}/{root}".rstrip("/"), storage_options, topology, setting=setting)
             for step, name in sub.committed():
                 stamp = store.fs.modified(store.path(f"{root}{name}/{COMMIT}"))
                 candidates.append((stamp, step, f"{key}/{root}{name}/{COMMIT}"))
@@ -127,5 +133,5 @@ def refuse_single_file(ckpt) -> None:
         )
 
 
-__all__ = ["exists_anywhere", "is_regional", "locate", "newest_committed", "path_key", "refuse_single_file",
-           "regions_of", "site_leader", "stores", "url_of"]
+__all__ = ["exists_anywhere", "is_regional", "locate", "newest_committed", "options_setting", "path_key",
+           "refuse_single_file", "regions_of", "site_leader", "stores", "url_of"]

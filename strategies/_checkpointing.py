@@ -25,7 +25,8 @@ safe unpickler.
 Region-local: a path with ``{site}`` (or a mapping site -> URL, see ``_checkpoint_paths``) names one store per site;
 every site writes its ranks' shards to its own region and loads from it (``multidc.plugins.checkpoint.regions``).
 ``"last"`` then waits for the strategy's set-up and is the newest step committed in every region; removing a
-checkpoint (``save_top_k``) removes every region's part.
+checkpoint (``save_top_k``) removes every region's part. ``checkpoint_replicas`` also writes each site's own state
+(its DiLoCo model) to that many other regions (``Checkpointer(replicas=...)``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from multidc.strategies._checkpoint_paths import (  # noqa: E402
     exists_anywhere,
     locate,
     newest_committed,
+    options_setting,
     path_key,
     refuse_single_file,
     regions_of,
@@ -100,17 +102,24 @@ class LightningCheckpoints:
         storage_options: fsspec / s3fs options (``endpoint_url``, ``key``, ``secret``...), or for paths with
             ``{site}`` a mapping site -> options (each region its endpoint and credentials); default
             ``MULTIDC_CKPT_STORAGE_OPTIONS`` (a JSON object), else the standard AWS environment / config. Never logged.
+        replicas: for paths with ``{site}`` (or a mapping), how many other regions also hold each site's own state
+            (``multidc.plugins.Checkpointer``'s ``replicas``); default ``MULTIDC_CKPT_REPLICAS``, else 0.
     """
 
-    def __init__(self, *, async_save: bool = False, storage_options: dict | None = None) -> None:
+    def __init__(self, *, async_save: bool = False, storage_options: dict | None = None,
+                 replicas: int | None = None) -> None:
         if not isinstance(async_save, bool):
             raise ValueError(f"checkpoint_async={async_save!r} must be True or False.")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ValueError(
                 f"checkpoint_storage_options must be a dict of fsspec options, not {type(storage_options).__name__}."
             )
-        self.async_save = async_save
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
+            raise ValueError(f"checkpoint_replicas={replicas!r} must be an int >= 0 (other regions that also hold "
+                             "each site's own state) or None.")
+        self.async_save, self.replicas = async_save, replicas
         self.storage_options = storage_options if storage_options is not None else env_storage_options()
+        self._setting = options_setting(storage_options)  # named when a region refuses its credentials
         self._open: OrderedDict[str, Checkpointer] = OrderedDict()
         self._pending: SaveHandle | None = None
         self._deferred: list[str] = []  # removals waiting for the pending save to commit
@@ -236,8 +245,8 @@ class LightningCheckpoints:
 
     # ------------------------------------------------------------------ regional paths (Lightning's own calls)
     def is_regional(self, path) -> bool:
-        """Whether ``path`` names one store per site (``{site}`` or a mapping)."""
-        return is_regional(path)
+        """Whether ``path`` names one store per site (``{site}``, a mapping, or a mapping's text with a suffix)."""
+        return is_regional(url_of(path_key(path)))
 
     def resolve_last(self, dirs) -> str | None:
         """``ckpt_path="last"`` under the ``ModelCheckpoint`` directories ``dirs``, after set-up: the newest
@@ -245,8 +254,8 @@ class LightningCheckpoints:
         Lightning does). Collective: rank 0 looks, every rank gets its answer or its error."""
         what = f"finding the last checkpoint under {', '.join(map(str, dirs))}"
         comm = self._comm(what)
-        found = comm.from_rank0(lambda: newest_committed(dirs, self.storage_options, self.topology), what=what,
-                                error_type=None)
+        found = comm.from_rank0(lambda: newest_committed(dirs, self.storage_options, self.topology,
+                                                         setting=self._setting), what=what, error_type=None)
         if found is None:
             rank_zero_warn(f'ckpt_path="last" is set, but no checkpoint is committed in every region under '
                            f"{', '.join(map(str, dirs))}. No checkpoint will be loaded.")
@@ -257,8 +266,8 @@ class LightningCheckpoints:
         Collective: rank 0 looks, every rank gets its answer or its error."""
         what = f"checking whether {path} exists"
         return bool(self._comm(what).from_rank0(
-            lambda: exists_anywhere(regions_of(path_key(path), self.storage_options, self.topology)), what=what,
-            error_type=None))
+            lambda: exists_anywhere(regions_of(path_key(path), self.storage_options, self.topology,
+                                               setting=self._setting)), what=what, error_type=None))
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -287,8 +296,14 @@ class LightningCheckpoints:
             url = url_of(root)
             if is_regional(url):
                 regions_of(root, self.storage_options, self.topology)  # no sites: say so in Lightning's words
-            ckpt = Checkpointer(url, storage_options=self.storage_options, keep_last_k=1,
+            elif self.replicas:
+                raise ValueError(f"checkpoint_replicas={self.replicas} copies each site's own state to other regions, "
+                                 f"but checkpoint path {url!r} names one store: put {{site}} in it (or give a mapping "
+                                 "site -> URL), or leave checkpoint_replicas unset.")
+            ckpt = Checkpointer(url, storage_options=self.storage_options, keep_last_k=1, replicas=self.replicas,
                                 async_save=self.async_save, topology=self.topology)
+            if ckpt.regions is not None:  # errors name what the user set: this argument, or the variable
+                ckpt.regions.setting = self._setting
         self._open[root] = ckpt
         while len(self._open) > _OPEN_ROOTS:
             self._open.popitem(last=False)[1].close()
@@ -317,10 +332,11 @@ class CheckpointingMixin:
     ``__init__``; the strategy provides ``topology`` (``None`` before setup or with one site).
     ``_sharded_checkpoints()`` ``False`` falls back to the base class's checkpointing."""
 
-    def _init_checkpointing(self, checkpoint_async: bool, checkpoint_storage_options: dict | None) -> None:
+    def _init_checkpointing(self, checkpoint_async: bool, checkpoint_storage_options: dict | None,
+                            checkpoint_replicas: int | None = None) -> None:
         install_last_resolution()  # ckpt_path="last": the newest committed multidc checkpoint
         self._multidc_checkpoints = LightningCheckpoints(
-            async_save=checkpoint_async, storage_options=checkpoint_storage_options
+            async_save=checkpoint_async, storage_options=checkpoint_storage_options, replicas=checkpoint_replicas
         )
 
     def _sharded_checkpoints(self) -> bool:

@@ -59,6 +59,8 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
             ``diloco.compression``).
         checkpoint_async: as for ``HierarchicalDDPStrategy``.
         checkpoint_storage_options: as for ``HierarchicalDDPStrategy``.
+        checkpoint_replicas: as for ``HierarchicalDDPStrategy``: with one store per site, each site's model (and
+            per-rank residuals) is also written to that many other regions.
         **ddp_kwargs: as for ``HierarchicalDDPStrategy``.
 
     Raises:
@@ -77,6 +79,7 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        checkpoint_replicas: int | None = None,
         elastic: bool | None = None,
         lighthouse: str | None = None,
         **ddp_kwargs: Any,
@@ -86,7 +89,8 @@ class DiLoCoStrategy(HierarchicalDDPStrategy):
         self._diloco_arg = diloco if diloco is not None else DiLoCoConfig()
         ddp_kwargs.setdefault("broadcast_buffers", False)  # each site keeps its own buffers: none cross the WAN
         super().__init__(num_sites=num_sites, site=site, wan=wan, checkpoint_async=checkpoint_async,
-                         checkpoint_storage_options=checkpoint_storage_options, elastic=elastic,
+                         checkpoint_storage_options=checkpoint_storage_options,
+                         checkpoint_replicas=checkpoint_replicas, elastic=elastic,
                          lighthouse=lighthouse, **ddp_kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -101,6 +101,9 @@ class HierarchicalDDPStrategy(CrossSiteMixin, _HierarchicalSync, CheckpointingMi
         checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...), or
             for checkpoint paths with ``{site}`` (one store per site) a mapping site -> options; default env
             ``MULTIDC_CKPT_STORAGE_OPTIONS`` (JSON), else the standard AWS environment / config. Never logged.
+        checkpoint_replicas: with one checkpoint store per site (a ``{site}`` or mapping path), how many other
+            regions also hold each site's own state, for a load after its region is lost (``Checkpointer``'s
+            ``replicas``); default env ``MULTIDC_CKPT_REPLICAS``, else 0.
         elastic: elastic sites on torchft (default env ``MULTIDC_ELASTIC``): this Trainer is one site (launch one
             job per site, each with its own rendezvous; ``site`` / ``MULTIDC_SITE`` names it, ``num_sites`` /
             ``MULTIDC_NUM_SITES`` counts the sites the job starts with); a failed site leaves the others
@@ -127,6 +130,7 @@ class HierarchicalDDPStrategy(CrossSiteMixin, _HierarchicalSync, CheckpointingMi
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        checkpoint_replicas: int | None = None,
         elastic: bool | None = None,
         lighthouse: str | None = None,
         **ddp_kwargs: Any,
@@ -134,7 +138,7 @@ class HierarchicalDDPStrategy(CrossSiteMixin, _HierarchicalSync, CheckpointingMi
         _reject_hook_args(ddp_kwargs)
         super().__init__(**ddp_kwargs)
         self._init_sites(num_sites, site, wan, elastic, lighthouse)
-        self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
+        self._init_checkpointing(checkpoint_async, checkpoint_storage_options, checkpoint_replicas)
         self._user_checkpoint_io = self._checkpoint_io is not None
 
     def _sharded_checkpoints(self) -> bool:

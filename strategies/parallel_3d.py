@@ -118,6 +118,9 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
         checkpoint_storage_options: fsspec / s3fs options for checkpoints (``endpoint_url``, ``key``, ...), or
             for checkpoint paths with ``{site}`` (one store per site) a mapping site -> options; default env
             ``MULTIDC_CKPT_STORAGE_OPTIONS`` (JSON), else the standard AWS environment / config. Never logged.
+        checkpoint_replicas: with one checkpoint store per site (a ``{site}`` or mapping path), how many other
+            regions also hold each site's own state, for a load after its region is lost (``Checkpointer``'s
+            ``replicas``); default env ``MULTIDC_CKPT_REPLICAS``, else 0.
         save_distributed_checkpoint: ``True``: sharded checkpoints through multidc's ``Checkpointer`` to any
             fsspec URL (``s3://...``), loadable into another layout, ``ckpt_path="last"`` = newest committed (see
             ``multidc.strategies._checkpointing``). ``False``: ``ModelParallelStrategy``'s full single file.
@@ -157,6 +160,7 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
         wan: WanConfig | None = None,
         checkpoint_async: bool = False,
         checkpoint_storage_options: dict | None = None,
+        checkpoint_replicas: int | None = None,
         fsdp_across_sites: bool = False,
         cross_site: str | None = None,
         diloco: DiLoCoConfig | None = None,
@@ -189,7 +193,7 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
         self._fsdp_within_sites = False
         self.parallel: ParallelModel | None = None
         self._parked_grads: list | None = None
-        self._init_checkpointing(checkpoint_async, checkpoint_storage_options)
+        self._init_checkpointing(checkpoint_async, checkpoint_storage_options, checkpoint_replicas)
 
     def _sharded_checkpoints(self) -> bool:
         return self._save_distributed_checkpoint

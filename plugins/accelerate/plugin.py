@@ -89,6 +89,9 @@ class MultiDCPlugin:
     """``save_state`` returns after the snapshot to host memory; the upload runs in the background."""
     keep_last_k: int | None = field(default=None, metadata={"help": "Committed checkpoints kept per root."})
     """Keep only the newest ``k`` committed checkpoints under a root; default ``ProjectConfiguration.total_limit``."""
+    checkpoint_replicas: int | None = field(default=None, metadata={"help": "Other regions holding a site's state."})
+    """With one URL per site: how many other regions also hold each site's own state (its DiLoCo model), for a
+    ``load_state`` after its region is lost (``Checkpointer``'s ``replicas``). Env ``MULTIDC_CKPT_REPLICAS``, else 0."""
     shard_local_checkpoints: bool = field(default=False, metadata={"help": "Local dirs through multidc too."})
     """Also save / load plain local directories through multidc's sharded checkpoints in a data-parallel run
     (URLs and parallel layouts always go through multidc; see ``MultiDCAccelerator.save_state``)."""
@@ -128,6 +131,10 @@ class MultiDCPlugin:
         k = self.keep_last_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"MultiDCPlugin.keep_last_k={k!r} must be a positive int or None (keep all).")
+        r = self.checkpoint_replicas
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ValueError(f"MultiDCPlugin.checkpoint_replicas={r!r} must be an int >= 0 (other regions that also "
+                             "hold each site's own state) or None.")
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ValueError(f"MultiDCPlugin.storage_options must be a dict of fsspec options, not "
                              f"{type(self.storage_options).__name__}.")

@@ -193,7 +193,8 @@ class StateMixin:
             keep = plugin.keep_last_k if plugin.keep_last_k is not None else self.project_configuration.total_limit
             options = plugin.storage_options if plugin.storage_options is not None else env_storage_options()
             cache[key] = Checkpointer(url, storage_options=options, keep_last_k=keep,
-                                      async_save=plugin.async_save, topology=getattr(self, "topology", None))
+                                      replicas=plugin.checkpoint_replicas, async_save=plugin.async_save,
+                                      topology=getattr(self, "topology", None))
         return cache[key]
 
     def _multidc_state(self, step: int) -> dict:

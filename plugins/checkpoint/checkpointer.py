@@ -75,6 +75,7 @@ import datetime
 import functools
 import threading
 
+from multidc.hierarchical import _env
 from multidc.plugins.checkpoint import regional as _regional
 from multidc.plugins.checkpoint import regions as _regions
 from multidc.plugins.checkpoint import retention as _retention
@@ -130,12 +131,18 @@ class Checkpointer:
             reuse) and one 64 MiB receive buffer per rank (a single larger GET is held alone), items of at least
             ``stripe_min_mb`` striped. A ReadConfig's ``concurrency`` / ``stripe_min_bytes`` left ``None`` take
             ``max_concurrency`` / ``stripe_min_mb``.
+        replicas: with one URL per site, how many other regions also hold each site's own state (the keys only its
+            region holds: a DiLoCo site model, per-rank residuals), for a load after its region is lost; those
+            bytes cross the WAN at save (see ``checkpoint.regions``). ``None``: ``MULTIDC_CKPT_REPLICAS``, else 0.
+            ValueError for more than the other regions, or ``replicas > 0`` with one URL (where the variable is
+            ignored).
     """
 
     def __init__(self, url=None, *, process_group=None, storage_options: dict | None = None,
                  keep_last_k: int | None = None, async_save: bool = False, stripe_min_mb: float = 1.0,
                  part_size_mb: float = 16, max_concurrency: int = 8, retry: RetryPolicy | None = None,
-                 timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None) -> None:
+                 timeout_s: float | None = None, topology=None, read_config: ReadConfig | None = None,
+                 replicas: int | None = None) -> None:
         if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
             raise ValueError(f"keep_last_k={keep_last_k!r} must be a positive int or None.")
         if read_config is not None and not isinstance(read_config, ReadConfig):
@@ -146,8 +153,12 @@ class Checkpointer:
             timeout_s = default_timeout_s(topology)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, e.g. 1800.")
+        setting = "storage_options"  # what a user changes to fix a region's credentials, named in errors
         if url is None:
+            if storage_options is None and _regions.env_storage_options() is not None:
+                setting = _env.CKPT_STORAGE_OPTIONS
             url, storage_options = _regions.from_env(url, storage_options)
+        url = _regions.url_of(url) if isinstance(url, str) else url  # a mapping as text (path_key) is a mapping
         self.regions, self._regions_down = None, {}
         if _regions.is_regional(url) and topology is None:
             raise ValueError(f"url={url!r} names one store per site, but this Checkpointer has no topology to tell "
@@ -156,12 +167,15 @@ class Checkpointer:
         if _regions.is_regional(url):
             urls, options = _regions.site_urls(url, storage_options, site_names=site_names)
             self.regions = _regions.Regions(urls, options, local=site_names[getattr(topology, "site", 0)],
-                                            retry=retry, part_size_mb=part_size_mb, max_concurrency=max_concurrency)
+                                            setting=setting, retry=retry, part_size_mb=part_size_mb,
+                                            max_concurrency=max_concurrency)
             self.store = self.regions.store
         else:
             _regions.check_one_store_options(storage_options, site_names=site_names)
             self.store = ObjectStore(url, storage_options=storage_options, retry=retry, part_size_mb=part_size_mb,
                                      max_concurrency=max_concurrency)
+        # region -> the regions that also hold its site's own state (``replicas``)
+        self._copies_to = _regions.replica_targets(replicas, list(self.regions.stores) if self.regions else None)
         self.keep_last_k, self.async_save = keep_last_k, async_save
         self.stripe_min_bytes = int(stripe_min_mb * (1 << 20))
         self.comm = Comm.create(process_group, timeout=datetime.timedelta(seconds=timeout_s), topology=topology)
@@ -257,18 +271,18 @@ class Checkpointer:
         writer = ObjectStoreWriter(self.store, name, step=step, extra=extra, shard_tag=tag)
         # state_dict() and local planning can fail on one rank (a bad Stateful, an unsupported value): the planning
         # round carries that error to every rank, before any upload
-        planner, plan = self.comm.plan(
-            lambda: self._local_plan(state, writer),
-            lambda planner, plans: writer.prepare_global_plan(self._global_plan(planner, plans)))
+        planner, plan = self.comm.plan(lambda: self._local_plan(state, writer),
+                                       lambda planner, plans: self._global_plan(planner, plans, writer))
         in_background = async_save if async_save is not None else self.async_save
         staged, stage_error = None, None
         try:  # a sync save uploads straight from the state's tensors; an async one from a snapshot of them
             plan = planner.finish_plan(plan)
-            staged = stage(plan, planner, plan.storage_data, snapshot=self._snapshot if in_background else None)
+            staged = stage(plan, planner, _regional.file_of(plan.storage_data),
+                           snapshot=self._snapshot if in_background else None)
         except Exception as exc:  # reported to every rank through the upload heartbeat, never dropped
             stage_error = exc
         handle = SaveHandle()
-        args = (handle, writer, planner, staged, stage_error, name, step, clean)
+        args = (handle, writer, planner, staged, stage_error, name, step, clean, plan.storage_data)
         if in_background:
             self._pending = handle
             UNWAITED[handle] = self.store.where(name)
@@ -279,12 +293,13 @@ class Checkpointer:
         handle.wait()
         return handle
 
-    def _global_plan(self, planner, plans: list) -> list:
-        """DCP's global save plan; under regions one per region (``checkpoint.regions``), its metadata kept in
-        ``planner.region_metadata``."""
+    def _global_plan(self, planner, plans: list, writer: ObjectStoreWriter) -> list:
+        """DCP's global save plan, each rank's shard file named; under regions one per region (``checkpoint.regions``,
+        its metadata kept in ``planner.region_metadata``), with the copies ``replicas`` asks for."""
         if self.regions is None:
-            return planner.create_global_plan(plans)[0]
-        return _regional.plan_by_region(planner, plans, self._site_names)
+            return writer.prepare_global_plan(planner.create_global_plan(plans)[0])
+        plans = writer.prepare_global_plan(_regional.plan_by_region(planner, plans, self._site_names))
+        return _regional.with_copies(plans, self._site_names, self._copies_to)
 
     def _ready(self) -> None:
         """Wait for the pending save; refuse further use after a failed collective."""
@@ -303,13 +318,15 @@ class Checkpointer:
         writer.set_up_storage_writer(self.comm.rank == 0)
         return planner, writer.prepare_local_plan(planner.create_local_plan())
 
-    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, clean) -> None:
+    def _upload_and_commit(self, handle, writer, planner, staged, error, name, step, clean, shard) -> None:
         info, failure = None, None
         try:
             # every rank joins the heartbeat, also one whose staging failed: it reports that failure there
             # an upload stops (its parts cancelled) once another rank's failed: the save has failed everywhere
-            results, error = self.comm.alive_outcome(upload if error is None else _raiser(error), staged,
-                                                     self.store, name, self.comm.until_any_fails, what="upload")
+            send = upload if error is None else _raiser(error)
+            send = _regional.sending_copies(send, shard, self.regions) if self.regions is not None else send
+            results, error = self.comm.alive_outcome(send, staged, self.store, name, self.comm.until_any_fails,
+                                                     what="upload")
             all_results = self.comm.gather_outcomes(results, error, what=f"saving {self.store.where(name)}",
                                                     error_type=CheckpointSaveError)
             info = self.comm.from_rank0(lambda: self._commit(writer, planner, all_results, name, step, clean),

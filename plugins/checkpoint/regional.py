@@ -1,11 +1,16 @@
 """The ``Checkpointer``'s steps under regions (one store per site; the protocol is ``checkpoint.regions``'s):
-planning a save per region, writing the regional commit record, opening a checkpoint in this rank's view, and
-reporting the bytes a load read from other regions."""
+planning a save per region (and the copies of each site's own state in other regions, with ``replicas``), writing
+the regional commit record, opening a checkpoint in this rank's view, and reporting the bytes a load read from
+other regions."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint.storage import WriteResult
 
 from multidc.hierarchical import _env
 from multidc.plugins.checkpoint.format import (
@@ -18,6 +23,7 @@ from multidc.plugins.checkpoint.format import (
 )
 from multidc.plugins.checkpoint.object_store import ObjectStore
 from multidc.plugins.checkpoint.regions import CheckpointRegionUnavailableError, Regions
+from multidc.plugins.checkpoint.storage import subset
 
 _log = logging.getLogger("multidc.plugins.checkpoint")
 
@@ -62,26 +68,107 @@ def _check_whole(plans: list, region: str) -> None:
                 f"so no region would hold it whole: save it with one URL, or shard it inside each site only.")
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A rank's shard object (``file``, in its own region) whose items of the keys ``copied`` (its site's own state)
+    also go to each region of ``to``, as the object :func:`copy_file` names there."""
+
+    file: str
+    copied: frozenset
+    to: tuple[str, ...]
+
+
+def file_of(storage_data) -> str:
+    """The shard object a rank's global save plan names (its ``storage_data``: the file, or a :class:`Shard`)."""
+    return storage_data.file if isinstance(storage_data, Shard) else storage_data
+
+
+def copy_file(file: str) -> str:
+    """The object holding a rank's copy of its site's own items in another region: ``data/copy-rank00002.distcp``
+    for ``data/rank00002.distcp`` (its own region's shard may hold more items under the plain name)."""
+    folder, _, leaf = file.rpartition("/")
+    return f"{folder}/copy-{leaf}" if folder else f"copy-{leaf}"
+
+
+def with_copies(plans: list, regions_of_rank: list[str], targets: dict[str, tuple[str, ...]]) -> list:
+    """Every rank's global save plan (its shard file assigned), a rank that holds keys no other region holds (its
+    site's own state: a DiLoCo site model, per-rank residuals) given a :class:`Shard` that also sends those items
+    to ``targets[its region]`` (``regions.replica_targets``). Keys several regions hold are not copied: a site whose
+    region is lost reads them from another region already."""
+    if not any(targets.values()):
+        return plans
+    held: dict[str, set[str]] = {}
+    for plan, region in zip(plans, regions_of_rank, strict=True):
+        held.setdefault(region, set()).update(item.index.fqn for item in plan.items)
+    out = []
+    for plan, region in zip(plans, regions_of_rank, strict=True):
+        elsewhere = set().union(*(keys for other, keys in held.items() if other != region))
+        own = frozenset(item.index.fqn for item in plan.items) - elsewhere
+        if own and targets.get(region):
+            plan = dataclasses.replace(plan, storage_data=Shard(plan.storage_data, own, targets[region]))
+        out.append(plan)
+    return out
+
+
+def sending_copies(send, storage_data, regions: Regions):
+    """``send`` (``storage.upload``'s signature) that, for a :class:`Shard`, then uploads the copied items to each
+    region of ``Shard.to`` (errors naming the region); the copies' results carry their region in
+    ``ItemLocation.region``."""
+    if not isinstance(storage_data, Shard):
+        return send
+
+    def send_all(staged, store, name: str, stop=None) -> list:
+        results = list(send(staged, store, name, stop))
+        copy = subset(staged, storage_data.copied, copy_file(staged.file))
+        for region in storage_data.to:
+            sent = regions.call(region, lambda target: send(copy, target, name, stop))
+            results += [WriteResult(index=r.index, size_in_bytes=r.size_in_bytes,
+                                    storage_data=dataclasses.replace(r.storage_data, region=region)) for r in sent]
+        return results
+
+    return send_all
+
+
 def commit(regions: Regions, region_metadata: dict, results: list[list], regions_of_rank: list[str], *, name: str,
            step: int, extra: dict | None) -> dict[str, set[str]]:
     """Write the regional commit record of checkpoint ``name`` (rank 0, after every upload succeeded) into every
-    region; returns each region's shard objects. Raises if a region's record could not be written (then none is)."""
+    region: each region's part lists the items stored there, copies of other sites' own state included (their
+    result names the region); returns each region's shard objects. Raises if a region's record could not be
+    written (then none is)."""
+    held: dict[str, list] = {region: [] for region in region_metadata}  # region -> [(writer's region, result)]
+    for rank, rank_results in enumerate(results):
+        for result in rank_results:
+            region = result.storage_data.region or regions_of_rank[rank]
+            held.setdefault(region, []).append((regions_of_rank[rank], result))
     parts, files_by_region = {}, {}
-    for region, metadata in region_metadata.items():
+    for region, entries in held.items():
         locations, files = {}, {}
-        for rank, rank_results in enumerate(results):
-            if regions_of_rank[rank] != region:
-                continue
-            for result in rank_results:
-                loc = result.storage_data
-                locations[result.index] = loc
-                files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        for _, result in entries:
+            loc = dataclasses.replace(result.storage_data, region=None)
+            locations[result.index] = loc
+            files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        metadata = _part_metadata(region_metadata, region, entries)
         metadata.storage_data = locations
         parts[region] = commit_record(metadata, locations, step=step, world_size=len(results), files=files,
                                       extra=extra)
         files_by_region[region] = set(files)
     regions.commit(name, encode_regional_commit(parts, step=step, world_size=len(results), extra=extra))
     return files_by_region
+
+
+def _part_metadata(region_metadata: dict, region: str, entries: list):
+    """The DCP metadata of ``region``'s part: its own ranks' (``region_metadata[region]``; none for a region without
+    ranks) and, for each copied item, its key's entry in the metadata of the region that wrote it."""
+    own = region_metadata.get(region) or next(iter(region_metadata.values()))
+    entries_md = dict(own.state_dict_metadata) if region in region_metadata else {}
+    planner_data = dict(own.planner_data or {}) if region in region_metadata else {}
+    for source, result in entries:
+        fqn = result.index.fqn
+        if source != region:
+            entries_md[fqn] = region_metadata[source].state_dict_metadata[fqn]
+            if fqn in (region_metadata[source].planner_data or {}):
+                planner_data[fqn] = region_metadata[source].planner_data[fqn]
+    return dataclasses.replace(own, state_dict_metadata=entries_md, planner_data=planner_data, storage_data=None)
 
 
 def open_view(comm, regions: Regions, which, *, what: str) -> tuple[str, Commit, dict[str, str]]:

@@ -8,8 +8,12 @@ The protocol, stated once here (the checkpoints guide links to it):
   DiLoCo's global parameters) is striped over that site's ranks and stored once per region, so every region holds
   all of it; what only a site holds (its own DiLoCo model, per-rank keys) is stored in that site's region only, and
   ranks of different sites that hold different values under one key each keep their own.
+* **Copies (``replicas=N``).** The items of keys that only one region holds (a site's own state) are also written
+  by the ranks that hold them to the ``N`` regions after theirs in site order (wrapping around), as
+  ``data/copy-rank<r>.distcp``; these copies cross the WAN at save. A key that several regions hold is not copied.
 * **Commit.** After every rank's upload succeeded, rank 0 writes the same commit record (``COMMIT.json``: for each
-  region, the items stored there and where) into every configured region, then its clean-up runs region by region.
+  region, the items stored there, copies included, and where) into every configured region, then its clean-up
+  runs region by region (its warnings and errors name the region).
   Only this small round crosses regions. A step is committed when its record is in every region: ``committed`` is
   the intersection of the regions' committed steps, so a save that fails or crashes between two regions' records
   is committed nowhere (a failed record write also takes back the records already written); such stray records
@@ -17,10 +21,11 @@ The protocol, stated once here (the checkpoints guide links to it):
 * **Unavailable regions.** A region whose bucket is gone or whose endpoint stays unreachable (after the
   ``RetryPolicy``) is left out of ``committed`` (with a warning) and out of loads; refused credentials are never
   "unavailable": they raise ``ObjectStoreAuthError`` naming the region and the setting to fix.
-* **Load.** Each site reads every item from its own region when that region holds it and is available, else from
-  the first available region (in site order) that does; rank 0 of each site logs the bytes its site read from
-  other regions. A load that wants a key held only by unavailable regions (or regions the job has no URL for)
-  raises ``CheckpointRegionUnavailableError`` on every rank before any shard is read, naming those regions.
+* **Load.** Each site reads every item from its own region when that region holds it (or a copy of it) and
+  is available, else from the first available region (in site order) that does; rank 0 of each site logs the
+  bytes its site read from other regions. A load that wants a key held only by unavailable regions (or regions the
+  job has no URL for) raises ``CheckpointRegionUnavailableError`` on every rank before any shard is read, naming
+  those regions.
 """
 
 from __future__ import annotations
@@ -81,9 +86,72 @@ def _json_or_text(variable: str):
         raise ValueError(f"{variable} starts with '{{' but is not a JSON object: {raw[:40]!r}...") from None
 
 
+def env_replicas() -> int | None:
+    """``MULTIDC_CKPT_REPLICAS`` (an int), or ``None`` if unset."""
+    return _env.read_int(_env.CKPT_REPLICAS)
+
+
+def replica_targets(replicas: int | None, regions: list[str] | None) -> dict[str, tuple[str, ...]]:
+    """Region -> the regions that also hold its site's own state (module doc): the ``replicas`` regions after it in
+    ``regions`` (site order), wrapping around; ``{}`` for none. ``replicas=None``: ``MULTIDC_CKPT_REPLICAS``, else 0.
+    ``regions=None``: one store (the environment variable, a setting for the job's region-local checkpoints, is
+    then ignored).
+
+    Raises:
+        ValueError: ``replicas`` is not an int >= 0, exceeds the other regions, or is passed for one store (naming
+            the argument or the environment variable, and the fix).
+    """
+    setting = "replicas"
+    if replicas is None:
+        replicas, setting = env_replicas(), _env.CKPT_REPLICAS
+    if replicas is None or (replicas == 0 and not isinstance(replicas, bool)) or (
+            regions is None and setting == _env.CKPT_REPLICAS):
+        return {}
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"{setting}={replicas!r} must be an int >= 0: the number of other regions that also hold "
+                         "each site's own state (0: its own region only).")
+    if regions is None:
+        raise ValueError(f"{setting}={replicas} copies each site's own state to other regions, but the checkpoint URL "
+                         f"names one store: give one URL per site (a template with {SITE}, or a mapping), or "
+                         f"set {setting}=0.")
+    if replicas > len(regions) - 1:
+        raise ValueError(f"{setting}={replicas}, but there are only {len(regions) - 1} other region(s) than each "
+                         f"site's (regions: {regions}): set it to at most {len(regions) - 1}, or add regions.")
+    return {r: tuple(regions[(i + k) % len(regions)] for k in range(1, replicas + 1)) for i, r in enumerate(regions)}
+
+
 def is_regional(url) -> bool:
-    """Whether ``url`` names one store per site (a mapping or a ``{site}`` template)."""
-    return isinstance(url, Mapping) or SITE in str(url)
+    """Whether ``url`` names one store per site (a mapping, a ``{site}`` template, or a mapping as :func:`path_key`
+    text)."""
+    return isinstance(url, Mapping) or SITE in str(url) or str(url).startswith('{"')
+
+
+def path_key(path) -> str:
+    """``path`` as text: a URL / template ``/``-stripped, a mapping site -> URL as canonical JSON. The text of a
+    mapping may take a suffix (Lightning joins a file name to a directory): ``{"eu": "s3://a/run"}/last.ckpt`` is
+    ``s3://a/run/last.ckpt`` in region ``eu`` (:func:`url_of`)."""
+    if isinstance(path, Mapping):
+        return json.dumps({str(k): str(v).rstrip("/") for k, v in path.items()}, sort_keys=True)
+    return str(path).rstrip("/")
+
+
+def url_of(key: str):
+    """The URL / template / mapping a :func:`path_key` text stands for (a mapping's suffix joined to every URL).
+
+    Raises:
+        ValueError: text that starts like a mapping (``{"``) but is not one.
+    """
+    if not key.startswith('{"'):
+        return key
+    try:
+        mapping, end = json.JSONDecoder().raw_decode(key)
+    except ValueError:
+        raise ValueError(f"checkpoint path {key[:60]!r} starts like a mapping site -> URL but is not valid JSON: "
+                         "pass the mapping itself, or a URL.") from None
+    if not isinstance(mapping, dict):
+        raise ValueError(f"checkpoint path {key[:60]!r} is not a mapping site -> URL.")
+    suffix = key[end:]
+    return {str(site): f"{str(url).rstrip('/')}{suffix}" for site, url in mapping.items()}
 
 
 def _is_site_key(key, names) -> bool:
@@ -283,20 +351,28 @@ class Regions:
               folder_only: bool = False) -> None:
         """After ``name`` committed (region ``r``'s shards are ``files[r]``): delete stray commit records (steps
         not committed in every region), then clean each region as ``retention.clean_after_commit`` (or, with
-        ``folder_only``, ``retention.remove_replaced``)."""
+        ``folder_only``, ``retention.remove_replaced``), through :meth:`call`: its warnings and errors name the
+        region."""
         if not folder_only:
             self._drop_stray_records(name)
-        for region, store in self.stores.items():
+        for region in self.stores:
+            where = self.where_in(region)
             if folder_only:
-                _retention.remove_replaced(store, name, files.get(region, set()))
+                clean = functools.partial(_retention.remove_replaced, where=where)
             else:
-                _retention.clean_after_commit(store, name, files.get(region, set()), keep_last_k=keep_last_k,
-                                              supersede=supersede)
+                clean = functools.partial(_retention.clean_after_commit, keep_last_k=keep_last_k,
+                                          supersede=supersede, where=where)
+            self.call(region, clean, name, files.get(region, set()))
+
+    def where_in(self, region: str):
+        """``where(key)`` for messages about ``region``'s store: the region, then the location."""
+        store = self.stores[region]
+        return lambda key="": f"region {region!r}: {store.where(key)}"
 
     def _drop_stray_records(self, name: str) -> None:
         try:
-            found = {r: set(_retention.committed(s)) for r, s in self.stores.items()}
-        except Exception as exc:  # the save succeeded: cleaning up never fails it
+            found = {r: set(self.call(r, _retention.committed)) for r in self.stores}
+        except Exception as exc:  # the save succeeded: cleaning up never fails it (the error names the region)
             _log.warning("checkpoint %s is committed, but listing the regions for stray commit records failed: %s",
                          name, exc)
             return
@@ -305,7 +381,7 @@ class Regions:
             for _, stray in sorted(steps - everywhere):
                 if stray != name:
                     try:
-                        self.stores[region].delete(f"{stray}/{COMMIT}")
+                        self.call(region, ObjectStore.delete, f"{stray}/{COMMIT}")
                     except Exception as exc:  # as above; the next save tries again
                         _log.warning("could not delete the stray commit record %s: %s",
-                                     self.stores[region].where(f"{stray}/{COMMIT}"), exc)
+                                     self.where_in(region)(f"{stray}/{COMMIT}"), exc)

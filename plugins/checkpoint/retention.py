@@ -123,13 +123,13 @@ def _remove_unreferenced(store: ObjectStore, name: str, files: set[str]) -> None
             store.delete(f"{name}/{key}")
 
 
-def remove_replaced(store: ObjectStore, name: str, files: set[str]) -> None:
+def remove_replaced(store: ObjectStore, name: str, files: set[str], *, where=None) -> None:
     """After folder ``name`` (``""``: the root) committed: delete its objects the commit record does not
     reference (shards it replaced, leftovers of crashed saves); ``files`` are those it references. Never raises:
     a failure is logged as a warning (see :func:`clean_after_commit`)."""
-    left: list[str] = []
-    _attempt(left, f"replaced shard objects of {store.where(name)}", _remove_unreferenced, store, name, files)
-    _report(store, name, left)
+    where, left = where or store.where, []
+    _attempt(left, f"replaced shard objects of {where(name)}", _remove_unreferenced, store, name, files)
+    _report(where, name, left)
 
 
 def _attempt(left: list[str], what: str, fn, *args) -> None:
@@ -139,14 +139,14 @@ def _attempt(left: list[str], what: str, fn, *args) -> None:
         left.append(f"{what} ({type(exc).__name__}: {exc})")
 
 
-def _report(store: ObjectStore, name: str, left: list[str]) -> None:
+def _report(where, name: str, left: list[str]) -> None:
     if left:
         _log.warning("checkpoint %s is committed, but cleaning up after it failed; left behind: %s. The next save "
-                     "retries; delete them by hand if they take space.", store.where(name), "; ".join(left))
+                     "retries; delete them by hand if they take space.", where(name), "; ".join(left))
 
 
 def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_last_k: int | None,
-                       supersede: bool) -> None:
+                       supersede: bool, where=None) -> None:
     """After ``name`` committed (its shards are ``files``): remove what it replaced and what is not kept.
 
     In order: objects of ``name`` it no longer references; with ``supersede``, committed checkpoints of later
@@ -154,15 +154,16 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
     it is never deleted); half-written folders. Runs on one rank while no other save of this job is in flight.
     The checkpoint is committed, so a failed deletion is logged as a warning on ``multidc.plugins.checkpoint``
     naming what was left behind, and the next save tries again. The one exception: a superseded checkpoint whose
-    commit record cannot be deleted raises RuntimeError (it would still be ``latest``).
+    commit record cannot be deleted raises RuntimeError (it would still be ``latest``). ``where(key)`` names a
+    location in these messages (default ``store.where``; under regions it names the region too).
     """
-    left: list[str] = []
-    _attempt(left, f"replaced shard objects of {store.where(name)}", _remove_unreferenced, store, name, files)
+    where, left = where or store.where, []
+    _attempt(left, f"replaced shard objects of {where(name)}", _remove_unreferenced, store, name, files)
     try:
         candidates = _candidates(store)
     except Exception as exc:  # as above
         candidates = []
-        left.append(f"every older or half-written checkpoint under {store.where()} (listing failed: "
+        left.append(f"every older or half-written checkpoint under {where()} (listing failed: "
                     f"{type(exc).__name__}: {exc})")
     step = parse_step(name)
     others = [(s, n) for s, n in candidates if n != name]
@@ -171,7 +172,7 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
         try:
             (done if store.exists(f"{n}/{COMMIT}") else half).append((s, n))
         except Exception as exc:  # as above
-            left.append(f"{store.where(n)} (could not tell whether it is committed: {type(exc).__name__}: {exc})")
+            left.append(f"{where(n)} (could not tell whether it is committed: {type(exc).__name__}: {exc})")
     superseded = [n for s, n in done if supersede and s > step]
     # A superseded checkpoint that stays committed would still be `latest` (it has the higher step): a commit
     # record that cannot be deleted raises below, instead of a warning nobody reads before resuming.
@@ -180,18 +181,18 @@ def clean_after_commit(store: ObjectStore, name: str, files: set[str], *, keep_l
         try:
             store.delete(f"{n}/{COMMIT}")
         except Exception as exc:  # raised below, after the rest of the clean-up
-            stuck.append(f"{store.where(n)} ({type(exc).__name__}: {exc})")
+            stuck.append(f"{where(n)} ({type(exc).__name__}: {exc})")
             continue
-        _attempt(left, store.where(n), store.delete_tree, n)  # uncommitted: its shards go like a half-written one's
+        _attempt(left, where(n), store.delete_tree, n)  # uncommitted: its shards go like a half-written one's
     kept = [n for s, n in done if n not in superseded]
     doomed = kept[: max(0, len(kept) - (keep_last_k - 1))] if keep_last_k is not None else []
     for n in doomed:
-        _attempt(left, store.where(n), delete_committed, store, n)
+        _attempt(left, where(n), delete_committed, store, n)
     for _, n in half:
-        _attempt(left, f"half-written {store.where(n)}", store.delete_tree, n)
-    _report(store, name, left)
+        _attempt(left, f"half-written {where(n)}", store.delete_tree, n)
+    _report(where, name, left)
     if stuck:
         raise RuntimeError(
-            f"{store.where(name)} is committed, but checkpoints it was to supersede (replace=True) are still "
+            f"{where(name)} is committed, but checkpoints it was to supersede (replace=True) are still "
             f"committed, so `latest` resolves to them and not to it: {'; '.join(stuck)}. Delete their COMMIT.json "
             "by hand before resuming from `latest`, or load this checkpoint by its step.")

@@ -117,6 +117,20 @@ def stage(plan: SavePlan, planner: SavePlanner, file: str, *, snapshot: Snapshot
     return Staged(file=file, data=Segments(views), entries=layout)
 
 
+def subset(staged: Staged, keys, file: str) -> Staged:
+    """The items of ``staged`` whose key (FQN) is in ``keys``, laid out back to back as the object ``file`` (another
+    region's copy of them); shares ``staged``'s buffers, so it is valid as long as they are (no copy)."""
+    views, entries, end = [], [], 0
+    for item, offset, length, dtype, sizes in staged.entries:
+        if item.index.fqn not in keys:
+            continue
+        at = -(-end // _ALIGN) * _ALIGN
+        views += [bytes(at - end), *staged.data.slice(offset, offset + length).views]
+        entries.append((item, at, length, dtype, sizes))
+        end = at + length
+    return Staged(file=file, data=Segments(views), entries=entries)
+
+
 def _resolved(planner: SavePlanner, item, sizes: tuple) -> torch.Tensor:
     tensor = planner.resolve_data(item).detach()
     if tuple(tensor.shape) != sizes:

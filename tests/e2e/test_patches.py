@@ -57,6 +57,9 @@ def test_lightnings_last_checkpoint_lookup_loop_and_step_counter_are_where_multi
     assert _parameters(original(_CheckpointConnector.resume_start)) == ["self", "checkpoint_path", "weights_only"]
     assert _parameters(original(ModelCheckpoint.file_exists)) == ["self", "filepath", "trainer"]
     assert _parameters(original(ModelCheckpoint._ModelCheckpoint__warn_if_dir_not_empty)) == ["self", "dirpath"]
+    assert _parameters(original(ModelCheckpoint._ModelCheckpoint__init_ckpt_dir)) == ["self", "dirpath", "filename"]
+    setup = inspect.getsource(original(ModelCheckpoint.setup))  # what the patch skips for a mapping's text
+    assert "trainer.strategy.broadcast(dirpath)" in setup and "get_filesystem(self.dirpath" in setup
     assert _parameters(ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir) == ["self", "trainer"]
     assert _parameters(_TrainingEpochLoop.update_lr_schedulers) == ["self", "interval", "update_plateau_schedulers"]
     assert _parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == ["self"]  # site_sigterm_broadcast

@@ -184,6 +184,7 @@ def test_bad_num_sites_fails_every_rank_of_the_launch_before_training(launches):
     (dict(num_sites=True), "must be a positive integer"),
     (dict(site=1.5), "must be an int index or a name"),
     (dict(wan={"compression": "bf16"}), "must be a multidc.hierarchical.WanConfig"),
+    (dict(checkpoint_replicas=-1), r"checkpoint_replicas=-1 must be an int >= 0"),
 ])
 def test_plugin_rejects_bad_arguments(kwargs, message):
     from multidc.plugins import MultiDCPlugin

@@ -1,7 +1,9 @@
 """Region-local checkpoints: one SeaweedFS S3 server per site (two on loopback), 2 sites x 2 gloo ranks.
 
-Pure cases check the URL settings; the distributed cases save with 2 sites, load on 2 sites and on 1 site (2 ranks),
-lose a region's bucket, refuse one region's credentials, and kill a region's server mid-save.
+Pure cases check the URL and ``replicas`` settings; in-process cases clean up after a regional commit; the
+distributed cases save with 2 sites, load on 2 sites and on 1 site (2 ranks), lose a region's bucket (also after a
+save with ``replicas=1`` of DiLoCo's per-site state), refuse one region's credentials, and kill a region's server
+mid-save.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from multidc.hierarchical.tools.seaweed import SeaweedS3
-from multidc.plugins.checkpoint.regions import site_urls
+from multidc.plugins.checkpoint.object_store import ObjectStore, ObjectStoreError
+from multidc.plugins.checkpoint.regions import Regions, path_key, replica_targets, site_urls, url_of
 from tests._batched import run_cases
 from tests._resources import require_weed
 
@@ -54,13 +57,106 @@ def test_the_url_comes_from_the_environment_when_none_is_given(monkeypatch):
     assert from_env(None, None)[0] == "s3://ckpt-{site}/r"
 
 
+def test_a_mapping_as_text_with_a_file_name_joined_names_that_file_in_every_region():
+    # ModelCheckpoint(dirpath={site: url}) joins its file names to the mapping's text, as to a directory
+    text = f"{path_key({'us': 's3://b/x', 'eu': 's3://a/run/'})}/epoch=0-step=4.ckpt"
+    assert url_of(text) == {"eu": "s3://a/run/epoch=0-step=4.ckpt", "us": "s3://b/x/epoch=0-step=4.ckpt"}
+    assert url_of(path_key({"eu": "s3://a/run"})) == {"eu": "s3://a/run"}
+    with pytest.raises(ValueError, match="starts like a mapping site -> URL but is not valid JSON"):
+        url_of('{"eu": "s3://a/run"')
+
+
+@pytest.mark.parametrize(("replicas", "regions", "expected"), [
+    (0, ["a", "b"], {}),
+    (None, ["a", "b"], {}),
+    (1, ["a", "b"], {"a": ("b",), "b": ("a",)}),
+    (1, ["a", "b", "c"], {"a": ("b",), "b": ("c",), "c": ("a",)}),
+    (2, ["a", "b", "c"], {"a": ("b", "c"), "b": ("c", "a"), "c": ("a", "b")}),
+])
+def test_replicas_go_to_the_regions_after_each_site_in_site_order(replicas, regions, expected):
+    assert replica_targets(replicas, regions) == expected
+
+
+@pytest.mark.parametrize(("replicas", "regions", "message"), [
+    (-1, ["a", "b"], r"replicas=-1 must be an int >= 0"),
+    (True, ["a", "b"], r"replicas=True must be an int >= 0"),
+    (2, ["a", "b"], r"replicas=2, but there are only 1 other region.*set it to at most 1"),
+    (1, None, r"replicas=1 copies each site's own state to other regions, but the checkpoint URL names one store"),
+])
+def test_bad_replicas_are_refused_naming_the_setting_and_the_fix(replicas, regions, message):
+    with pytest.raises(ValueError, match=message):
+        replica_targets(replicas, regions)
+
+
+def test_replicas_come_from_the_environment_when_not_given(monkeypatch):
+    monkeypatch.setenv("MULTIDC_CKPT_REPLICAS", "1")
+    assert replica_targets(None, ["a", "b"]) == {"a": ("b",), "b": ("a",)}
+    assert replica_targets(0, ["a", "b"]) == {}  # an argument wins
+    assert replica_targets(None, None) == {}  # one store: the job's setting for its region-local checkpoints
+    monkeypatch.setenv("MULTIDC_CKPT_REPLICAS", "3")
+    with pytest.raises(ValueError, match=r"MULTIDC_CKPT_REPLICAS=3, but there are only 1 other region"):
+        replica_targets(None, ["a", "b"])
+
+
+# ----------------------------------------------------------------------------- in-process, two servers
+@pytest.fixture
+def two_regions(s3_server, s3_auth_server) -> Regions:
+    """Two regions, each a fresh bucket on its own server (region '1' with credentials)."""
+    tag = uuid.uuid4().hex[:10]
+    urls = {"0": s3_server.make_bucket(f"c0-{tag}") + "/run", "1": s3_auth_server.make_bucket(f"c1-{tag}") + "/run"}
+    options = {"0": s3_server.storage_options(), "1": s3_auth_server.storage_options()}
+    return Regions(urls, options, local="0")
+
+
+def _refusing(monkeypatch, store: ObjectStore, method: str, key: str) -> None:
+    """``store.<method>(key)`` raises (the server refused); every other call goes through."""
+    real = getattr(ObjectStore, method)
+
+    def refuse(self, k, *args, **kwargs):
+        if self is store and k == key:
+            raise ObjectStoreError(f"injected: {method} {k} refused")
+        return real(self, k, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, method, refuse)
+
+
+def test_clean_up_after_a_regional_commit_names_the_region_it_could_not_clean(two_regions, monkeypatch, caplog):
+    for store in two_regions.stores.values():  # step 2 committed in both regions; a half-written step 1 in both
+        store.put("step_0000000002/COMMIT.json", b"{}")
+        store.put("step_0000000001/data/rank00000.distcp", b"half-written")
+    _refusing(monkeypatch, two_regions.stores["1"], "delete_tree", "step_0000000001")
+    with caplog.at_level(logging.WARNING, logger="multidc.plugins.checkpoint"):
+        two_regions.clean("step_0000000002", {"0": set(), "1": set()}, keep_last_k=None, supersede=False)
+    warnings = [r.getMessage() for r in caplog.records if "cleaning up after it failed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("checkpoint region '1': ") and "left behind: half-written region '1': " in \
+        warnings[0] and "injected: delete_tree step_0000000001 refused" in warnings[0], warnings[0]
+    assert two_regions.stores["0"].list_files("step_0000000001") == []  # region 0 was cleaned
+    assert two_regions.stores["1"].list_files("step_0000000001") == ["data/rank00000.distcp"]
+
+
+def test_a_superseded_record_left_in_one_region_fails_the_clean_up_naming_that_region(two_regions, monkeypatch):
+    for store in two_regions.stores.values():  # a rewound run saved step 1 over a committed step 3
+        for name in ("step_0000000001", "step_0000000003"):
+            store.put(f"{name}/COMMIT.json", b"{}")
+    _refusing(monkeypatch, two_regions.stores["1"], "delete", "step_0000000003/COMMIT.json")
+    with pytest.raises(RuntimeError, match=r"^region '1': .*step_0000000001 .*is committed, but checkpoints it was to "
+                                           r"supersede .* still committed.*region '1': .*step_0000000003"):
+        two_regions.clean("step_0000000001", {"0": set(), "1": set()}, keep_last_k=None, supersede=True)
+    assert not two_regions.stores["0"].exists("step_0000000003/COMMIT.json")
+
+
 @pytest.mark.parametrize("call", ["save", "load"])
-def test_lightning_checkpoint_io_refuses_a_site_template_naming_the_strategies_and_checkpointer(call, tmp_path):
+@pytest.mark.parametrize("form", ["template", "mapping"])
+def test_lightning_checkpoint_io_refuses_a_site_template_naming_the_strategies_and_checkpointer(call, form, tmp_path):
     pytest.importorskip("lightning")
     from multidc.plugins import ObjectStoreCheckpointIO
 
     io = ObjectStoreCheckpointIO()
-    path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
+    if form == "template":
+        path = str(tmp_path / "region-{site}" / "epoch=0-step=1.ckpt")
+    else:  # a ModelCheckpoint(dirpath=mapping)'s path: the mapping's text, the file name joined
+        path = path_key({"0": str(tmp_path / "region-0"), "1": str(tmp_path / "region-1")}) + "/epoch=0-step=1.ckpt"
     with pytest.raises(ValueError, match=r"one store per site.*Use a multidc strategy .*Checkpointer\(url, "
                                          r"topology=...\)"):
         io.save_checkpoint({"state_dict": {}}, path) if call == "save" else io.load_checkpoint(path)
@@ -164,7 +260,6 @@ def _wrong_credentials(rank, world, urls, options, bad):
 
 
 def _lost_region(rank, world, urls, options):
-    import s3fs
     import torch.distributed as dist
 
     ckpt, site = _checkpointer(rank, world, urls, options)
@@ -172,11 +267,7 @@ def _lost_region(rank, world, urls, options):
     ckpt.save(state, step=3)
     dist.barrier()
     if rank == 0:  # region 0's bucket is gone
-        fs = s3fs.S3FileSystem(**options["0"])
-        bucket = urls["0"].removeprefix("s3://").split("/")[0]
-        fs.rm(bucket, recursive=True)
-        if fs.exists(bucket):
-            fs.rmdir(bucket)
+        _drop_bucket(urls["0"], options["0"])
     dist.barrier()
     lines = _capture()
     target = {"w": torch.zeros(ROWS, 256), "meta": {"step": 0}}
@@ -205,7 +296,6 @@ def _sharded_across_sites(rank, world, urls, options):
 
 def _only_in_a_lost_region(rank, world, urls, options):
     """Region 1's bucket goes after the save: ranks 2 and 3 want their own keys, which only region 1 held."""
-    import s3fs
     import torch.distributed as dist
 
     from multidc.plugins import CheckpointRegionUnavailableError
@@ -214,11 +304,7 @@ def _only_in_a_lost_region(rank, world, urls, options):
     ckpt.save(_state(rank, site), step=4)
     dist.barrier()
     if rank == 0:
-        fs = s3fs.S3FileSystem(**options["1"])
-        bucket = urls["1"].removeprefix("s3://").split("/")[0]
-        fs.rm(bucket, recursive=True)
-        if fs.exists(bucket):
-            fs.rmdir(bucket)
+        _drop_bucket(urls["1"], options["1"])
     dist.barrier()
     try:
         ckpt.load(_zeros(rank))
@@ -257,6 +343,76 @@ def _killed_mid_save(rank, world, urls, options, victim_group):
     return outcome, steps
 
 
+def _drop_bucket(url: str, options: dict) -> None:
+    """A region's store is lost: its bucket and everything in it."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    bucket = url.removeprefix("s3://").split("/")[0]
+    fs.rm(bucket, recursive=True)
+    if fs.exists(bucket):
+        fs.rmdir(bucket)
+
+
+def _diloco_job(topology, seed: int):
+    """A site-DDP model under DiLoCo with the top-k codec (per-site models, per-rank residuals); ``seed`` its init."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from multidc.hierarchical import DiLoCo, DiLoCoConfig, register_site_ddp_hook
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = DistributedDataParallel(model)
+    register_site_ddp_hook(ddp, topology)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    return model, ddp, optimizer, DiLoCo(ddp, optimizer, topology, DiLoCoConfig(sync_every=2, compression="topk"))
+
+
+def _diloco_snapshot(model, diloco) -> dict:
+    state = diloco.state_dict()
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "global": {k: v.clone() for k, v in state["global"].items()},
+            "residuals": [fragment.residual.clone() for fragment in diloco._fragments]}
+
+
+def _replicated_site_state(rank, world, urls, options):
+    """DiLoCo with per-site models saved with ``replicas=1``; region 1's store is lost; a fresh job loads."""
+    import torch.distributed as dist
+
+    from multidc.hierarchical import Topology
+    from multidc.plugins import Checkpointer, ModelState, RetryPolicy
+
+    topology = Topology.build(site=rank * 2 // world)
+    model, ddp, optimizer, diloco = _diloco_job(topology, seed=0)
+    for t in range(3):  # a sync after step 2, then one more step: the site models differ, residuals are set
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + t))
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+    retry = RetryPolicy(attempts=2, initial_backoff_s=0.05)
+    ckpt = Checkpointer(urls, storage_options=options, stripe_min_mb=0, topology=topology, retry=retry, replicas=1)
+    site_key = f"site_{topology.site}"
+    ckpt.save({"diloco": diloco, site_key: ModelState(ddp, optimizer)}, step=1)
+    saved = _diloco_snapshot(model, diloco)
+    listing = _listing(urls, options) if rank == 0 else None
+    diloco.close()
+    dist.barrier()
+    if rank == 0:
+        _drop_bucket(urls["1"], options["1"])
+    dist.barrier()
+    lines = _capture()
+    model, ddp, optimizer, diloco = _diloco_job(topology, seed=1)  # other weights until the load
+    ckpt.load({"diloco": diloco, site_key: ModelState(ddp, optimizer)})
+    ckpt.close()
+    loaded = _diloco_snapshot(model, diloco)
+    diloco.close()
+    same = {"model": all(torch.equal(loaded["model"][k], v) for k, v in saved["model"].items()),
+            "global": all(torch.equal(loaded["global"][k], v) for k, v in saved["global"].items()),
+            "residuals": all(torch.equal(a, b) for a, b in zip(loaded["residuals"], saved["residuals"], strict=True)),
+            "residuals set": any(bool(r.abs().sum()) for r in saved["residuals"])}
+    return same, [line for line in lines.lines if "other regions" in line], listing
+
+
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     """A third server, killed by the mid-save case (the session's two stay up for other modules)."""
@@ -276,11 +432,12 @@ def regions_job(s3_server, s3_auth_server, victim):
         tag = uuid.uuid4().hex[:10]
         return {"0": s3_server.make_bucket(f"r0-{tag}") + "/run", "1": second.make_bucket(f"r1-{tag}") + "/run"}
 
-    main, lost, only, killed, sharded = pair(), pair(), pair(), pair(victim), pair()
+    main, lost, only, killed, sharded, replicated = pair(), pair(), pair(), pair(victim), pair(), pair()
     bad = s3_auth_server.storage_options(key="MDCTESTACCESSKEY", secret="wrong-secret")
     cases = {
         "save and load": (_save_and_load, (main, options)),
         "wrong credentials": (_wrong_credentials, (main, options, bad)),
+        "replicas": (_replicated_site_state, (replicated, options)),
         "lost region": (_lost_region, (lost, options)),
         "only in a lost region": (_only_in_a_lost_region, (only, options)),
         "sharded across sites": (_sharded_across_sites, (sharded, options)),
@@ -359,3 +516,20 @@ def test_state_sharded_across_sites_is_refused_on_every_rank_naming_the_key(regi
     for error, steps in results["sharded across sites"]:
         assert "region-local checkpoint" in error and "'w'" in error and "fsdp_across_sites" in error, error
         assert steps == []  # nothing committed
+
+
+def test_a_sites_own_diloco_state_saved_with_replicas_loads_from_another_region_when_its_own_is_lost(regions_job):
+    results, _ = regions_job
+    outcomes = results["replicas"]
+    for rank, (same, crossed, _) in enumerate(outcomes):
+        assert all(same.values()), (rank, same)  # site model, DiLoCo's global copy, this rank's top-k residuals
+        if rank == 0:
+            assert crossed == ["site '0': this load reads 0 bytes from other regions"], crossed
+        if rank == 2:  # site 1 read everything from region 0: the copies of its own state, and the rest
+            assert len(crossed) == 1 and "site '1': this load reads" in crossed[0] and "(0: " in crossed[0], crossed
+    listing = outcomes[0][2]
+    # each region: its own ranks' shards, the other site's ranks' copies of their site's own state, the record
+    for site, own, copies in (("0", (0, 1), (2, 3)), ("1", (2, 3), (0, 1))):
+        assert listing[site] == sorted(["step_0000000001/COMMIT.json",
+                                        *(f"step_0000000001/data/rank{r:05d}.distcp" for r in own),
+                                        *(f"step_0000000001/data/copy-rank{r:05d}.distcp" for r in copies)]), site

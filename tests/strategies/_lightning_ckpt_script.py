@@ -4,16 +4,20 @@
         --max-steps 8 --every 4 --out DIR [--ckpt-path last] [--async]
     python tests/strategies/_lightning_ckpt_script.py --strategy parallel_3d --devices 4 --pp 2 --root /tmp/run \\
         --max-steps 2 --out DIR [--ckpt-path last]
+    python tests/strategies/_lightning_ckpt_script.py --strategy diloco --devices 2 --root 's3://b-{site}/run' \\
+        --max-steps 12 --every 4 --top-k -1 --replicas 1 --out DIR [--ckpt-path PATH]
 
 ``hierarchical_ddp`` trains a small regressor (AdamW, per-step LR schedule) with ``ModelCheckpoint(dirpath=
-<root>/ckpts, every_n_train_steps=--every, save_last=True)``; ``parallel_3d`` trains a tiny GPT (pipeline when
-``--pp 2``, FSDP2 over 2 data-parallel shards) with ``default_root_dir=<root>`` and a ``ModelCheckpoint`` without
-dirpath (so ``<root>/checkpoints``). Saves happen at the last batch of an epoch (``--every`` = steps per epoch):
-Lightning itself resumes a checkpoint written at ``on_train_epoch_end`` one batch short of the next epoch. The
-global batch is 16 rows (regressor) or 8 (GPT) per step whatever the number of ranks, so runs on different layouts
-follow the same trajectory. Every rank writes DIR/rank{r}.json (global loss
-per step, RNG fingerprints at each save and after the load, the resolved checkpoint path, the LR) and
-DIR/weights_rank{r}.pt (full values of the parameters it holds); at exit, DIR/exit_rank{r}.json (tests/_exit_probe.py).
+<root>/ckpts, every_n_train_steps=--every, save_last=True, save_top_k=--top-k)``; ``diloco`` the same under DiLoCo
+(one site per rank, a sync every 5 steps, ``checkpoint_replicas=--replicas``); a ``--root`` that is a JSON object
+site -> URL gives ``ModelCheckpoint`` a mapping (each URL + ``/ckpts``); ``parallel_3d`` trains a tiny GPT (pipeline
+when ``--pp 2``, FSDP2 over 2 data-parallel shards) with ``default_root_dir=<root>`` and a ``ModelCheckpoint``
+without dirpath (so ``<root>/checkpoints``). Saves happen at the last batch of an epoch (``--every`` = steps per
+epoch): Lightning itself resumes a checkpoint written at ``on_train_epoch_end`` one batch short of the next epoch.
+The global batch is 16 rows (regressor) or 8 (GPT) per step whatever the number of ranks, so runs on different
+layouts follow the same trajectory. Every rank writes DIR/rank{r}.json (global loss per step, RNG fingerprints at
+each save and after the load, the resolved checkpoint path, the LR) and DIR/weights_rank{r}.pt (full values of the
+parameters it holds); at exit, DIR/exit_rank{r}.json (tests/_exit_probe.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from tests import _exit_probe  # noqa: I001  (before multidc: its exit handler must run first)
-from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy
+from multidc.hierarchical import DiLoCoConfig
+from multidc.strategies import DiLoCoStrategy, HierarchicalDDPStrategy, Parallel3DStrategy
 from tests._tiny_models import TinyGPT, batch, loss_fn
 
 REGRESSOR_ROWS, GPT_ROWS = 16, 8  # global batch per step
@@ -122,7 +127,7 @@ def gpt_data() -> TensorDataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["hierarchical_ddp", "parallel_3d"], required=True)
+    parser.add_argument("--strategy", choices=["hierarchical_ddp", "diloco", "parallel_3d"], required=True)
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--root", required=True)
@@ -130,6 +135,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--top-k", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     _exit_probe.report_to(os.path.join(args.out, f"exit_rank{os.environ.get('LOCAL_RANK', '0')}.json"))
@@ -137,10 +144,17 @@ def main() -> None:
     pl.seed_everything(0)
     common = dict(accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    if args.strategy == "hierarchical_ddp":
+    if args.strategy in ("hierarchical_ddp", "diloco"):
         module, data, rows = Regressor(), regressor_data(), REGRESSOR_ROWS
-        strategy = HierarchicalDDPStrategy(checkpoint_async=args.async_save)  # sites: MULTIDC_NUM_SITES
-        callback = ModelCheckpoint(dirpath=f"{args.root}/ckpts", every_n_train_steps=args.every, save_last=True)
+        if args.strategy == "diloco":  # one site per rank
+            strategy = DiLoCoStrategy(diloco=DiLoCoConfig(sync_every=5), num_sites=args.devices,
+                                      checkpoint_async=args.async_save, checkpoint_replicas=args.replicas)
+        else:
+            strategy = HierarchicalDDPStrategy(checkpoint_async=args.async_save)  # sites: MULTIDC_NUM_SITES
+        root = json.loads(args.root) if args.root.startswith("{") else args.root  # a mapping site -> URL
+        dirpath = {s: f"{u}/ckpts" for s, u in root.items()} if isinstance(root, dict) else f"{root}/ckpts"
+        callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=args.every, save_last=True,
+                                   save_top_k=args.top_k)  # built after the strategy: a mapping needs its hooks
         trainer = pl.Trainer(strategy=strategy, callbacks=[callback], **common)
         replicas = args.devices
     else:

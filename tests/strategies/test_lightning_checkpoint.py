@@ -3,8 +3,10 @@
 Trainer runs (_lightning_ckpt_script.py, CPU, gloo) save to a real SeaweedFS S3 server (hierarchical_ddp,
 4 ranks / 2 sites, async, credentials from the AWS environment) and to a local path (parallel_3d, dp_shard 2 x
 pp 2), then resume with ``ckpt_path="last"`` on another layout (2 ranks / 1 site; dp_shard 2 without pipeline)
-past a planted half-written checkpoint. Losses and weights are compared with one process trained in this test
-on the same global batches (rtol 1e-5 / 1e-4); RNG streams with the ones saved.
+past a planted half-written checkpoint. Region-local: hierarchical_ddp and diloco (2 sites x 1 rank, one server per
+site) with a ``{site}`` dirpath, diloco resumed with a mapping site -> URL as dirpath. Losses and weights are
+compared with one process trained in this test on the same global batches (rtol 1e-5 / 1e-4), diloco's with its
+unbroken run; RNG streams with the ones saved.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 import tests.strategies._lightning_ckpt_script as script  # noqa: E402
 from multidc.hierarchical.tools.processes import ProcessTree  # noqa: E402
 from multidc.plugins import Checkpointer, CheckpointSaveError, ObjectStore, list_checkpoints  # noqa: E402
-from multidc.plugins.checkpoint.format import decode_commit  # noqa: E402
+from multidc.plugins.checkpoint.format import decode_any, decode_commit  # noqa: E402
 from multidc.strategies import HierarchicalDDPStrategy, Parallel3DStrategy  # noqa: E402
 from multidc.strategies._checkpointing import LightningCheckpoints, locate  # noqa: E402
 from tests._tiny_models import loss_fn  # noqa: E402
@@ -57,13 +59,14 @@ def _run_at_once(runs: dict[str, tuple], timeout: float = 240) -> dict[str, dict
 
 
 def _report(out_dir, code: int, log: str) -> dict:
-    run = {"log": log, "code": code, "ranks": [], "weights": {}, "exits": {}}
+    run = {"log": log, "code": code, "ranks": [], "weights": {}, "exits": {}, "rank_weights": []}
     for rank in range(8):
         if (out_dir / f"exit_rank{rank}.json").exists():
             run["exits"][rank] = json.loads((out_dir / f"exit_rank{rank}.json").read_text())
         if (out_dir / f"rank{rank}.json").exists():
             run["ranks"].append(json.loads((out_dir / f"rank{rank}.json").read_text()))
-            run["weights"].update(torch.load(out_dir / f"weights_rank{rank}.pt"))
+            run["rank_weights"].append(torch.load(out_dir / f"weights_rank{rank}.pt"))
+            run["weights"].update(run["rank_weights"][-1])
     return run
 
 
@@ -116,7 +119,9 @@ def runs(s3_server, s3_auth_server, tmp_path_factory):
     (dp_shard 2, no pp). Half-written checkpoints are planted before each resume. regional: hierarchical_ddp on
     2 sites x 1 rank with a ``{site}`` dirpath over two S3 servers (one per site, per-site credentials from
     MULTIDC_CKPT_STORAGE_OPTIONS, no AWS environment), 8 steps; then "last" on the same layout to step 12, past a
-    commit record planted in one region only.
+    commit record planted in one region only. diloco: the same sites and options, another pair of buckets, 12 steps
+    with ``checkpoint_replicas=1`` keeping every checkpoint; then from the step-8 one (a ``{site}`` path) to step 12
+    again, with ``ModelCheckpoint(dirpath=)`` a mapping site -> URL over the same buckets.
     """
     bucket = s3_auth_server.make_bucket("lightning-ckpt")
     root = f"{bucket}/run"
@@ -131,13 +136,19 @@ def runs(s3_server, s3_auth_server, tmp_path_factory):
     regional_env = {"MULTIDC_NUM_SITES": "2", "MULTIDC_CKPT_STORAGE_OPTIONS": json.dumps(
         {site: server.storage_options() for site, server in servers.items()})}
     regional = ["--strategy", "hierarchical_ddp", "--root", template, "--every", "4", "--devices", "2"]
+    for site, server in servers.items():
+        server.make_bucket(f"ldil-{site}-{tag}")
+    diloco_template = f"s3://ldil-{{site}}-{tag}/run"
+    diloco = ["--strategy", "diloco", "--every", "4", "--devices", "2", "--max-steps", "12", "--top-k", "-1",
+              "--replicas", "1"]
     common = ["--strategy", "hierarchical_ddp", "--root", root, "--every", "4"]
     common_3d = ["--strategy", "parallel_3d", "--root", str(tmp_3d / "run"), "--every", "2"]
     first = _run_at_once({
         "ddp": (tmp / "first", [*common, "--devices", "4", "--max-steps", "8", "--async"],
                 {**env, "MULTIDC_NUM_SITES": "2"}),
         "3d": (tmp_3d / "first", [*common_3d, "--devices", "4", "--pp", "2", "--max-steps", "2"], {}),
-        "regional": (tmp / "regional-first", [*regional, "--max-steps", "8", "--async"], regional_env)})
+        "regional": (tmp / "regional-first", [*regional, "--max-steps", "8", "--async"], regional_env),
+        "diloco": (tmp / "diloco-first", [*diloco, "--root", diloco_template], regional_env)})
     for name, run in first.items():
         assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
     fs = s3_auth_server.filesystem()
@@ -151,10 +162,16 @@ def runs(s3_server, s3_auth_server, tmp_path_factory):
     regional_listing = {site: sorted(store.fs.find(store.path(""))) for site, store in regions.items()}
     record = regions["0"].get("last.ckpt/step_0000000008/COMMIT.json")
     regions["0"].put("last.ckpt/step_0000000016/COMMIT.json", record)  # committed in region 0 only: not "last"
+    diloco_regions = {site: ObjectStore(diloco_template.replace("{site}", site) + "/ckpts",
+                                        storage_options=server.storage_options()) for site, server in servers.items()}
+    diloco_record = decode_any(diloco_regions["1"].get("epoch=1-step=8.ckpt/step_0000000008/COMMIT.json"), "step 8")
+    mapping = json.dumps({site: diloco_template.replace("{site}", site) for site in servers})
     resumed = _run_at_once({
         "ddp": (tmp / "resumed", [*common, "--devices", "2", "--max-steps", "12", "--ckpt-path", "last"], env),
         "3d": (tmp_3d / "resumed", [*common_3d, "--devices", "2", "--max-steps", "4", "--ckpt-path", "last"], {}),
-        "regional": (tmp / "regional-resumed", [*regional, "--max-steps", "12", "--ckpt-path", "last"], regional_env)})
+        "regional": (tmp / "regional-resumed", [*regional, "--max-steps", "12", "--ckpt-path", "last"], regional_env),
+        "diloco": (tmp / "diloco-resumed", [*diloco, "--root", mapping, "--ckpt-path",
+                                            f"{diloco_template}/ckpts/epoch=1-step=8.ckpt"], regional_env)})
     for name, run in resumed.items():
         assert run["code"] == 0, f"{name}:\n{run['log'][-6000:]}"
     reference = _reference(script.Regressor, script.regressor_data(), script.REGRESSOR_ROWS, 12)
@@ -164,6 +181,8 @@ def runs(s3_server, s3_auth_server, tmp_path_factory):
                          "template": template, "listing": regional_listing,
                          "after": {site: sorted(store.fs.find(store.path(""))) for site, store in regions.items()},
                          "roots": {site: store.path("") for site, store in regions.items()}},
+            "diloco": {"first": first["diloco"], "resumed": resumed["diloco"], "record": diloco_record,
+                       "after": {site: sorted(store.list_files("")) for site, store in diloco_regions.items()}},
             "3d": {"first": first["3d"], "resumed": resumed["3d"], "root": tmp_3d / "run",
                    "reference": _reference(script.GPT, script.gpt_data(), script.GPT_ROWS, 4)}}
 
@@ -255,6 +274,47 @@ def test_each_region_holds_its_sites_shards_and_top_k_removal_removes_every_regi
                         for leaf in ("COMMIT.json", f"data/rank0000{site}.distcp")]
             assert names == sorted(expected), (phase, site, names)  # epoch=..-step={gone} gone from both
             assert not any(f"step={gone}.ckpt" in n for n in names)
+
+
+# ----------------------------------------------------------------------------- diloco, one store per site
+@pytest.fixture(scope="module")
+def diloco_runs(runs):
+    return runs["diloco"]
+
+
+def test_diloco_under_a_site_template_resumes_each_sites_model_like_the_unbroken_run(diloco_runs):
+    first, resumed = diloco_runs["first"], diloco_runs["resumed"]
+    assert len(first["ranks"]) == len(resumed["ranks"]) == 2
+    for rank in (0, 1):  # one site per rank: each resumed its own site's model, optimizer and DiLoCo state
+        got = [resumed["ranks"][rank]["losses"][str(s)] for s in range(9, 13)]
+        want = [first["ranks"][rank]["losses"][str(s)] for s in range(9, 13)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        for name, value in resumed["rank_weights"][rank].items():
+            torch.testing.assert_close(value, first["rank_weights"][rank][name], rtol=1e-5, atol=1e-6, msg=name)
+    # the sites' models differ (the last sync was at step 10): each resumed its own
+    assert first["rank_weights"][0]["net.0.weight"].ne(first["rank_weights"][1]["net.0.weight"]).any()
+    assert "from other regions" not in resumed["log"]  # each site read its own region only (else a warning)
+
+
+def test_diloco_site_models_are_in_their_own_region_with_a_copy_in_the_other(diloco_runs):
+    parts = diloco_runs["record"].parts
+    for region, other in (("0", "1"), ("1", "0")):
+        keys = set(parts[region].metadata.state_dict_metadata)
+        # its own site's model and, with checkpoint_replicas=1, a copy of the other site's (its own state)
+        assert {k.split(".", 1)[0] for k in keys if k.startswith("site_")} == {"site_0", "site_1"}, region
+        assert f"data/rank0000{region}.distcp" in parts[region].files, region
+        assert f"data/copy-rank0000{other}.distcp" in parts[region].files, region
+
+
+def test_a_mapping_dirpath_saves_into_every_region_and_versions_a_name_that_exists_there(diloco_runs):
+    for site, files in diloco_runs["after"].items():
+        # step 12's names existed in the regions (the first run's): ModelCheckpoint asked through the mapping, and
+        # the resumed run saved them as -v1, in both regions, its own shards and the other site's copy
+        for name in ("epoch=2-step=12-v1.ckpt", "last-v1.ckpt"):
+            other = 1 - int(site)
+            assert {f for f in files if f.startswith(f"{name}/")} == {
+                f"{name}/step_0000000012/{leaf}" for leaf in ("COMMIT.json", f"data/rank0000{site}.distcp",
+                                                              f"data/copy-rank0000{other}.distcp")}, (site, files)
 
 
 @pytest.fixture(scope="module")
@@ -383,11 +443,81 @@ def test_last_under_a_site_template_waits_for_the_strategy_and_other_trainers_ke
         assert ddp._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False) is None
 
 
+@pytest.fixture
+def one_site(tmp_path, monkeypatch):
+    """This process as a job of one rank (a gloo group of one) in one site: its topology."""
+    import torch.distributed as dist
+
+    from multidc.hierarchical import Topology
+
+    for name in ("MULTIDC_SITE", "MULTIDC_NUM_SITES", "MULTIDC_CKPT_URL", "MULTIDC_CKPT_STORAGE_OPTIONS",
+                 "MULTIDC_CKPT_REPLICAS"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield Topology.build()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("source", "setting"), [("argument", "checkpoint_storage_options['1']"),
+                                                 ("environment", "MULTIDC_CKPT_STORAGE_OPTIONS['1']")])
+def test_refused_credentials_of_one_region_name_the_setting_the_strategy_took_them_from(
+        one_site, s3_server, s3_auth_server, monkeypatch, source, setting):
+    from multidc.plugins import ObjectStoreAuthError
+
+    tag = uuid.uuid4().hex[:8]  # one site, a mapping of two regions: rank 0 writes the commit record into both
+    path = {"0": s3_server.make_bucket(f"cred0-{tag}") + "/last.ckpt",
+            "1": s3_auth_server.make_bucket(f"cred1-{tag}") + "/last.ckpt"}
+    options = {"0": s3_server.storage_options(),
+               "1": s3_auth_server.storage_options(key=AUTH_KEYS[0], secret="wrong-secret")}
+    if source == "environment":
+        monkeypatch.setenv("MULTIDC_CKPT_STORAGE_OPTIONS", json.dumps(options))
+    writer = LightningCheckpoints(storage_options=options if source == "argument" else None)
+    writer.topology = one_site
+    try:
+        with pytest.raises(ObjectStoreAuthError) as info:
+            writer.save(_lightning_dict(2, 1.0), path)
+    finally:
+        writer.close()
+    message = str(info.value)
+    assert "region '1'" in message and setting in message, message
+    assert "storage_options['1']" not in message.replace(setting, ""), message  # not the Checkpointer's argument
+    assert "wrong-secret" not in message
+
+
+def test_whether_a_regional_name_exists_raises_naming_a_region_that_cannot_be_read(s3_server):
+    from multidc.plugins import ObjectStoreError, RetryPolicy
+    from multidc.plugins.checkpoint.regions import Regions
+    from multidc.strategies._checkpoint_paths import exists_anywhere
+
+    bucket, options = s3_server.make_bucket(f"exists-{uuid.uuid4().hex[:8]}"), s3_server.storage_options()
+    unreachable = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
+                   "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    regions = Regions({"0": f"{bucket}/ckpts/a.ckpt", "1": "s3://far/ckpts/a.ckpt"}, {"0": options, "1": unreachable},
+                      local="0", retry=RetryPolicy(attempts=1))
+    # ModelCheckpoint asks before naming a checkpoint: "no" from a region it could not read could reuse a name
+    with pytest.raises(ObjectStoreError, match=r"cannot tell whether checkpoint s3://far/ckpts/a.ckpt exists .*"
+                                               r"region '1'.*Bring region '1' back"):
+        exists_anywhere(regions)
+    gone = Regions({"0": f"{bucket}/ckpts/a.ckpt", "1": "s3://no-such-bucket-4d1e/ckpts/a.ckpt"},
+                   {"0": options, "1": options}, local="0")
+    assert exists_anywhere(gone) is False  # a region whose bucket is gone holds nothing
+    gone.stores["0"].put("step_0000000001/COMMIT.json", b"{}")
+    assert exists_anywhere(gone) is True
+
+
 def test_bad_checkpoint_arguments_are_rejected_with_the_fix():
     with pytest.raises(ValueError, match="checkpoint_async='yes' must be True or False"):
         HierarchicalDDPStrategy(checkpoint_async="yes")
     with pytest.raises(ValueError, match="checkpoint_storage_options must be a dict"):
         Parallel3DStrategy(checkpoint_storage_options=["endpoint"])
+    with pytest.raises(ValueError, match=r"checkpoint_replicas=-1 must be an int >= 0"):
+        HierarchicalDDPStrategy(checkpoint_replicas=-1)
+    writer = LightningCheckpoints(replicas=1)
+    with pytest.raises(ValueError, match=r"checkpoint_replicas=1 .* names one store: put \{site\} in it"):
+        writer.save({"state_dict": {}}, "/tmp/one-store/last.ckpt")  # before anything is written
+    writer.close()
     with pytest.raises(TypeError, match="checkpoint_storage_options=..., not per save"):
         HierarchicalDDPStrategy().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"anon": True})
 
