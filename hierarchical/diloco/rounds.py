@@ -17,10 +17,17 @@ its ranks' (they run in lockstep inside the site).
 
 from __future__ import annotations
 
+import datetime
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical.errors import wan_failure
 
 MAX_STEPS_PER_ROUND = 1 << 30  # a bound on H: a step time near 0 must not ask for an unbounded round
 
@@ -137,3 +144,34 @@ class StepTimer:
         mean = self.busy_s / self.steps if self.steps else 0.0
         self.busy_s, self.steps = 0.0, 0
         return mean
+
+
+def exchange(topology, row: list[float], device, timeout_s: float) -> list[list[float]]:
+    """Every rank's ``row`` (floats, the same length on every rank), from one all-reduce of a slot per rank over
+    ``topology.group``: every rank gathers the same numbers, float64, in rank order. Collective.
+
+    Raises:
+        WanError: the all-reduce did not finish within ``timeout_s`` (``wan_failure``).
+    """
+    claims = torch.zeros(topology.size, len(row), dtype=torch.float64, device=device)
+    claims[topology.rank] = torch.tensor(row, dtype=torch.float64)
+    try:
+        dist.all_reduce(claims, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise wan_failure(topology, "exchanging the sites' step times", timeout_s, exc) from exc
+    return claims.cpu().tolist()
+
+
+def ping(topology, device, timeout_s: float) -> float:
+    """A round-trip time in seconds: the fastest of 3 one-element all-reduces over ``topology.group``, over its size
+    less one (gloo's ring passes a small tensor that many times each way). Collective; call it where every rank just
+    met (after ``exchange``), so it times the link rather than a wait for a slower site."""
+    probe, best = torch.zeros(1, device=device), math.inf
+    for _ in range(3):
+        started = time.perf_counter()
+        try:
+            dist.all_reduce(probe, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise wan_failure(topology, "timing a round trip", timeout_s, exc) from exc
+        best = min(best, time.perf_counter() - started)
+    return best / max(1, topology.size - 1)
