@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import math
 import time
@@ -39,7 +38,6 @@ from multidc.hierarchical.diloco.rounds import (
     next_round,
     ping,
 )
-from multidc.hierarchical.errors import wan_failure
 from multidc.hierarchical.topology import FailFast, Topology
 
 _log = logging.getLogger("multidc.hierarchical.diloco")

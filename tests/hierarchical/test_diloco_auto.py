@@ -186,6 +186,17 @@ def test_a_state_of_the_other_kind_is_refused_naming_sync_every():
         check_auto_saved(True, False)
 
 
+@pytest.mark.parametrize(("saved", "wanted"), [(True, False), (False, True)])
+def test_the_checkpoint_loader_refuses_a_state_of_the_other_kind_naming_the_auto_settings(saved, wanted):
+    from multidc.plugins.checkpoint.planner import _check_rounds
+
+    common = {"diloco.inner_steps": 0, "diloco.global.fragment_0": 0}
+    auto = {"diloco.auto.steps": 0, "diloco.auto.decision": 0}
+    with pytest.raises(ValueError, match="'auto' settings"):
+        _check_rounds(common | (auto if wanted else {}), common | (auto if saved else {}))
+    _check_rounds(common | auto, common | auto)
+
+
 class _FakeLink:
     """A WAN of ``RATE`` bits/s, 3x slower from inner step ``DROP_AFTER + 1`` on: the seconds of the syncs that
     arrived since the previous call are their bytes at the rate of the step the call is made at."""
@@ -333,7 +344,8 @@ def test_every_rank_adopts_the_h_of_the_slower_site_and_the_drop_re_plans_at_the
     assert len(results[0]["logs"]) == 2 and results[1]["logs"] == []  # once per decision, on rank 0
     assert "chunk_mb=4, streams=2" in results[0]["logs"][0]  # WAN settings not on auto stay
     assert "H=16" in results[0]["logs"][0] and "re-plan" in results[0]["logs"][1] and "H=46" in results[0]["logs"][1]
-    assert int(results[0]["auto"]["steps"]) == 46 and results[0]["auto"]["decision"][4].item() == pytest.approx(RATE / 3)
+    saved = results[0]["auto"]  # the plan in force and the rate it was decided on
+    assert int(saved["steps"]) == 46 and saved["decision"][5].item() == pytest.approx(RATE / 3)
 
 
 def test_the_merge_equals_the_single_process_reference_of_the_adopted_plan(two_sites):
