@@ -52,10 +52,12 @@ class WanConfig:
 
     chunk_mb_auto: bool = False
     """``chunk_mb`` is decided by DiLoCo from its measured syncs (set by ``chunk_mb="auto"``; ``chunk_mb`` then holds
-    the value in use until the first decision). Per-step all-reduces (hierarchical DDP) refuse it."""
+    the value in use until the first decision: ``chunk_mb=N, chunk_mb_auto=True`` starts at N instead of 4). Per-step
+    all-reduces (hierarchical DDP) refuse it."""
 
     streams_auto: bool = False
-    """``streams`` is decided by DiLoCo from its measured syncs (set by ``streams="auto"``)."""
+    """``streams`` is decided by DiLoCo from its measured syncs (set by ``streams="auto"``; ``streams=N,
+    streams_auto=True`` starts at N instead of 2)."""
 
     def __post_init__(self) -> None:
         self._env_names = _env.fill_fields(self, (

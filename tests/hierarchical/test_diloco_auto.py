@@ -38,7 +38,7 @@ from tests.diloco_reference import rows as _rows
 pytestmark = pytest.mark.timeout(300)
 TARGET = 0.95
 CLOCK = [0.01, 0.03]  # seconds per inner step on site 0 and site 1 (fake): the job's step time is the slower one
-RATE, DROP_AFTER = 1e6, 40  # the WAN's bits/s; from inner step 41 on it is 3x slower
+RATE, DROP_AFTER = 1e6, 24  # the WAN's bits/s; from inner step 25 on it is 3x slower
 PLAIN = {"sync_every": "auto"}
 OVERLAP = {"sync_every": "auto", "fragments": 2, "overlap_steps": 1}
 
@@ -276,23 +276,24 @@ def _train(rank: int, world: int, case: dict) -> dict:
             "bytes_per_sync": diloco.stats.bytes_sent / max(1, diloco.stats.outer_syncs), "auto": state["auto"]}
 
 
-WAN_RTT, WAN_RATE, WAN_H = 0.1, 1e9, 4
+WAN_RTT, WAN_RATE, WAN_H = 0.1, 1e9, 2
 
 
 def _wan_batch(site: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * site + step)
-    return torch.randn(4, 2048, generator=g), torch.randn(4, 2048, generator=g)
+    return torch.randn(4, 512, generator=g), torch.randn(4, 512, generator=g)
 
 
 def _wan_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(2048, 2048, bias=False))  # 16 MiB of float32: 4 chunks of 4 MiB
+    return nn.Sequential(nn.Linear(512, 512, bias=False))  # 1 MiB of float32: 4 chunks of the warm-up's 0.25 MiB
 
 
 def _train_wan(rank: int, world: int) -> dict:
     """WAN settings on auto, H fixed: a faked link of ``WAN_RATE`` with round trips of ``WAN_RTT`` (each sync takes
     its bytes at the rate plus one round trip), 3 rounds."""
-    topo = Topology.build(site=rank, wan=WanConfig(chunk_mb="auto", streams="auto"))
+    # a warm-up chunk of 0.25 MiB (instead of 4) keeps the model small
+    topo = Topology.build(site=rank, wan=WanConfig(chunk_mb=0.25, chunk_mb_auto=True, streams="auto"))
     model = _wan_model()
     ddp = DistributedDataParallel(model)
     register_site_ddp_hook(ddp, topo)
@@ -323,9 +324,9 @@ def _train_wan(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_sites():
-    cases = {"plain": (_train, ({"config": PLAIN, "total": 102},)),
-             "resumed": (_train, ({"config": PLAIN, "total": 102, "save": 30},)),
-             "overlap": (_train, ({"config": OVERLAP, "total": 90},)),
+    cases = {"plain": (_train, ({"config": PLAIN, "total": 86},)),
+             "resumed": (_train, ({"config": PLAIN, "total": 86, "save": 30},)),
+             "overlap": (_train, ({"config": OVERLAP, "total": 60},)),
              "into fixed": (_train, ({"config": PLAIN, "total": 30, "save": 30, "into": {"sync_every": 8}},)),
              "wan": (_train_wan, ())}
     return run_cases(cases, 2, timeout=240)
@@ -338,8 +339,8 @@ def test_every_rank_adopts_the_h_of_the_slower_site_and_the_drop_re_plans_at_the
     first = _blocking_h(8 * bytes_per_sync / RATE, max(CLOCK), TARGET)
     dropped = _blocking_h(8 * bytes_per_sync / (RATE / 3), max(CLOCK), TARGET)
     assert (first, dropped) == (16, 46)
-    # warm-up 8; decided at its end; rounds ending at 24 and 40 measured the old rate; the one ending at 56 the new
-    expected = [(8, 8), (16, 16), (16, 16), (16, 16), (46, 46), (46, 46)]
+    # warm-up 8; decided at its end; the round ending at 24 measured the old rate, the one ending at 40 the new
+    expected = [(8, 8), (16, 16), (16, 16), (46, 46), (46, 46)]
     assert all(r["plans"] == expected for r in results), [r["plans"] for r in results]
     assert len(results[0]["logs"]) == 2 and results[1]["logs"] == []  # once per decision, on rank 0
     assert "chunk_mb=4, streams=2" in results[0]["logs"][0]  # WAN settings not on auto stay
@@ -350,11 +351,11 @@ def test_every_rank_adopts_the_h_of_the_slower_site_and_the_drop_re_plans_at_the
 
 def test_the_merge_equals_the_single_process_reference_of_the_adopted_plan(two_sites):
     results = two_sites["plain"]
-    plans = results[0]["plans"][:-1]  # the round starting at step 102 never ran
+    plans = results[0]["plans"][:-1]  # the round starting at step 86 never ran
     reference = run_round_reference(
         _model(), plans=plans, batch=lambda s, t: _rows(s, 0, t), loss_fn=nn.functional.mse_loss,
         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
-    assert reference["steps"] == [102, 102]
+    assert reference["steps"] == [86, 86]
     for r in results:
         for name, value in r["named_global"].items():
             torch.testing.assert_close(value, reference["global"][name], rtol=0, atol=1e-6)
@@ -383,11 +384,12 @@ def test_an_auto_state_into_a_fixed_run_is_refused_on_every_rank(two_sites):
 
 def test_wan_settings_on_auto_switch_every_rank_to_the_pipeline_with_fewer_round_trips_at_a_round_end(two_sites):
     results = two_sites["wan"]
-    assert results[0]["bytes_per_sync"] == 4 * 1048576 * 4  # 4 chunks of 4 MiB, as the hand-computed case above
-    # decided at the first round's end (step 4): 4 streams carry the 4 chunks in one ring of round trips
-    expected = [(4.0, 2)] * (WAN_H - 1) + [(4.0, 4)] * (2 * WAN_H + 1)
+    assert results[0]["bytes_per_sync"] == 512 * 512 * 4  # the float32 weight, a 2-site ring
+    # 4 chunks in 2 streams: 2 rings of round trips + 1 to fill = 0.3 s a sync; decided at the first round's end:
+    # the first candidate with one ring, 4 MiB (one chunk) in 1 stream: max(8 MiB / 1 Gbit/s, 0.1) + 0.1 = 0.2 s
+    expected = [(0.25, 2)] * (WAN_H - 1) + [(4.0, 1)] * (2 * WAN_H + 1)
     assert all(r["pipelines"] == expected for r in results), [r["pipelines"] for r in results]
-    assert len([m for m in results[0]["logs"] if "streams=4" in m]) == 1 and results[1]["logs"] == []
+    assert len([m for m in results[0]["logs"] if "chunk_mb=4, streams=1" in m]) == 1 and results[1]["logs"] == []
     reference = run_round_reference(
         _wan_model(), plans=[(WAN_H, WAN_H)] * 3, batch=_wan_batch, loss_fn=nn.functional.mse_loss,
         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR))
