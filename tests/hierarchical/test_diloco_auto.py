@@ -172,6 +172,17 @@ def test_per_step_all_reduces_and_top_k_refuse_what_they_cannot_follow():
         auto_schedule(DiLoCoConfig(sync_every=8, compression="topk"), WanConfig(chunk_mb="auto"), topology, [])
 
 
+def test_front_ends_refuse_wan_auto_for_per_step_all_reduce_and_pass_it_to_diloco():
+    from multidc.hierarchical.cross_site import cross_site_sync
+
+    with pytest.raises(ValueError, match="per-step all-reduce .*chunk_mb='auto'"):
+        cross_site_sync(wan=WanConfig(chunk_mb="auto"))
+    sync = cross_site_sync(wan=WanConfig(chunk_mb="auto", streams="auto"), diloco=DiLoCoConfig(sync_every="auto"))
+    assert sync.wan.streams_auto and sync.diloco_config.sync_every_auto
+    with pytest.raises(ValueError, match="elastic sites does not decide WanConfig.streams='auto'"):
+        cross_site_sync(wan=WanConfig(streams="auto"), elastic=True)
+
+
 def test_elastic_diloco_refuses_auto_with_the_reason():
     from multidc.hierarchical.elastic.diloco import check_elastic_config
 
