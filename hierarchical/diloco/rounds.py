@@ -10,6 +10,9 @@ inner steps in the round that ended and the steps each has left (``finish_at``).
 site's ``H`` for the next round from those gathered numbers alone (float64 and integer arithmetic, the same on every
 rank), so no rank can decide otherwise and no per-step collective is needed.
 
+``"auto"`` settings (``multidc.hierarchical.diloco.auto``) use the same rounds with one H for every site, the same
+``exchange`` at each round's end (with their WAN figures in the row) and the same ``StepTimer``.
+
 A step's time is what the loop spends outside ``DiLoCo.step()``: the forward, backward and optimizer step, the data
 loading, anything else; not the time a sync blocks (``DiLoCoStats.exposed_s``). A site's step time is the slowest of
 its ranks' (they run in lockstep inside the site).
