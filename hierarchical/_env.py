@@ -73,6 +73,31 @@ DILOCO_OUTER_MOMENTUM = "MULTIDC_DILOCO_OUTER_MOMENTUM"
 DILOCO_NESTEROV = "MULTIDC_DILOCO_NESTEROV"
 DILOCO_COMPRESSION = "MULTIDC_DILOCO_COMPRESSION"
 DILOCO_WEIGHTING = "MULTIDC_DILOCO_WEIGHTING"
+DILOCO_TARGET_UTILIZATION = "MULTIDC_DILOCO_TARGET_UTILIZATION"
+
+
+def read_int_or_auto(name: str) -> int | str | None:
+    """Return ``name`` as ``"auto"`` (any case) or an int, ``None`` when unset; ValueError naming the variable."""
+    value = read(name)
+    if value is not None and value.lower() == "auto":
+        return "auto"
+    try:
+        return read_int(name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer (nor 'auto'); set it to a whole number, to 'auto', "
+                         f"or unset it.") from None
+
+
+def read_float_or_auto(name: str) -> float | str | None:
+    """Return ``name`` as ``"auto"`` (any case) or a float, ``None`` when unset; ValueError naming the variable."""
+    value = read(name)
+    if value is not None and value.lower() == "auto":
+        return "auto"
+    try:
+        return read_float(name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number (nor 'auto'); set it to a number, to 'auto', or unset "
+                         f"it.") from None
 
 
 def read_bool(name: str) -> bool | None:

@@ -47,10 +47,16 @@ class GradientSync(CrossSite):
         ValueError: ``wan`` is not a ``WanConfig``.
     """
 
+    decides_auto_wan = False
+    """Whether this placement picks ``WanConfig`` settings on ``"auto"`` (DiLoCo's syncs do; a per-step all-reduce
+    refuses them at construction)."""
+
     def __init__(self, wan: WanConfig | None = None) -> None:
         if wan is not None and not isinstance(wan, WanConfig):
             raise ValueError(f"wan must be a multidc.hierarchical.WanConfig, not {type(wan).__name__}.")
         self.wan = wan if wan is not None else WanConfig()
+        if not self.decides_auto_wan:
+            self.wan.refuse_auto("hierarchical DDP's per-step all-reduce (cross_site='allreduce')")
         self.topology: Topology | None = None
         self.hook_states: list[HierarchicalHookState] = []
         self.meter: WanStepMeter | None = None
@@ -144,6 +150,7 @@ class DiLoCoSync(GradientSync):
 
     placement = "diloco"
     sites_differ = True
+    decides_auto_wan = True
 
     def __init__(self, wan: WanConfig | None = None, diloco: DiLoCoConfig | None = None) -> None:
         super().__init__(wan)

@@ -65,6 +65,7 @@ def register_ddp_hook(
     """
     wan = _check(torch.empty(0), topology, wan, "avg")
     refuse_sparse_per_step(wan.compression, "register_ddp_hook")
+    wan.refuse_auto("register_ddp_hook (hierarchical DDP's per-step all-reduce)")
     _check_spans(ddp_model, topology)
     if error_feedback is None:
         error_feedback = default_error_feedback(wan.compression)

@@ -185,7 +185,7 @@ def _create_groups(layout: SiteLayout, group, wan: WanConfig, members: list[int]
     intra = [new_group(ranks) for ranks in layout.site_ranks]
     timeout = datetime.timedelta(seconds=wan.timeout_s)
     rails = [[new_group(layout.rail_ranks(j), timeout=timeout) for j in range(layout.num_rails)]
-             for _ in range(wan.streams)]
+             for _ in range(wan.prepared_streams)]
     return dist.get_rank(group), intra, rails
 
 
@@ -280,7 +280,7 @@ class Topology:
             group: the ranks to span (default: all). Ranks outside it still call ``build`` (torch creates
                 groups collectively over the default group) and get ``None``.
             wan: the WAN settings every rank must share; default ``WanConfig()`` (env ``MULTIDC_WAN_*``).
-                ``wan.streams`` rail groups are made per rail, with ``wan.timeout_s``; it becomes
+                ``wan.prepared_streams`` rail groups are made per rail, with ``wan.timeout_s``; it becomes
                 ``topology.wan``, the default of every hierarchical collective on this topology. Later
                 collectives may use fewer streams than this, not more.
 
@@ -311,7 +311,7 @@ class Topology:
         rail_groups = [per_stream[rail] for per_stream in rails] if rail is not None else []
         rail_row = dist.get_group_rank(rail_groups[0], dist.get_rank()) if rail_groups else None
         return cls(layout=layout, site=site, local_rank_in_site=local, intra_group=intra[site], rail_groups=rail_groups,
-                   rail_row=rail_row, wan=wan, group=group, rank=rank)
+                   rail_row=rail_row, wan=wan, group=group, rank=rank, streams=len(rails))
 
     @property
     def num_rails(self) -> int:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from multidc.hierarchical import _env
 from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import compression_name, positive_number
+from multidc.hierarchical.diloco.auto import DEFAULT_TARGET, warmup_sync_every
 from multidc.hierarchical.diloco.fragments import digest, local_tensor, split_fragments
 
 
@@ -26,8 +27,12 @@ class DiLoCoConfig:
         ValueError: naming the field (and the variable, when the value came from one) and the fix.
     """
 
-    sync_every: int | None = None
-    """H: inner optimizer steps between two syncs of the same fragment. Env ``MULTIDC_DILOCO_SYNC_EVERY``."""
+    sync_every: int | str | None = None
+    """H: inner optimizer steps between two syncs of the same fragment, or ``"auto"``: DiLoCo measures the step time
+    and the WAN throughput of its syncs and picks the smallest H that reaches ``target_utilization`` (see
+    docs/guides/plan.md#auto-in-the-job); ``sync_every`` then holds the warm-up H of the first round (8, or
+    ``fragments * (overlap_steps + 1)`` when larger) and ``sync_every_auto`` is True. Env
+    ``MULTIDC_DILOCO_SYNC_EVERY`` (a number or ``auto``)."""
 
     fragments: int | None = None
     """P: the parameters are split into P fragments by block (strided: block i in fragment i mod P); a fragment
@@ -77,9 +82,19 @@ class DiLoCoConfig:
     the sites of each round the same way (a site that healed takes its source's counts with its parameters). Env
     ``MULTIDC_DILOCO_WEIGHTING``; default ``"samples"``."""
 
+    sync_every_auto: bool = False
+    """H is decided by the job from its measurements (set by ``sync_every="auto"``; with ``sync_every=N`` and
+    ``sync_every_auto=True``, N is the warm-up H). Not with rounds by time (``sync_every_s``) or elastic sites."""
+
+    target_utilization: float | None = None
+    """With ``sync_every="auto"``: the compute utilization (step time without WAN waits over step time with them)
+    the chosen H must reach by the planning model, in (0, 1). Env ``MULTIDC_DILOCO_TARGET_UTILIZATION``; default
+    0.95; refused without ``sync_every="auto"`` (it would do nothing)."""
+
     def __post_init__(self) -> None:
         self._env_names = _env.fill_fields(self, (
-            ("sync_every", _env.DILOCO_SYNC_EVERY, _env.read_int, None),
+            ("sync_every", _env.DILOCO_SYNC_EVERY, _env.read_int_or_auto, None),
+            ("target_utilization", _env.DILOCO_TARGET_UTILIZATION, _env.read_float, None),
             ("fragments", _env.DILOCO_FRAGMENTS, _env.read_int, 1),
             ("overlap_steps", _env.DILOCO_OVERLAP_STEPS, _env.read_int, 0),
             ("alpha", _env.DILOCO_ALPHA, _env.read_float, 0.5),
@@ -98,6 +113,7 @@ class DiLoCoConfig:
                 f"DiLoCoConfig.sync_every is not set: pass sync_every=<inner steps between syncs, e.g. 50> or set "
                 f"{_env.DILOCO_SYNC_EVERY}."
             )
+        self._resolve_auto()
         if not _whole(self.sync_every, 1):
             raise ValueError(f"{self._source('sync_every')} must be an integer >= 1 (inner steps), e.g. 50.")
         if not _whole(self.fragments, 1) or self.fragments > self.sync_every:
@@ -137,6 +153,30 @@ class DiLoCoConfig:
             raise ValueError(f"{self._source('sync_every_s')} must be a positive number of seconds (e.g. 30.0), or "
                              f"None for rounds of sync_every steps.")
 
+    def _resolve_auto(self) -> None:
+        """``sync_every="auto"``: the warm-up H in ``sync_every``, ``sync_every_auto`` set, the target checked."""
+        if isinstance(self.sync_every, str):
+            if self.sync_every.strip().lower() != "auto":
+                raise ValueError(f"{self._source('sync_every')} must be an integer >= 1 (inner steps) or 'auto'.")
+            fragments = self.fragments if _whole(self.fragments, 1) else 1
+            overlap = self.overlap_steps if _whole(self.overlap_steps, 0) else 0
+            self.sync_every, self.sync_every_auto = warmup_sync_every(fragments, overlap), True
+        if not isinstance(self.sync_every_auto, bool):
+            raise ValueError(f"DiLoCoConfig.sync_every_auto={self.sync_every_auto!r} must be True or False "
+                             f"(or pass sync_every='auto').")
+        if not self.sync_every_auto:
+            if self.target_utilization is not None:
+                raise ValueError(f"{self._source('target_utilization')} is set but sync_every is not 'auto', so "
+                                 f"nothing would use it: pass sync_every='auto', or unset target_utilization.")
+            return
+        if self.target_utilization is None:
+            self.target_utilization = DEFAULT_TARGET
+        if not _number(self.target_utilization) or not 0 < self.target_utilization < 1:
+            raise ValueError(f"{self._source('target_utilization')} must be a utilization in (0, 1), e.g. 0.95.")
+        if self.sync_every_s is not None:
+            raise ValueError(f"{self._source('sync_every_s')} with sync_every='auto': both decide a round's length; "
+                             f"unset sync_every_s (rounds by time) or give sync_every a number.")
+
     def _source(self, name: str) -> str:
         return _env.describe(self, name, self._env_names, _FIELD_ENV)
 
@@ -157,6 +197,8 @@ _FIELD_ENV = {
     "compression": _env.DILOCO_COMPRESSION,
     "weighting": _env.DILOCO_WEIGHTING,
     "sync_every_s": _env.DILOCO_SYNC_EVERY_S,
+    "target_utilization": _env.DILOCO_TARGET_UTILIZATION,
+    "sync_every_auto": _env.DILOCO_SYNC_EVERY,
 }
 WEIGHTINGS = ("samples", "equal")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import math
 import time
@@ -26,11 +25,19 @@ from multidc.hierarchical.all_reduce import all_reduce
 from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import WanConfig
 from multidc.hierarchical.diloco import error_feedback
+from multidc.hierarchical.diloco.auto import AutoSchedule, auto_schedule, check_auto_saved
 from multidc.hierarchical.diloco.config import DiLoCoConfig, agree_model
 from multidc.hierarchical.diloco.fragments import local_tensor
 from multidc.hierarchical.diloco.outer import init_state, is_state_init_step, load_outer_state, outer_state
-from multidc.hierarchical.diloco.rounds import Rounds, StepTimer, check_rounds_saved, minimum_steps, next_round
-from multidc.hierarchical.errors import wan_failure
+from multidc.hierarchical.diloco.rounds import (
+    Rounds,
+    StepTimer,
+    check_rounds_saved,
+    exchange,
+    minimum_steps,
+    next_round,
+    ping,
+)
 from multidc.hierarchical.topology import FailFast, Topology
 
 _log = logging.getLogger("multidc.hierarchical.diloco")
@@ -48,6 +55,9 @@ class DiLoCoStats:
     """Payload bytes this rank sent to other sites (``WanStats`` accounting), pseudo-gradients only."""
     exposed_s: float = 0.0
     """Seconds ``step()`` spent on syncs: the whole sync when it blocks, the wait for the result with overlap."""
+    wan_s: float = 0.0
+    """Seconds the syncs' all-reduces took, start to finish (``WanStats.seconds``): their WAN throughput is
+    ``bytes_sent / wan_s``."""
 
 
 @dataclass
@@ -74,6 +84,8 @@ class _InFlight:
     started_from: list[torch.Tensor] | None = None
     """Top-k with overlap: the fragment's local tensors as the sync started (float32 views of ``DiLoCo._kept``);
     the merge keeps what the site trained since then. None: the merge takes the global parameters."""
+    seconds_before: float = 0.0
+    """``WanStats.seconds`` as the sync started (``DiLoCoStats.wan_s``)."""
 
 
 class DiLoCo:
@@ -92,6 +104,12 @@ class DiLoCo:
     sync was in flight: ``local = global + (local - local as the sync started)`` (``alpha`` must be 0); the local
     fragment as the sync started is kept for that (one largest fragment, float32). The integer and float codecs send no
     residual: each sync rounds once, unbiased and within ``max_abs_error``, as before.
+
+    With ``"auto"`` settings (``DiLoCoConfig(sync_every="auto")``, ``WanConfig(chunk_mb="auto", streams="auto")``)
+    a round is one sync of every fragment; at each round's end the ranks exchange their measured step times and WAN
+    throughput in one small all-reduce, and every rank adopts the same H and WAN pipeline for the next round, chosen
+    by the planning model; a link rate that moves by more than 2x re-plans (``multidc.hierarchical.diloco.auto``,
+    docs/guides/plan.md#auto-in-the-job).
 
     Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
     each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the
@@ -163,6 +181,10 @@ class DiLoCo:
         self._hook_stepping = False
         self._init_rounds()
 
+    @property
+    def _auto_wan(self) -> bool:
+        return self.wan.chunk_mb_auto or self.wan.streams_auto
+
     def _default_outer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.config
         return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
@@ -223,9 +245,12 @@ class DiLoCo:
         due = self._due(t)
         if due is not None:
             last = self._end_time_round(t)
+            ends_auto = self._auto is not None and self._rounds.ends_round(self.topology.site, t)
             self._start(due, t)
             if self.config.overlap_steps == 0 or last:  # the run's last sync merges at once
                 self._finish()
+            if ends_auto:  # after the blocking sync merged: its bytes and seconds are part of the round's figures
+                self._end_auto_round(t)
             synced = True
         if synced:
             self.stats.exposed_s += time.perf_counter() - started
@@ -271,7 +296,8 @@ class DiLoCo:
             started_from = _views(self._kept[: delta.numel()], fragment.params)
             for local, view in zip(fragment.params, started_from):
                 view.copy_(local)
-        self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before, started_from)
+        self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before, started_from,
+                                    self._wan_seconds())
 
     def _take_weight(self, index: int) -> float | None:
         """This rank's part of its site's weight for fragment ``index``'s sync starting now (what it trained since
@@ -314,11 +340,17 @@ class DiLoCo:
         if flight is not None and flight.future is not None:
             flight.future.wait()
             self.stats.bytes_sent += self._wan_bytes() - flight.bytes_before
+            self.stats.wan_s += self._wan_seconds() - flight.seconds_before
+            self._arrived += 1
             flight.future = None
 
     def _wan_bytes(self) -> int:
         """Bytes the syncs' topology has sent over the WAN so far."""
         return self.topology.wan_stats.snapshot()["bytes_sent"]
+
+    def _wan_seconds(self) -> float:
+        """Seconds the syncs' topology has spent in hierarchical all-reduces so far."""
+        return self.topology.wan_stats.snapshot()["seconds"]
 
     def metrics(self) -> dict[str, float]:
         """Figures since the previous call, for a training log once per optimizer step: ``wan/bytes_sent``
@@ -355,9 +387,17 @@ class DiLoCo:
         self._total: int | None = None  # finish_at
         self._timer = StepTimer()
         self._rounds: Rounds | None = None
-        if self.config.sync_every_s is not None:
+        self._auto: AutoSchedule | None = None  # "auto" settings: see multidc.hierarchical.diloco.auto
+        self._seen = (0, 0.0, 0)  # self._traffic() at the last round end
+        self._arrived = 0  # syncs waited for (their bytes and seconds counted)
+        self._rtt = 0.0  # measured after the last exchange (WAN settings on auto)
+        if self.config.sync_every_s is not None or self.config.sync_every_auto or self._auto_wan:
             steps = (self.config.sync_every,) * self.topology.num_sites
             self._rounds = Rounds(steps=steps, history=[steps])
+        if self.config.sync_every_auto or self._auto_wan:
+            self._auto = auto_schedule(self.config, self.wan, self.topology, self._fragments)
+            if self._auto_wan:
+                self._rtt = self._ping()
 
     def finish_at(self, steps: int | None) -> None:
         """End training after this rank's inner step ``steps`` (e.g. Lightning's ``max_steps``; None: no end).
@@ -383,8 +423,8 @@ class DiLoCo:
 
     @property
     def round_plans(self) -> list[tuple[int, ...]]:
-        """With rounds by time: every round's inner steps per site so far (site order), the current round last;
-        the same on every rank. ``[]`` without."""
+        """With rounds by time or ``sync_every="auto"``: every round's inner steps per site so far (site order), the
+        current round last (after a load: from the loaded round on); the same on every rank. ``[]`` without."""
         return list(self._rounds.history) if self._rounds is not None else []
 
     def _end_time_round(self, t: int) -> bool:
@@ -392,12 +432,12 @@ class DiLoCo:
         their step times and steps left (collective over the topology) and plan the next round. Returns whether
         this sync is the run's last."""
         rounds = self._rounds
-        if rounds is None or not rounds.ends_round(self.topology.site, t):
+        if self.config.sync_every_s is None or not rounds.ends_round(self.topology.site, t):
             return False
         if rounds.last:
             rounds.stopped = True
             return True
-        times, left = self._exchange_round()
+        times, left = self._per_site(self._exchange_round())
         steps, verdict = next_round(times, left, rounds.steps, every_s=self.config.sync_every_s,
                                     minimum=minimum_steps(self.config.fragments, self.config.overlap_steps))
         if verdict == "stop":
@@ -407,20 +447,50 @@ class DiLoCo:
         rounds.history.append(steps)
         return False
 
-    def _exchange_round(self) -> tuple[list[float], list[int | None]]:
-        """Every site's step time (its slowest rank's mean over the round) and steps left (None: no end), from one
-        all-reduce of a slot per rank over the topology's group: every rank gathers the same numbers."""
-        topo = self.topology
-        claims = torch.zeros(topo.size, 2, dtype=torch.float64, device=self._fragments[0].global_flat.device)
+    def _end_auto_round(self, t: int) -> None:
+        """At inner step ``t`` a round of ``sync_every="auto"`` ended: the ranks exchange their figures (collective
+        over the topology) and every rank adopts the same H for the next round (``AutoSchedule``)."""
+        rows = [(row[0],) + tuple(row[2:]) for row in self._exchange_round()]
+        decision = self._auto.round_end(rows, [self.topology.layout.site_of(r) for r in range(self.topology.size)])
+        if decision is not None:
+            self._adopt(decision)
+        rounds = self._rounds
+        rounds.start = t
+        rounds.history.append(rounds.steps)
+        if self._auto_wan:  # every rank is here, just after the exchange: a round trip, not a wait for a site
+            self._rtt = self._ping()
+
+    def _adopt(self, decision) -> None:
+        """Take an ``AutoSchedule`` decision: H (``sync_every="auto"``), the WAN pipeline (``chunk_mb`` / ``streams``
+        on auto) of the syncs that start from now on."""
+        if self.config.sync_every_auto:
+            self._rounds.steps = (decision.sync_every,) * self.topology.num_sites
+        if self._auto_wan:
+            self.wan = dataclasses.replace(self.wan, chunk_mb=decision.chunk_mb, streams=decision.streams)
+
+    def _ping(self) -> float:
+        """A round-trip time (``rounds.ping``). Collective; a test may fake it."""
+        return ping(self.topology, self._fragments[0].global_flat.device, self.wan.timeout_s)
+
+    def _exchange_round(self) -> list[list[float]]:
+        """Every rank's ``[mean step time over the round, steps left (-1: no end), WAN bytes, WAN seconds and count of
+        the syncs that arrived since the last round end, round-trip time (0: not measured)]``, from one all-reduce of a
+        slot per rank over the topology's group: every rank gathers the same numbers (float64)."""
         left = -1.0 if self._total is None else float(max(0, self._total - self.stats.inner_steps))
-        claims[topo.rank, 0], claims[topo.rank, 1] = self._timer.take_mean(), left
-        try:
-            work = dist.all_reduce(claims, group=topo.group, async_op=True)
-            work.wait(datetime.timedelta(seconds=self.wan.timeout_s))
-        except RuntimeError as exc:
-            raise wan_failure(topo, "exchanging the sites' step times", self.wan.timeout_s, exc) from exc
+        traffic, seen = self._traffic(), self._seen
+        self._seen = traffic
+        row = [self._timer.take_mean(), left] + [a - b for a, b in zip(traffic, seen)] + [self._rtt]
+        return exchange(self.topology, row, self._fragments[0].global_flat.device, self.wan.timeout_s)
+
+    def _traffic(self) -> tuple[int, float, int]:
+        """This rank's syncs so far: WAN bytes sent, their seconds (``DiLoCoStats``) and count; a test may fake it."""
+        return self.stats.bytes_sent, self.stats.wan_s, self._arrived
+
+    def _per_site(self, rows: list[list[float]]) -> tuple[list[float], list[int | None]]:
+        """Every site's step time (its slowest rank's) and steps left (None: no end) from ``_exchange_round``."""
+        topo = self.topology
         times, steps_left = [0.0] * topo.num_sites, [None] * topo.num_sites
-        for rank, (seconds, n) in enumerate(claims.cpu().tolist()):
+        for rank, (seconds, n, *_) in enumerate(rows):
             site = topo.layout.site_of(rank)
             times[site] = max(times[site], seconds)
             if n >= 0:
@@ -431,6 +501,9 @@ class DiLoCo:
         """The round plan (the same on every rank) and this rank's own step count, sync in flight and timing of the
         round so far (under ``"rank_<global rank>"``: the sites' step counts differ); ``{}`` without time rounds."""
         rounds = self._rounds
+        if self._auto is not None:
+            return {"auto": {"steps": torch.tensor(rounds.steps[0]), "start": torch.tensor(rounds.start),
+                             "decision": torch.tensor(self._auto.state(), dtype=torch.float64)}}
         if rounds is None:
             return {}
         flight = self._in_flight
@@ -443,6 +516,14 @@ class DiLoCo:
     def _load_rounds(self, state: dict) -> None:
         """Restore ``_rounds_state`` (``load_state_dict`` checked that both or neither have rounds by time)."""
         rounds, saved = self._rounds, state.get("rounds")
+        if self._auto is not None:
+            auto = state["auto"]
+            self._auto.load(auto["decision"].tolist())
+            if self._auto.decision is not None:
+                self._adopt(self._auto.decision)
+            rounds.steps = (int(auto["steps"]),) * self.topology.num_sites
+            rounds.start, rounds.history = int(auto["start"]), [rounds.steps]
+            return
         if rounds is None or saved is None:
             return
         own = saved.get("per_rank", {}).get(f"rank_{dist.get_rank()}")
@@ -515,7 +596,8 @@ class DiLoCo:
                 f"sync_every={self.config.sync_every}, fragments={self.config.fragments}; resume with the same "
                 f"DiLoCoConfig (or MULTIDC_DILOCO_*)."
             )
-        check_rounds_saved("rounds" in state, self._rounds is not None)
+        check_rounds_saved("rounds" in state, self.config.sync_every_s is not None)
+        check_auto_saved("auto" in state, self._auto is not None)
         self._settle()
         self.stats.inner_steps = int(state["inner_steps"])
         for i, fragment in enumerate(self._fragments):

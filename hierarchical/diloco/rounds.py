@@ -10,6 +10,9 @@ inner steps in the round that ended and the steps each has left (``finish_at``).
 site's ``H`` for the next round from those gathered numbers alone (float64 and integer arithmetic, the same on every
 rank), so no rank can decide otherwise and no per-step collective is needed.
 
+``"auto"`` settings (``multidc.hierarchical.diloco.auto``) use the same rounds with one H for every site, the same
+``exchange`` at each round's end (with their WAN figures in the row) and the same ``StepTimer``.
+
 A step's time is what the loop spends outside ``DiLoCo.step()``: the forward, backward and optimizer step, the data
 loading, anything else; not the time a sync blocks (``DiLoCoStats.exposed_s``). A site's step time is the slowest of
 its ranks' (they run in lockstep inside the site).
@@ -17,10 +20,17 @@ its ranks' (they run in lockstep inside the site).
 
 from __future__ import annotations
 
+import datetime
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from multidc.hierarchical.errors import wan_failure
 
 MAX_STEPS_PER_ROUND = 1 << 30  # a bound on H: a step time near 0 must not ask for an unbounded round
 
@@ -156,3 +166,34 @@ class StepTimer:
         mean = self.busy_s / self.steps if self.steps else 0.0
         self.busy_s, self.steps = 0.0, 0
         return mean
+
+
+def exchange(topology, row: list[float], device, timeout_s: float) -> list[list[float]]:
+    """Every rank's ``row`` (floats, the same length on every rank), from one all-reduce of a slot per rank over
+    ``topology.group``: every rank gathers the same numbers, float64, in rank order. Collective.
+
+    Raises:
+        WanError: the all-reduce did not finish within ``timeout_s`` (``wan_failure``).
+    """
+    claims = torch.zeros(topology.size, len(row), dtype=torch.float64, device=device)
+    claims[topology.rank] = torch.tensor(row, dtype=torch.float64)
+    try:
+        dist.all_reduce(claims, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise wan_failure(topology, "exchanging the sites' step times", timeout_s, exc) from exc
+    return claims.cpu().tolist()
+
+
+def ping(topology, device, timeout_s: float) -> float:
+    """A round-trip time in seconds: the fastest of 3 one-element all-reduces over ``topology.group``, over its size
+    less one (gloo's ring passes a small tensor that many times each way). Collective; call it where every rank just
+    met (after ``exchange``), so it times the link rather than a wait for a slower site."""
+    probe, best = torch.zeros(1, device=device), math.inf
+    for _ in range(3):
+        started = time.perf_counter()
+        try:
+            dist.all_reduce(probe, group=topology.group, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise wan_failure(topology, "timing a round trip", timeout_s, exc) from exc
+        best = min(best, time.perf_counter() - started)
+    return best / max(1, topology.size - 1)

@@ -118,6 +118,7 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
         if inner_optimizer is None:
             raise ValueError("ElasticDiLoCo needs the inner optimizer: its state travels to a rejoining site.")
         wan = wan if wan is not None else WanConfig()
+        wan.refuse_auto("elastic DiLoCo")
         # DiLoCo's own set-up (settings agreed, fragments, outer optimizer) runs inside the site (among the ranks
         # that hold this rank's shards, under a layout); the sites are made equal by the first quorum instead
         # (torchft's step-0 sync from one site)
@@ -302,6 +303,9 @@ class ElasticDiLoCo(DiLoCo, CrossSite):
     def _wan_bytes(self) -> int:
         return self.site.wan_stats.snapshot()["bytes_sent"]
 
+    def _wan_seconds(self) -> float:
+        return self.site.wan_stats.snapshot()["seconds"]
+
     def start_round(self) -> None:
         """Join the next round's quorum; a site that is behind receives the live state here. Called by ``step()``
         at a round's end, or, with ``start_rounds=False``, by the caller between that step and the next one, once
@@ -364,6 +368,12 @@ def check_elastic_config(config: DiLoCoConfig) -> DiLoCoConfig:
             f"elastic DiLoCo does not support rounds by time yet (DiLoCoConfig.sync_every_s={config.sync_every_s}): "
             f"a time round's plan is agreed by a fixed set of sites, while an elastic job's sites change from round "
             f"to round. Unset sync_every_s / MULTIDC_DILOCO_SYNC_EVERY_S, or train without elastic=True."
+        )
+    if config.sync_every_auto:
+        raise ValueError(
+            "elastic DiLoCo does not support sync_every='auto' yet: its H is agreed by a fixed set of sites at a "
+            "round's end, while an elastic job's sites change from round to round. Give sync_every a number (multidc "
+            "plan suggests one), or train without elastic=True."
         )
     if config.overlap_steps:
         offsets = sorted(config.offset(i) for i in range(config.fragments))

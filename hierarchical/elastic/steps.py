@@ -177,6 +177,7 @@ class ElasticSync(CrossSite):
 
             check_elastic_config(diloco)
         self.wan = wan if wan is not None else WanConfig()
+        self.wan.refuse_auto("elastic sites")  # at construction, before any site starts
         if diloco is None:
             refuse_sparse_per_step(self.wan.compression, "elastic per-step sync")
         self.diloco_config, self.site_options = diloco, site_options

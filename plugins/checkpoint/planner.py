@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from multidc.hierarchical.diloco.auto import check_auto_saved
 from multidc.hierarchical.diloco.rounds import check_rounds_saved
 from multidc.plugins.checkpoint.state import SITE_PREFIX
 
@@ -35,6 +36,7 @@ _log = logging.getLogger("multidc.plugins.checkpoint")  # where users look for c
 # ``"rank_<global rank>"`` -> ...) and the samples trained since each fragment's last sync (``"trained"`` ->
 # ``"rank_<global rank>"``), anywhere under a checkpoint's ``"diloco"`` entry (per shard under a layout).
 _ROUNDS = re.compile(r"^diloco\.(?:.+\.)?rounds\.")  # DiLoCo's round plan: saved with rounds by time only
+_AUTO = re.compile(r"^diloco\.(?:.+\.)?auto\.")  # DiLoCo's "auto" plan: saved with "auto" settings only
 _RESIDUAL = re.compile(r"^diloco\.(?:.+\.)?(?:residual|trained|in_flight_local)\.rank_\d+(?:\.|$)")
 
 
@@ -216,12 +218,14 @@ def _check_sites(wanted: dict, saved: dict, allow_partial: bool) -> None:
 
 def _check_rounds(wanted: dict, saved: dict) -> None:
     """A DiLoCo state of rounds by time into a run of fixed rounds, or the reverse: refused (``check_rounds_saved``),
-    also where the loader would drop or lack the round keys silently."""
-    def has(keys) -> bool:
-        return any(_ROUNDS.match(k) for k in keys)
+    also where the loader would drop or lack the round keys silently; the same for "auto" settings
+    (``check_auto_saved``)."""
+    def has(keys, pattern=_ROUNDS) -> bool:
+        return any(pattern.match(k) for k in keys)
 
     if any(k.startswith("diloco.") for k in wanted):
         check_rounds_saved(has(saved), has(wanted))
+        check_auto_saved(has(saved, _AUTO), has(wanted, _AUTO))
 
 
 class SafeRebuildLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
