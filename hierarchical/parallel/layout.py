@@ -15,6 +15,9 @@ Flattened aliases on the same mesh: ``"data_parallel"`` = site x dp_replicate x 
 ``ModelParallelStrategy`` ``configure_model`` expects), ``"tensor_parallel"`` = tp, ``"pipeline_parallel"`` = pp,
 ``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN). ``data_parallel_size``, when
 given, is that alias's size (as in ``ModelParallelStrategy``): it fixes ``dp_shard`` (or the one inferred size).
+
+Unequal sites (``site_sizes``, or ``MULTIDC_SITE`` names in contiguous blocks of different sizes) differ in
+``dp_shard`` only, each site its own; they train with DiLoCo only: see ``multidc.hierarchical.parallel.unequal_sites``.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ class ParallelLayout:
     inferred from the world as well."""
     world_size: int | None = None
     """Ranks in all; when given, sizes are resolved and checked at construction."""
+    site_sizes: tuple[int, ...] | None = None
+    """Ranks of each site (contiguous blocks in rank order) when the sites differ in size: site ``s`` then has
+    ``dp_shard = site_sizes[s] / (pipeline_parallel_size x dp_replicate x tensor_parallel_size)`` (leave
+    ``dp_shard`` unset), and ``world_size`` is their sum. ``None``: equal sites; ``resolve_job`` sets it when the
+    ranks' ``MULTIDC_SITE`` names form blocks of different sizes."""
     _count_sites: bool = field(default=False, init=False, repr=False, compare=False)
     """See ``counts_site_names``."""
 
@@ -98,6 +106,8 @@ class ParallelLayout:
             object.__setattr__(self, name, _parse(name, value))
         if self.data_parallel_size is not None:
             object.__setattr__(self, "data_parallel_size", _parse("data_parallel_size", self.data_parallel_size))
+        if self.site_sizes is not None and self._take_site_sizes(defaulted):
+            return
         given = self._given_data_parallel_size
         # The default auto dp_shard yields to a size the user asked to infer from the same total (the world, or
         # data_parallel_size when given).
@@ -114,6 +124,47 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout.world_size={self.world_size!r} must be a positive int.")
             for name, value in _resolve_world(self._sizes(), given, self.world_size).items():
                 object.__setattr__(self, name, value)
+
+    def _take_site_sizes(self, defaulted: set) -> bool:
+        """Check ``site_sizes``; equal ones become ``num_sites`` and ``world_size``. Returns whether the sites are
+        unequal (then resolved here: ``dp_shard`` per site, see ``dp_shards``)."""
+        sizes = _parse_site_sizes(self.site_sizes)
+        if "num_sites" not in defaulted and self.num_sites != len(sizes):
+            raise ValueError(f"ParallelLayout: num_sites={self.num_sites} but site_sizes={list(sizes)} has "
+                             f"{len(sizes)} sites; give one of them, or both alike.")
+        if self.world_size is not None and self.world_size != sum(sizes):
+            raise ValueError(f"ParallelLayout: site_sizes={list(sizes)} add up to {sum(sizes)} ranks, but "
+                             f"world_size={self.world_size}.")
+        object.__setattr__(self, "num_sites", len(sizes))
+        object.__setattr__(self, "world_size", sum(sizes))
+        if len(set(sizes)) == 1:
+            object.__setattr__(self, "site_sizes", None)
+            return False
+        object.__setattr__(self, "site_sizes", sizes)
+        _check_unequal(self, explicit_dp_shard="dp_shard" not in defaulted and self.dp_shard != AUTO)
+        return True
+
+    @property
+    def unequal_sites(self) -> bool:
+        """The sites differ in size (``site_sizes``): each its own ``dp_shard`` (``dp_shards``)."""
+        return self.site_sizes is not None
+
+    @property
+    def dp_shards(self) -> tuple[int, ...]:
+        """``dp_shard`` of each site, in site order."""
+        self._require_resolved()
+        if self.site_sizes is None:
+            return (self.dp_shard,) * self.num_sites
+        inner = self.pipeline_parallel_size * self.dp_replicate * self.tensor_parallel_size
+        return tuple(size // inner for size in self.site_sizes)
+
+    def site_layout(self, site: int) -> ParallelLayout:
+        """The one-site layout of ``site`` (its own ``dp_shard``)."""
+        return ParallelLayout(num_sites=1, dp_replicate=self.dp_replicate, dp_shard=self.dp_shards[site],
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              tensor_parallel_size=self.tensor_parallel_size,
+                              world_size=self.world_size // self.num_sites if self.site_sizes is None
+                              else self.site_sizes[site])
 
     @property
     def _given_data_parallel_size(self) -> int | None:
@@ -165,14 +216,22 @@ class ParallelLayout:
         _check_sizes_agree(claims)
         names = [c[2] for c in claims]
         counted = self._count_sites and all(n is not None for n in names)
+        blocks = _block_sizes(names) if self.site_sizes is None else None
         try:
-            layout = replace(self, num_sites=len(set(names))) if counted else self
+            if blocks is not None and len(set(blocks)) > 1:  # unequal sites, from the names
+                layout = replace(self, site_sizes=tuple(blocks), num_sites=len(blocks) if counted else self.num_sites)
+            else:
+                layout = replace(self, num_sites=len(set(names))) if counted else self
             resolved = layout.resolve(len(claims))
         except ValueError as exc:
-            if not counted:
-                raise
-            raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
-                             f"({sorted(set(names))}), and that layout does not fit: {exc}") from None
+            unequal = f", in blocks of {blocks} ranks," if blocks is not None and len(set(blocks)) > 1 else ""
+            if counted:
+                raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
+                                 f"({sorted(set(names))}){unequal} and that layout does not fit: {exc}") from None
+            if unequal:
+                raise ValueError(f"the {_env.SITE} names of the ranks make sites{unequal} and that layout does "
+                                 f"not fit: {exc}") from None
+            raise
         _check_sites(resolved, names, counted=counted)
         return resolved, names
 
@@ -188,8 +247,9 @@ class ParallelLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Mesh shape in ``MESH_AXES`` order."""
+        """Mesh shape in ``MESH_AXES`` order (equal sites; see ``site_layout`` for unequal ones)."""
         self._require_resolved()
+        self._require_equal_sites("shape")
         return tuple(getattr(self, _FIELD_OF_AXIS[axis]) for axis in MESH_AXES)
 
     @property
@@ -200,13 +260,16 @@ class ParallelLayout:
 
     @property
     def site_size(self) -> int:
-        """Ranks per site."""
+        """Ranks per site (equal sites; ``site_sizes`` for unequal ones)."""
         self._require_resolved()
+        self._require_equal_sites("site_size")
         return self.world_size // self.num_sites
 
     @property
     def dp_size(self) -> int:
         """Data-parallel degree over all sites: different batches are fed to this many model replicas."""
+        if self.unequal_sites:
+            return sum(self.dp_replicate * d for d in self.dp_shards)
         return self.sizes["data_parallel"]
 
     @property
@@ -215,10 +278,15 @@ class ParallelLayout:
         return self.sizes["replicate"]
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{axis: index}`` of ``rank`` on each of ``MESH_AXES``. Pure arithmetic, the same as the mesh's."""
-        shape = self.shape
+        """``{axis: index}`` of ``rank`` on each of ``MESH_AXES``. Pure arithmetic, the same as the mesh's (on
+        unequal sites: its site's mesh, ``"site"`` the site's index)."""
+        self._require_resolved()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}.")
+        if self.unequal_sites:
+            site = self.site_of(rank)
+            return {**self.site_layout(site).coordinates(rank - sum(self.site_sizes[:site])), "site": site}
+        shape = self.shape
         coords = {}
         for axis, size in zip(reversed(MESH_AXES), reversed(shape)):
             rank, coords[axis] = divmod(rank, size)
@@ -239,10 +307,18 @@ class ParallelLayout:
         return list(by_key.values())
 
     def site_of(self, rank: int) -> int:
+        if self.unequal_sites:
+            ends = [sum(self.site_sizes[: s + 1]) for s in range(self.num_sites)]
+            return next(s for s, end in enumerate(ends) if rank < end)
         return rank // self.site_size
 
     def describe(self) -> str:
-        """One line such as ``8 ranks = site 2 x pp 2 x dp_replicate 1 x dp_shard 1 x tp 2``."""
+        """One line such as ``8 ranks = site 2 x pp 2 x dp_replicate 1 x dp_shard 1 x tp 2`` (unequal sites:
+        ``3 ranks = sites of [2, 1] x pp 1 x dp_replicate 1 x dp_shard [2, 1] x tp 1``)."""
+        if self.unequal_sites:
+            return (f"{self.world_size} ranks = sites of {list(self.site_sizes)} x pp {self.pipeline_parallel_size} "
+                    f"x dp_replicate {self.dp_replicate} x dp_shard {list(self.dp_shards)} x tp "
+                    f"{self.tensor_parallel_size}")
         shape = self.shape
         return f"{self.world_size} ranks = " + " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, shape))
 
@@ -254,11 +330,16 @@ class ParallelLayout:
 
         Returns:
             The root ``DeviceMesh`` with axes ``MESH_AXES``; ``mesh["data_parallel"]``, ``mesh["tensor_parallel"]``,
-            ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views.
+            ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views. On unequal sites, this
+            rank's site's mesh (``"site"`` of size 1; ``unequal_sites.build_site_mesh``).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         layout = self.resolve_job()
+        if layout.unequal_sites:
+            from multidc.hierarchical.parallel.unequal_sites import build_site_mesh
+
+            return build_site_mesh(layout, device_type)
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
         for alias, axes in ALIASES.items():
             submesh(mesh, axes)._flatten(alias)
@@ -270,6 +351,11 @@ class ParallelLayout:
     def _require_resolved(self) -> None:
         if self.world_size is None:
             raise ValueError("ParallelLayout is not resolved yet: pass world_size= or call resolve(world_size).")
+
+    def _require_equal_sites(self, what: str) -> None:
+        if self.unequal_sites:
+            raise ValueError(f"ParallelLayout.{what}: {self.describe()} has no single mesh; each site has its own "
+                             f"(site_layout(site), multidc.hierarchical.parallel.unequal_sites).")
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -378,9 +464,15 @@ def _check_sizes_agree(claims: list) -> None:
     sizes = [c[0] for c in claims]
     differing = [rank for rank, s in enumerate(sizes) if s != sizes[0]]
     if differing:
+        fields_ = [name for name in sizes[0] if any(s[name] != sizes[0][name] for s in sizes)]
+        where = "; ".join(f"{name}: " + ", ".join(f"{value} on {_ranks_and_sites(ranks, claims)}"
+                                                   for value, ranks in _by_value(sizes, name).items())
+                          for name in fields_)
         raise ValueError(
-            f"ranks disagree on the parallel layout: rank 0 has {sizes[0]}, ranks {differing} have "
-            f"{[sizes[r] for r in differing]}; pass the same sizes / MULTIDC_* variables on every rank."
+            f"ranks disagree on the parallel layout ({where}): rank 0 has {sizes[0]}, ranks {differing} have "
+            f"{[sizes[r] for r in differing]}; pass the same sizes / MULTIDC_* variables on every rank. Sites of "
+            f"different sizes differ in dp_shard only: leave dp_shard unset (each site's is inferred from its ranks); "
+            f"pipeline_parallel_size, tensor_parallel_size and dp_replicate must be the same on every site."
         )
     given = [rank for rank, c in enumerate(claims) if not c[1]]
     if 0 < len(given) < len(claims):
@@ -397,6 +489,11 @@ def _check_sites(layout: ParallelLayout, sites: list, *, counted: bool) -> None:
     if any(s is None for s in sites):
         missing = [r for r, s in enumerate(sites) if s is None]
         raise ValueError(f"ranks {missing} have no {_env.SITE} while others do; set it on every rank or on none.")
+    if layout.unequal_sites:
+        if _block_sizes(sites) != list(layout.site_sizes):
+            raise ValueError(f"{_env.SITE} per rank is {sites}, but ParallelLayout(site_sizes="
+                             f"{list(layout.site_sizes)}) needs contiguous blocks of those sizes, in rank order.")
+        return
     blocks = [sites[s * layout.site_size : (s + 1) * layout.site_size] for s in range(layout.num_sites)]
     names = [block[0] for block in blocks]
     if any(len(set(block)) != 1 for block in blocks) or len(set(names)) != layout.num_sites:
@@ -407,3 +504,68 @@ def _check_sites(layout: ParallelLayout, sites: list, *, counted: bool) -> None:
             f"(s+1)*{layout.site_size}-1). Give the ranks of each site consecutive global ranks (torchrun: one "
             f"node rank range per site) and the same num_sites."
         )
+
+
+def _parse_site_sizes(sizes) -> tuple[int, ...]:
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"ParallelLayout.site_sizes={sizes!r} must be the ranks of each site, e.g. (2, 1).")
+    sizes = tuple(sizes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"ParallelLayout.site_sizes={sizes!r} must hold a positive int per site, e.g. (2, 1).")
+    return sizes
+
+
+def _check_unequal(layout: ParallelLayout, *, explicit_dp_shard: bool) -> None:
+    """Unequal sites differ in ``dp_shard`` only; ValueError naming what to change otherwise."""
+    sizes, inner_names = list(layout.site_sizes), ("pipeline_parallel_size", "dp_replicate", "tensor_parallel_size")
+    inferred = [n for n in inner_names if getattr(layout, n) == AUTO]
+    if inferred:
+        raise ValueError(f"ParallelLayout: sites of {sizes} ranks differ in dp_shard only, inferred per site; "
+                         f"{inferred} cannot be inferred as well: give them a number, the same on every site.")
+    if explicit_dp_shard:
+        raise ValueError(
+            f"ParallelLayout: dp_shard={layout.dp_shard} (or {_env.DP_SHARD}) with sites of {sizes} ranks: each "
+            f"site's dp_shard is inferred from its ranks (site ranks / (pipeline_parallel_size x dp_replicate x "
+            f"tensor_parallel_size)); leave dp_shard and {_env.DP_SHARD} unset."
+        )
+    inner = math.prod(getattr(layout, n) for n in inner_names)
+    bad = [s for s, n in enumerate(sizes) if n % inner]
+    if bad:
+        raise ValueError(
+            f"ParallelLayout: site {bad[0]} has {sizes[bad[0]]} ranks, not a multiple of pipeline_parallel_size x "
+            f"dp_replicate x tensor_parallel_size = {inner} (the same on every site; sites differ in dp_shard "
+            f"only). Give every site a multiple of {inner} ranks."
+        )
+    dp = sum(n // inner * layout.dp_replicate for n in sizes)
+    given = layout._given_data_parallel_size
+    if given is not None and given != dp:
+        raise ValueError(f"ParallelLayout: data_parallel_size={given}, but sites of {sizes} ranks hold {dp} "
+                         f"data-parallel ranks; leave it unset.")
+
+
+def _block_sizes(names: list) -> list[int] | None:
+    """The sizes of the runs of equal ``MULTIDC_SITE`` names, when every rank names one and each name is one
+    contiguous run; else ``None``."""
+    if any(n is None for n in names):
+        return None
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    if len({name for name, _ in runs}) != len(runs):
+        return None
+    return [count for _, count in runs]
+
+
+def _by_value(sizes: list[dict], name: str) -> dict:
+    values: dict = {}
+    for rank, s in enumerate(sizes):
+        values.setdefault(s[name], []).append(rank)
+    return values
+
+
+def _ranks_and_sites(ranks: list[int], claims: list) -> str:
+    sites = sorted({str(claims[r][2]) for r in ranks if claims[r][2] is not None})
+    return f"ranks {ranks}" + (f" (site {', '.join(repr(n) for n in sites)})" if sites else "")
