@@ -45,17 +45,32 @@ def site_grid(layout: ParallelLayout, site: int) -> torch.Tensor:
 
 def build_site_mesh(layout: ParallelLayout, device_type: str):
     """This rank's site's ``DeviceMesh`` (axes ``MESH_AXES``, the aliases flattened), the job's ``layout`` attached.
-    Every rank must call it: it builds every site's mesh in site order (their groups are created collectively)."""
+    Every rank must call it: torch creates a mesh's groups collectively over the whole job (``new_group`` numbers
+    them in call order), so every rank builds every site's mesh in site order, and for a site it is not in makes
+    the group creations of that mesh's aliases itself (torch cannot slice a mesh for a rank outside it)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     own, mine = layout.site_of(dist.get_rank()), None
-    for site in range(layout.num_sites):  # another site's mesh too: the same groups, created by every rank
-        mesh = DeviceMesh(device_type, site_grid(layout, site), mesh_dim_names=MESH_AXES)
+    for site in range(layout.num_sites):
+        grid = site_grid(layout, site)
+        mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_AXES)
         for alias, axes in ALIASES.items():
-            submesh(mesh, axes)._flatten(alias)
+            if site == own:
+                submesh(mesh, axes)._flatten(alias)
+            else:
+                _alias_groups(grid, axes)
         mine = mesh if site == own else mine
     setattr(mine, _JOB_LAYOUT, layout)
     return mine
+
+
+def _alias_groups(grid: torch.Tensor, axes: tuple[str, ...]) -> None:
+    """The ``new_group`` calls ``submesh(mesh, axes)._flatten(alias)`` makes on the mesh of ``grid`` (one per group
+    along the flattened axes), from a rank outside that mesh."""
+    dims = [MESH_AXES.index(a) for a in axes]
+    size = math.prod(grid.shape[d] for d in dims)
+    for ranks in grid.movedim(dims, list(range(grid.dim() - len(dims), grid.dim()))).reshape(-1, size).tolist():
+        dist.new_group(ranks)
 
 
 def job_layout(mesh) -> ParallelLayout | None:

@@ -48,7 +48,7 @@ CASES = {
     "sites3+1": dict(layout=dict(site_sizes=(3, 1)), config=dict(sync_every=4), meter=True),
     # three sites, dp_shard 2, 1, 1, streaming with overlap (2:1:1)
     "sites2+1+1_streaming": dict(layout=dict(site_sizes=(2, 1, 1)),
-                                 config=dict(sync_every=4, fragments=2, overlap_steps=1), meter=True),
+                                 config=dict(sync_every=4, fragments=2, overlap_steps=1)),
 }
 STEPS = 10  # syncs at 4 and 8 (fragments: 2, 4, 6, 8, 10); local and global differ at the end
 
@@ -296,9 +296,11 @@ def test_nothing_crosses_sites_on_inner_steps(framework_free, name):
     config = CASES[name]["config"]
     every = config["sync_every"] // config.get("fragments", 1)
     syncs = [t for t in range(1, STEPS + 1) if t % every == 0]
+    sending: dict = {}  # per site: the steps some rank sent WAN bytes (on unequal sites only the rails send)
     for r in framework_free[name]:
         assert [t for t, c in enumerate(r["crossing"], start=1) if c] == syncs, r["crossing"]
-        assert [t for t, b in enumerate(r["sent"], start=1) if b] == syncs, r["sent"]
+        sending.setdefault(r["site"], set()).update(t for t, b in enumerate(r["sent"], start=1) if b)
+    assert all(sorted(steps) == syncs for steps in sending.values()), sending
 
 
 @pytest.mark.timeout(360)
