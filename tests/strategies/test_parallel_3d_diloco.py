@@ -50,6 +50,12 @@ CASES = {
     "sites2+1+1_streaming": dict(layout=dict(site_sizes=(2, 1, 1)),
                                  config=dict(sync_every=4, fragments=2, overlap_steps=1)),
 }
+# 6 ranks: sites of 4 + 2 ranks with tensor parallelism 2 (dp_shard 2 and 1): a column of ranks per tensor shard
+# (pipeline stages make columns the same way; their syncs are those of equal sites, tested above)
+SIX_RANK_CASES = {
+    "sites4+2xtp2": dict(layout=dict(site_sizes=(4, 2), tensor_parallel_size=2), tp="transformer",
+                         config=dict(sync_every=4), meter=True),
+}
 STEPS = 10  # syncs at 4 and 8 (fragments: 2, 4, 6, 8, 10); local and global differ at the end
 
 
@@ -186,8 +192,12 @@ def _self_sharded(net, mesh, wan):
     return pm, None
 
 
+def _six_rank_cases(rank: int, world: int) -> dict:
+    return {name: _train_case(rank, world, case) for name, case in SIX_RANK_CASES.items()}
+
+
 def _all_cases(rank: int, world: int, names: list[str]) -> dict:
-    results = {name: _train_case(rank, world, CASES[name]) for name in names}
+    results = {name: _train_case(rank, world, {**CASES, **SIX_RANK_CASES}[name]) for name in names}
     results["errors"] = _bad_settings(rank)
     results["unequal_errors"] = _unequal_refusals(rank)
     return results
@@ -272,6 +282,23 @@ def test_3d_diloco_equals_the_single_process_reference(framework_free, name):
     if CASES[name]["layout"].get("site_sizes"):  # each rank took its shard of one average: all equal, bitwise
         for r in results[1:]:
             assert all(torch.equal(r["global"][k], v) for k, v in results[0]["global"].items())
+
+
+@pytest.mark.timeout(360)
+def test_unequal_sites_with_tensor_parallelism_equal_the_reference():
+    """Sites of 4 + 2 ranks under tp2 (FSDP2 over TP: strided shards): each tensor shard syncs over its own column
+    of ranks, nothing crosses sites on inner steps, and every rank equals the reference weighted 2:1."""
+    per_rank = run_ranks(_six_rank_cases, 6, timeout=300)
+    for name, case in SIX_RANK_CASES.items():
+        results = [r[name] for r in per_rank]
+        ref = reference(results[0]["replicas"], STEPS, case["config"])
+        assert results[0]["replicas"] == [2, 1]
+        for r in results:
+            for kind, expected in (("global", ref["global"]), ("local", ref["local"][r["site"]])):
+                for key, value in r[kind].items():
+                    torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6, msg=f"{name} {kind} {key}")
+            if case.get("meter"):
+                assert [t for t, c in enumerate(r["crossing"], start=1) if c] == [4, 8], (name, r["crossing"])
 
 
 @pytest.mark.timeout(360)
