@@ -45,9 +45,16 @@ from multidc.hierarchical._compat import destroy_process_groups_at_exit
 from multidc.hierarchical.diloco.config import resolve_cross_site
 from multidc.hierarchical.elastic.shards import check_elastic_layout
 from multidc.hierarchical.parallel.data_parallel import data_parallel_within_sites, fsdp_mesh_crosses_sites
-from multidc.hierarchical.parallel.layout import ParallelLayout, submesh
-from multidc.hierarchical.parallel.parallelize import ParallelModel, adopt_sharded, layout_of, parallelize
+from multidc.hierarchical.parallel.layout import ParallelLayout
+from multidc.hierarchical.parallel.parallelize import (
+    ParallelModel,
+    adopt_sharded,
+    data_parallel_coordinate,
+    layout_of,
+    parallelize,
+)
 from multidc.hierarchical.parallel.pipeline import PipelineConfig
+from multidc.hierarchical.parallel.unequal_sites import refuse_without_diloco
 
 try:
     import lightning.pytorch as pl
@@ -209,9 +216,9 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
         return self.parallel.topology if self.parallel is not None else None
 
     def _configure_launcher(self) -> None:
-        # Fails here, before any rank starts; unless num_sites is to be counted from MULTIDC_SITE, which only the
-        # ranks together know (build_mesh checks it then, on every rank).
-        if not (self.layout.counts_site_names and _env.read(_env.SITE) is not None):
+        # Fails here, before any rank starts; unless the sites come from MULTIDC_SITE (their count and sizes, maybe
+        # unequal), which only the ranks together know (build_mesh checks them then, on every rank).
+        if _env.read(_env.SITE) is None:
             self.layout.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
@@ -221,6 +228,7 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
         if self._device_mesh is None:  # validate / test after fit keep the mesh the module was placed on
             self._device_mesh = self.layout.build_mesh(self.root_device.type)
             self.layout = layout_of(self._device_mesh)
+            refuse_without_diloco(self.layout, self.cross_site, "Parallel3DStrategy")  # every rank alike
         self.lightning_module._device_mesh = self._device_mesh
 
     @contextmanager
@@ -304,8 +312,8 @@ class Parallel3DStrategy(CrossSiteMixin, CheckpointingMixin, ModelParallelStrate
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        data_parallel = submesh(self.device_mesh, "data_parallel")
-        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+        index, size = data_parallel_coordinate(self.device_mesh)  # over all sites, also unequal ones
+        return {"num_replicas": size, "rank": index}
 
     def pipeline_step(self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Run one training batch through the model; call it from ``training_step`` and return its result.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from multidc.hierarchical import _env
@@ -293,16 +294,23 @@ def refuse_loss_scaling(scaler, *, mode: str = "DiLoCo") -> None:
         )
 
 
-def agree_model(model, topology, config: DiLoCoConfig | None, blocks) -> tuple[list, DiLoCoConfig, list[bool]]:
+def agree_model(model, topology, config: DiLoCoConfig | None, blocks,
+                common=None) -> tuple[list, DiLoCoConfig, list[bool], list | None]:
     """Collective over ``topology.group``: this rank's fragments of ``model`` and the settings, after every rank
     compared theirs (the same ValueError everywhere), and per fragment whether the ranks' parameters differ: decided
-    from the gathered digests, so alike everywhere. With one site there is nothing to copy and nothing is hashed."""
-    split, error, sizes, digests = None, None, None, None
+    from the gathered digests, so alike everywhere. With one site there is nothing to copy and nothing is hashed.
+    ``common``: a ``DiLoCo`` ``common_layout``; sizes and digests are then those of each fragment in it, whose
+    plans come back last (``None`` without)."""
+    split, error, sizes, digests, plans = None, None, None, None, None
     try:
         config = config_or_default(config)
         split = split_fragments(model, config.fragments, blocks)
-        sizes = [sum(local_tensor(p).numel() for p in params) for params in split]
-        digests = [digest(params) if topology.num_sites > 1 else "" for params in split]
+        if common is not None:  # collective inside the site (its shard sizes), before anything can differ
+            plans = [common.fragment(params, [local_tensor(p) for p in params]) for params in split]
+        sizes = [plan.numel for plan in plans] if plans else [
+            sum(local_tensor(p).numel() for p in params) for params in split]
+        plans_or_none = plans or [None] * len(split)
+        digests = [_digest(params, plan, topology.num_sites) for params, plan in zip(split, plans_or_none)]
     except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
         error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     claims = agree(error, config, (sizes, digests), group=topology.group, where=" of the sites' group")
@@ -311,4 +319,15 @@ def agree_model(model, topology, config: DiLoCoConfig | None, blocks) -> tuple[l
         raise ValueError(f"ranks hold different models: parameter elements per DiLoCo fragment differ ({seen}); "
                          f"every site must train the same model with the same layout.")
     apart = [len({c[2][1][i] for c in claims}) > 1 for i in range(len(split))]
-    return split, config, apart
+    return split, config, apart, plans
+
+
+def _digest(params, plan, num_sites: int) -> str:
+    """The fragment's digest (``""`` with one site): of this rank's tensors, or of the full tensors in ``plan``'s
+    layout (collective inside the site)."""
+    if num_sites == 1:
+        return ""
+    if plan is None:
+        return digest(params)
+    flat = torch.cat([local_tensor(p).detach().reshape(-1).float() for p in params])
+    return digest([plan.gather(flat)])

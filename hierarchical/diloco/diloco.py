@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,8 @@ class _Fragment:
     """Inner step (mod sync_every) at which this fragment's sync starts."""
     residual: torch.Tensor | None = None
     """Error feedback (top-k codecs): float32, what the codec dropped from this rank's share of the last sync."""
+    common: Any = None
+    """The fragment in ``DiLoCo``'s ``common_layout`` (``gather`` / ``take``), or None: syncs use ``params`` as held."""
 
 
 @dataclass
@@ -86,6 +89,9 @@ class _InFlight:
     the merge keeps what the site trained since then. None: the merge takes the global parameters."""
     seconds_before: float = 0.0
     """``WanStats.seconds`` as the sync started (``DiLoCoStats.wan_s``)."""
+    sent: torch.Tensor | None = None
+    """With a ``common_layout``: the buffer being averaged (the fragment in that layout) until it arrives and this
+    rank's part of it is taken into ``delta``."""
 
 
 class DiLoCo:
@@ -133,6 +139,12 @@ class DiLoCo:
             (exact for SGD; Adam-like step counters start at 1), so checkpoints always hold it.
         blocks: the ordered blocks dealt into fragments; default ``model.pipeline_blocks()``, else the
             top-level children (see ``split_fragments``).
+        common_layout: when ranks of different sites hold a fragment in different pieces (unequal sites under a
+            parallel layout: ``multidc.hierarchical.parallel.unequal_sites.ShardGather``), what maps this rank's
+            pieces to a layout every site shares and back: ``fragment(params, local)`` returns a plan with
+            ``numel``, ``gather(flat)`` (collective over the ranks that share the plan, on the calling thread) and
+            ``take(full, flat)``. Every sync then averages the fragment in that layout. ``None``: every rank of the
+            topology holds its fragments as the ranks of its own site and of the others do.
 
     Raises:
         ValueError: on every rank alike: bad or differing settings, more fragments than blocks, an empty
@@ -149,6 +161,7 @@ class DiLoCo:
         wan: WanConfig | None = None,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         blocks: Sequence[nn.Module] | None = None,
+        common_layout=None,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a multidc.hierarchical.Topology, not {type(topology).__name__}.")
@@ -159,7 +172,7 @@ class DiLoCo:
                 f"apart. Use a Topology from Topology.build, or ElasticDiLoCo for elastic sites."
             )
         self.topology = topology
-        split, self.config, apart = agree_model(model, topology, config, blocks)
+        split, self.config, apart, plans = agree_model(model, topology, config, blocks, common_layout)
         base = wan if wan is not None else topology.wan
         self.wan = dataclasses.replace(base, compression=self.config.compression)
         self.stats = DiLoCoStats()
@@ -168,7 +181,8 @@ class DiLoCo:
         make_outer = outer_optimizer or self._default_outer
         with torch.no_grad():
             self._fragments = [
-                self._fragment(params, make_outer, self.config.offset(i), copy=apart[i])
+                self._fragment(params, make_outer, self.config.offset(i), copy=apart[i],
+                               common=plans[i] if plans else None)
                 for i, params in enumerate(split)
             ]
         self._largest = max(f.global_flat.numel() for f in self._fragments)
@@ -189,19 +203,22 @@ class DiLoCo:
         c = self.config
         return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
 
-    def _fragment(self, params: list[nn.Parameter], make_outer, offset: int, *, copy: bool) -> _Fragment:
+    def _fragment(self, params: list[nn.Parameter], make_outer, offset: int, *, copy: bool, common) -> _Fragment:
         local = [local_tensor(p) for p in params]
         flat = torch.cat([t.detach().reshape(-1).float() for t in local])
         views = _views(flat, local)
         if copy:  # the ranks differ: site 0's values reach every rank exactly (x + 0 + ... in float32, uncompressed)
+            shared = common.gather(flat) if common is not None else flat
             if self.topology.site != 0:
-                flat.zero_()
-            all_reduce(flat, self.topology, wan=dataclasses.replace(self.wan, compression="none"), replicated=True)
+                shared.zero_()
+            all_reduce(shared, self.topology, wan=dataclasses.replace(self.wan, compression="none"), replicated=True)
+            if common is not None:
+                common.take(shared, flat)
             for t, view in zip(local, views):
                 t.copy_(view)
         outer = make_outer(views)
         init_state(outer, views)
-        return _Fragment(local, flat, views, outer, offset)
+        return _Fragment(local, flat, views, outer, offset, common=common)
 
     def _after_inner_step(self, optimizer, _args, _kwargs) -> None:
         if not is_state_init_step(optimizer):
@@ -289,7 +306,8 @@ class DiLoCo:
         before = self._wan_bytes()
         topology, wan = self._sync_target()
         residual = error_feedback.residual(fragment, topology, wan)
-        future = all_reduce(delta, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual,
+        sent = fragment.common.gather(delta) if fragment.common is not None else delta  # inside the site
+        future = all_reduce(sent, topology, wan=wan, op="avg", async_op=True, replicated=True, residual=residual,
                             weight=self._take_weight(index))
         started_from = None
         if self._kept is not None:
@@ -297,7 +315,7 @@ class DiLoCo:
             for local, view in zip(fragment.params, started_from):
                 view.copy_(local)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before, started_from,
-                                    self._wan_seconds())
+                                    self._wan_seconds(), sent if sent is not delta else None)
 
     def _take_weight(self, index: int) -> float | None:
         """This rank's part of its site's weight for fragment ``index``'s sync starting now (what it trained since
@@ -343,6 +361,9 @@ class DiLoCo:
             self.stats.wan_s += self._wan_seconds() - flight.seconds_before
             self._arrived += 1
             flight.future = None
+            if flight.sent is not None:  # this rank's part of the average, in its own layout
+                self._fragments[flight.fragment].common.take(flight.sent, flight.delta)
+                flight.sent = None
 
     def _wan_bytes(self) -> int:
         """Bytes the syncs' topology has sent over the WAN so far."""

@@ -10,6 +10,7 @@ thin adapters over it.
 * ``tensor_parallel``, ``pipeline``, ``data_parallel``: one parallel dimension each.
 * ``grad_clip``: clipping by the global norm over every shard and stage.
 * ``diloco``: DiLoCo across sites (``parallelize(..., cross_site="diloco")``, then ``build_diloco``).
+* ``unequal_sites``: sites that differ in ``dp_shard`` only, under DiLoCo (a mesh per site, syncs in full tensors).
 """
 
 from multidc.hierarchical.parallel.data_parallel import apply_data_parallel, replicate_topology

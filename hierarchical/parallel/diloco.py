@@ -51,8 +51,10 @@ from torch import nn
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, WanConfig
 from multidc.hierarchical.diloco.config import CROSS_SITE_MODES, agree, config_or_default
 from multidc.hierarchical.diloco.fragments import split_fragments
+from multidc.hierarchical.parallel import unequal_sites
 from multidc.hierarchical.parallel.data_parallel import mesh_topology
 from multidc.hierarchical.parallel.layout import submesh
+from multidc.hierarchical.parallel.unequal_sites import job_layout
 
 if TYPE_CHECKING:
     from multidc.hierarchical.parallel.parallelize import ParallelModel
@@ -84,6 +86,9 @@ class SiteGroups:
 
 def site_groups(mesh) -> SiteGroups:
     """New groups for inner-step traffic inside each site (see ``SiteGroups``). Every rank must call it."""
+    layout = job_layout(mesh)
+    if layout is not None:  # unequal sites: the mesh is this site's only
+        return SiteGroups(*unequal_sites.site_groups(layout))
     full = mesh.mesh  # [site, pp, dp_replicate, dp_shard, tp] global ranks
     sites = [row.reshape(-1).tolist() for row in full]
     site = dist.new_subgroups_by_enumeration(sites)[0] if len(sites) > 1 else None
@@ -97,8 +102,13 @@ def site_groups(mesh) -> SiteGroups:
 def diloco_topology(mesh, wan: WanConfig | None = None) -> Topology:
     """DiLoCo's topology for this rank: its ``"replicate"`` mesh group (``site`` x ``dp_replicate``, the ranks
     holding the same stage and shards), also when that is this rank alone (one site: DiLoCo is local training plus
-    the outer optimizer). Every rank must call it (extra WAN streams create groups collectively)."""
-    return mesh_topology(mesh, wan if wan is not None else WanConfig())
+    the outer optimizer). Every rank must call it (extra WAN streams create groups collectively). On unequal sites,
+    the ranks of every site holding this rank's stage and tensor shard (``unequal_sites.column_topology``)."""
+    wan = wan if wan is not None else WanConfig()
+    layout = job_layout(mesh)
+    if layout is not None:
+        return unequal_sites.column_topology(layout, wan)
+    return mesh_topology(mesh, wan)
 
 
 def build_diloco(
@@ -131,8 +141,11 @@ def build_diloco(
             "adopt_sharded): with 'allreduce' the sites' gradients are already averaged every step."
         )
     config, blocks = _agree(parallel, config)
+    common = None
+    if parallel.layout.unequal_sites:  # each site its own shards: sync the fragments' full tensors
+        common = unequal_sites.ShardGather(submesh(parallel.mesh, "dp_shard").get_group())
     return DiLoCo(parallel.model, optimizer, parallel.topology, config, wan=wan, outer_optimizer=outer_optimizer,
-                  blocks=blocks)
+                  blocks=blocks, common_layout=common)
 
 
 def _agree(parallel: ParallelModel, config: DiLoCoConfig | None) -> tuple[DiLoCoConfig, list[nn.Module] | None]:
@@ -142,6 +155,7 @@ def _agree(parallel: ParallelModel, config: DiLoCoConfig | None) -> tuple[DiLoCo
     blocks, error = parallel.blocks or None, None
     try:
         config = config_or_default(config)
+        unequal_sites.check_codec(parallel.layout, config.compression)
         _check_fragments(parallel, config.fragments, blocks)
     except Exception as exc:  # noqa: BLE001  (any failure: told to every rank, or the others wait in the gather)
         error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

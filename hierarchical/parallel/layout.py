@@ -15,6 +15,9 @@ Flattened aliases on the same mesh: ``"data_parallel"`` = site x dp_replicate x 
 ``ModelParallelStrategy`` ``configure_model`` expects), ``"tensor_parallel"`` = tp, ``"pipeline_parallel"`` = pp,
 ``"replicate"`` = site x dp_replicate (the groups whose gradients cross the WAN). ``data_parallel_size``, when
 given, is that alias's size (as in ``ModelParallelStrategy``): it fixes ``dp_shard`` (or the one inferred size).
+
+Unequal sites (``site_sizes``, or ``MULTIDC_SITE`` names in contiguous blocks of different sizes) differ in
+``dp_shard`` only, each site its own; they train with DiLoCo only: see ``multidc.hierarchical.parallel.unequal_sites``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,18 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 
 from multidc.hierarchical import _env
+from multidc.hierarchical.parallel._layout_checks import (
+    _DATA_PARALLEL_FIELDS,
+    AUTO,
+    _block_sizes,
+    _check_sites,
+    _check_sizes_agree,
+    _check_unequal,
+    _fill_data_parallel,
+    _parse,
+    _parse_site_sizes,
+    _resolve_world,
+)
 
 MESH_AXES = ("site", "pp", "dp_replicate", "dp_shard", "tp")
 ALIASES = {
@@ -47,8 +62,6 @@ _ENV_OF_FIELD = {
     "tensor_parallel_size": _env.TP_SIZE,
 }
 _DEFAULTS = {"num_sites": 1, "dp_replicate": 1, "dp_shard": -1, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
-_DATA_PARALLEL_FIELDS = ("num_sites", "dp_replicate", "dp_shard")
-AUTO = -1
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -83,6 +96,11 @@ class ParallelLayout:
     inferred from the world as well."""
     world_size: int | None = None
     """Ranks in all; when given, sizes are resolved and checked at construction."""
+    site_sizes: tuple[int, ...] | None = None
+    """Ranks of each site (contiguous blocks in rank order) when the sites differ in size: site ``s`` then has
+    ``dp_shard = site_sizes[s] / (pipeline_parallel_size x dp_replicate x tensor_parallel_size)`` (leave
+    ``dp_shard`` unset), and ``world_size`` is their sum. ``None``: equal sites; ``resolve_job`` sets it when the
+    ranks' ``MULTIDC_SITE`` names form blocks of different sizes."""
     _count_sites: bool = field(default=False, init=False, repr=False, compare=False)
     """See ``counts_site_names``."""
 
@@ -98,6 +116,8 @@ class ParallelLayout:
             object.__setattr__(self, name, _parse(name, value))
         if self.data_parallel_size is not None:
             object.__setattr__(self, "data_parallel_size", _parse("data_parallel_size", self.data_parallel_size))
+        if self.site_sizes is not None and self._take_site_sizes(defaulted):
+            return
         given = self._given_data_parallel_size
         # The default auto dp_shard yields to a size the user asked to infer from the same total (the world, or
         # data_parallel_size when given).
@@ -114,6 +134,47 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout.world_size={self.world_size!r} must be a positive int.")
             for name, value in _resolve_world(self._sizes(), given, self.world_size).items():
                 object.__setattr__(self, name, value)
+
+    def _take_site_sizes(self, defaulted: set) -> bool:
+        """Check ``site_sizes``; equal ones become ``num_sites`` and ``world_size``. Returns whether the sites are
+        unequal (then resolved here: ``dp_shard`` per site, see ``dp_shards``)."""
+        sizes = _parse_site_sizes(self.site_sizes)
+        if "num_sites" not in defaulted and self.num_sites != len(sizes):
+            raise ValueError(f"ParallelLayout: num_sites={self.num_sites} but site_sizes={list(sizes)} has "
+                             f"{len(sizes)} sites; give one of them, or both alike.")
+        if self.world_size is not None and self.world_size != sum(sizes):
+            raise ValueError(f"ParallelLayout: site_sizes={list(sizes)} add up to {sum(sizes)} ranks, but "
+                             f"world_size={self.world_size}.")
+        object.__setattr__(self, "num_sites", len(sizes))
+        object.__setattr__(self, "world_size", sum(sizes))
+        if len(set(sizes)) == 1:
+            object.__setattr__(self, "site_sizes", None)
+            return False
+        object.__setattr__(self, "site_sizes", sizes)
+        _check_unequal(self, explicit_dp_shard="dp_shard" not in defaulted and self.dp_shard != AUTO)
+        return True
+
+    @property
+    def unequal_sites(self) -> bool:
+        """The sites differ in size (``site_sizes``): each its own ``dp_shard`` (``dp_shards``)."""
+        return self.site_sizes is not None
+
+    @property
+    def dp_shards(self) -> tuple[int, ...]:
+        """``dp_shard`` of each site, in site order."""
+        self._require_resolved()
+        if self.site_sizes is None:
+            return (self.dp_shard,) * self.num_sites
+        inner = self.pipeline_parallel_size * self.dp_replicate * self.tensor_parallel_size
+        return tuple(size // inner for size in self.site_sizes)
+
+    def site_layout(self, site: int) -> ParallelLayout:
+        """The one-site layout of ``site`` (its own ``dp_shard``)."""
+        return ParallelLayout(num_sites=1, dp_replicate=self.dp_replicate, dp_shard=self.dp_shards[site],
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              tensor_parallel_size=self.tensor_parallel_size,
+                              world_size=self.world_size // self.num_sites if self.site_sizes is None
+                              else self.site_sizes[site])
 
     @property
     def _given_data_parallel_size(self) -> int | None:
@@ -165,14 +226,22 @@ class ParallelLayout:
         _check_sizes_agree(claims)
         names = [c[2] for c in claims]
         counted = self._count_sites and all(n is not None for n in names)
+        blocks = _block_sizes(names) if self.site_sizes is None else None
         try:
-            layout = replace(self, num_sites=len(set(names))) if counted else self
+            if blocks is not None and len(set(blocks)) > 1:  # unequal sites, from the names
+                layout = replace(self, site_sizes=tuple(blocks), num_sites=len(blocks) if counted else self.num_sites)
+            else:
+                layout = replace(self, num_sites=len(set(names))) if counted else self
             resolved = layout.resolve(len(claims))
         except ValueError as exc:
-            if not counted:
-                raise
-            raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
-                             f"({sorted(set(names))}), and that layout does not fit: {exc}") from None
+            unequal = f", in blocks of {blocks} ranks," if blocks is not None and len(set(blocks)) > 1 else ""
+            if counted:
+                raise ValueError(f"num_sites={len(set(names))} was counted from the {_env.SITE} names of the ranks "
+                                 f"({sorted(set(names))}){unequal} and that layout does not fit: {exc}") from None
+            if unequal:
+                raise ValueError(f"the {_env.SITE} names of the ranks make sites{unequal} and that layout does "
+                                 f"not fit: {exc}") from None
+            raise
         _check_sites(resolved, names, counted=counted)
         return resolved, names
 
@@ -188,8 +257,9 @@ class ParallelLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Mesh shape in ``MESH_AXES`` order."""
+        """Mesh shape in ``MESH_AXES`` order (equal sites; see ``site_layout`` for unequal ones)."""
         self._require_resolved()
+        self._require_equal_sites("shape")
         return tuple(getattr(self, _FIELD_OF_AXIS[axis]) for axis in MESH_AXES)
 
     @property
@@ -200,13 +270,16 @@ class ParallelLayout:
 
     @property
     def site_size(self) -> int:
-        """Ranks per site."""
+        """Ranks per site (equal sites; ``site_sizes`` for unequal ones)."""
         self._require_resolved()
+        self._require_equal_sites("site_size")
         return self.world_size // self.num_sites
 
     @property
     def dp_size(self) -> int:
         """Data-parallel degree over all sites: different batches are fed to this many model replicas."""
+        if self.unequal_sites:
+            return sum(self.dp_replicate * d for d in self.dp_shards)
         return self.sizes["data_parallel"]
 
     @property
@@ -215,10 +288,15 @@ class ParallelLayout:
         return self.sizes["replicate"]
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{axis: index}`` of ``rank`` on each of ``MESH_AXES``. Pure arithmetic, the same as the mesh's."""
-        shape = self.shape
+        """``{axis: index}`` of ``rank`` on each of ``MESH_AXES``. Pure arithmetic, the same as the mesh's (on
+        unequal sites: its site's mesh, ``"site"`` the site's index)."""
+        self._require_resolved()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}.")
+        if self.unequal_sites:
+            site = self.site_of(rank)
+            return {**self.site_layout(site).coordinates(rank - sum(self.site_sizes[:site])), "site": site}
+        shape = self.shape
         coords = {}
         for axis, size in zip(reversed(MESH_AXES), reversed(shape)):
             rank, coords[axis] = divmod(rank, size)
@@ -239,10 +317,18 @@ class ParallelLayout:
         return list(by_key.values())
 
     def site_of(self, rank: int) -> int:
+        if self.unequal_sites:
+            ends = [sum(self.site_sizes[: s + 1]) for s in range(self.num_sites)]
+            return next(s for s, end in enumerate(ends) if rank < end)
         return rank // self.site_size
 
     def describe(self) -> str:
-        """One line such as ``8 ranks = site 2 x pp 2 x dp_replicate 1 x dp_shard 1 x tp 2``."""
+        """One line such as ``8 ranks = site 2 x pp 2 x dp_replicate 1 x dp_shard 1 x tp 2`` (unequal sites:
+        ``3 ranks = sites of [2, 1] x pp 1 x dp_replicate 1 x dp_shard [2, 1] x tp 1``)."""
+        if self.unequal_sites:
+            return (f"{self.world_size} ranks = sites of {list(self.site_sizes)} x pp {self.pipeline_parallel_size} "
+                    f"x dp_replicate {self.dp_replicate} x dp_shard {list(self.dp_shards)} x tp "
+                    f"{self.tensor_parallel_size}")
         shape = self.shape
         return f"{self.world_size} ranks = " + " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, shape))
 
@@ -254,11 +340,16 @@ class ParallelLayout:
 
         Returns:
             The root ``DeviceMesh`` with axes ``MESH_AXES``; ``mesh["data_parallel"]``, ``mesh["tensor_parallel"]``,
-            ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views.
+            ``mesh["pipeline_parallel"]`` and ``mesh["replicate"]`` are flattened views. On unequal sites, this
+            rank's site's mesh (``"site"`` of size 1; ``unequal_sites.build_site_mesh``).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         layout = self.resolve_job()
+        if layout.unequal_sites:
+            from multidc.hierarchical.parallel.unequal_sites import build_site_mesh
+
+            return build_site_mesh(layout, device_type)
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
         for alias, axes in ALIASES.items():
             submesh(mesh, axes)._flatten(alias)
@@ -271,6 +362,11 @@ class ParallelLayout:
         if self.world_size is None:
             raise ValueError("ParallelLayout is not resolved yet: pass world_size= or call resolve(world_size).")
 
+    def _require_equal_sites(self, what: str) -> None:
+        if self.unequal_sites:
+            raise ValueError(f"ParallelLayout.{what}: {self.describe()} has no single mesh; each site has its own "
+                             f"(site_layout(site), multidc.hierarchical.parallel.unequal_sites).")
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
         return f"ParallelLayout({inner})"
@@ -282,128 +378,3 @@ def submesh(mesh, axis: str):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
         return mesh[axis]
-
-
-def _parse(name: str, value, source: str | None = None) -> int:
-    where = f" (from {source})" if source else ""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "auto":
-            return AUTO
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"ParallelLayout.{name}={value!r}{where} must be a positive int, -1 or 'auto'.") from None
-    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != AUTO):
-        raise ValueError(f"ParallelLayout.{name}={value!r}{where} must be a positive int, -1 or 'auto'.")
-    return value
-
-
-def _resolve_sizes(sizes: dict[str, int], world: int) -> dict[str, int]:
-    """Fill the one ``AUTO`` size (if any) so the product is ``world``; ValueError naming what would fit."""
-    auto = [name for name, v in sizes.items() if v == AUTO]
-    fixed = math.prod(v for v in sizes.values() if v != AUTO)
-    product = " x ".join(f"{n}={'auto' if v == AUTO else v}" for n, v in sizes.items())
-    if auto:
-        if world % fixed:
-            raise ValueError(
-                f"ParallelLayout: {auto[0]} cannot be inferred for world size {world}: the other sizes "
-                f"({product}) multiply to {fixed}, which does not divide {world}. {_what_fits(sizes, world)}"
-            )
-        return {**sizes, auto[0]: world // fixed}
-    if fixed != world:
-        raise ValueError(
-            f"ParallelLayout: {product} = {fixed} ranks, but the world has {world}. {_what_fits(sizes, world)}"
-        )
-    return dict(sizes)
-
-
-def _fill_data_parallel(sizes: dict[str, int], data_parallel_size: int) -> dict[str, int]:
-    """``sizes`` with the one ``AUTO`` data-parallel size (if any) set so that ``num_sites x dp_replicate x dp_shard
-    == data_parallel_size``; ValueError naming the sizes and the fix when they cannot."""
-    dp = {name: sizes[name] for name in _DATA_PARALLEL_FIELDS}
-    auto = [name for name, value in dp.items() if value == AUTO]
-    fixed = math.prod(v for v in dp.values() if v != AUTO)
-    product = " x ".join(f"{n}={'auto' if v == AUTO else v}" for n, v in dp.items())
-    if auto and data_parallel_size % fixed:
-        raise ValueError(
-            f"ParallelLayout: data_parallel_size={data_parallel_size} counts the data-parallel ranks of all sites "
-            f"(num_sites x dp_replicate x dp_shard), so it must be a multiple of {product} = {fixed} for {auto[0]} "
-            f"to be a whole number. Pass a data_parallel_size that {fixed} divides, or other sizes."
-        )
-    if auto:
-        return {**sizes, auto[0]: data_parallel_size // fixed}
-    if fixed != data_parallel_size:
-        raise ValueError(
-            f"ParallelLayout: data_parallel_size={data_parallel_size} counts the data-parallel ranks of all sites, "
-            f"but {product} = {fixed}. Pass data_parallel_size={fixed}, or leave dp_shard unset (it then becomes "
-            f"data_parallel_size / (num_sites x dp_replicate))."
-        )
-    return dict(sizes)
-
-
-def _resolve_world(sizes: dict[str, int], data_parallel_size: int | None, world: int) -> dict[str, int]:
-    """``_resolve_sizes``; with ``data_parallel_size`` (already filled into the data-parallel sizes) the check is
-    ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size == world``, and so is the advice."""
-    if data_parallel_size is None:
-        return _resolve_sizes(sizes, world)
-    outer = {"data_parallel_size": data_parallel_size, "pipeline_parallel_size": sizes["pipeline_parallel_size"],
-             "tensor_parallel_size": sizes["tensor_parallel_size"]}
-    resolved = _resolve_sizes(outer, world)
-    return {**sizes, "pipeline_parallel_size": resolved["pipeline_parallel_size"],
-            "tensor_parallel_size": resolved["tensor_parallel_size"]}
-
-
-def _what_fits(sizes: dict[str, int], world: int) -> str:
-    """Single-size changes that would make ``sizes`` fit ``world``, as a sentence."""
-    auto = AUTO in sizes.values()
-    options = []
-    for name, value in sizes.items():
-        if value == AUTO:
-            continue
-        others = math.prod(v for n, v in sizes.items() if n != name and v != AUTO)
-        if world % others:
-            continue
-        room = world // others
-        if auto:  # the inferred size absorbs the rest: any divisor of what is left works
-            options.append(f"{name} in {[d for d in range(1, room + 1) if room % d == 0]}")
-        else:
-            options.append(f"{name}={room}")
-    hint = "Would fit: " + ", or ".join(options) + "." if options else f"No single change fits {world} ranks."
-    return f"{hint} At most one size may be -1 (inferred); the product of the sizes must be {world}."
-
-
-def _check_sizes_agree(claims: list) -> None:
-    """Every rank gathered the same claims; raise the same ValueError on every rank if their sizes disagree."""
-    sizes = [c[0] for c in claims]
-    differing = [rank for rank, s in enumerate(sizes) if s != sizes[0]]
-    if differing:
-        raise ValueError(
-            f"ranks disagree on the parallel layout: rank 0 has {sizes[0]}, ranks {differing} have "
-            f"{[sizes[r] for r in differing]}; pass the same sizes / MULTIDC_* variables on every rank."
-        )
-    given = [rank for rank, c in enumerate(claims) if not c[1]]
-    if 0 < len(given) < len(claims):
-        raise ValueError(
-            f"ranks {given} give num_sites (argument or {_env.NUM_SITES}) and the others do not (they count "
-            f"{_env.SITE} names); pass the same num_sites / {_env.NUM_SITES} on every rank, or on none."
-        )
-
-
-def _check_sites(layout: ParallelLayout, sites: list, *, counted: bool) -> None:
-    """``MULTIDC_SITE`` per rank (``sites``) names ``layout.num_sites`` contiguous blocks, or is unset everywhere."""
-    if all(s is None for s in sites):
-        return
-    if any(s is None for s in sites):
-        missing = [r for r, s in enumerate(sites) if s is None]
-        raise ValueError(f"ranks {missing} have no {_env.SITE} while others do; set it on every rank or on none.")
-    blocks = [sites[s * layout.site_size : (s + 1) * layout.site_size] for s in range(layout.num_sites)]
-    names = [block[0] for block in blocks]
-    if any(len(set(block)) != 1 for block in blocks) or len(set(names)) != layout.num_sites:
-        counted_from = f", the number of distinct {_env.SITE} names" if counted else ""
-        raise ValueError(
-            f"{_env.SITE} per rank is {sites}, but ParallelLayout(num_sites={layout.num_sites}{counted_from}) needs "
-            f"each site to be a contiguous block of {layout.site_size} ranks (site s = ranks s*{layout.site_size}.."
-            f"(s+1)*{layout.site_size}-1). Give the ranks of each site consecutive global ranks (torchrun: one "
-            f"node rank range per site) and the same num_sites."
-        )

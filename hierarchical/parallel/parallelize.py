@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from multidc.hierarchical import Topology, WanConfig
+from multidc.hierarchical.parallel import unequal_sites
 from multidc.hierarchical.parallel.data_parallel import (
     add_replica_reduction,
     add_site_replica_reduction,
@@ -155,6 +156,8 @@ def layout_of(mesh) -> ParallelLayout:
     """The resolved ``ParallelLayout`` a mesh from ``ParallelLayout.build_mesh`` was built from."""
     if tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
         raise ValueError(f"expected a mesh from ParallelLayout.build_mesh with axes {MESH_AXES}.")
+    if unequal_sites.job_layout(mesh) is not None:  # a site's mesh on unequal sites: the job's layout
+        return unequal_sites.job_layout(mesh)
     sites, pp, rep, shard, tp = mesh.shape
     return ParallelLayout(
         num_sites=sites, pipeline_parallel_size=pp, dp_replicate=rep, dp_shard=shard, tensor_parallel_size=tp,
@@ -201,6 +204,7 @@ def parallelize(
     """
     layout = layout_of(mesh)
     check_cross_site(cross_site)
+    unequal_sites.refuse_without_diloco(layout, cross_site, "parallelize")
     names = _block_names(model, blocks or ())
     originals = {id(p): (weakref.ref(p), n) for n, p in model.named_parameters()}
     if layout.pipeline_parallel_size == 1:
@@ -251,6 +255,7 @@ def adopt_sharded(module: nn.Module, mesh, *, wan: WanConfig | None = None,
             ``mesh["dp_shard"]`` (the site's replicas would drift apart), on every rank alike.
     """
     check_cross_site(cross_site)
+    unequal_sites.refuse_without_diloco(layout_of(mesh), cross_site, "adopt_sharded")
     topology, groups = _replicas(mesh, wan, cross_site)
     reduced = _reduce_replicas(module, mesh, topology, groups, wan)
     if groups is None and topology is not None and reduced == 0:
@@ -358,7 +363,11 @@ def prepare_parallel(
 
 def data_parallel_coordinate(mesh) -> tuple[int, int]:
     """``(index, size)`` of this rank among the data-parallel replicas: ranks with the same index (the stages
-    and tensor shards of one replica) must get the same batches; shard a data loader over ``size`` by ``index``."""
+    and tensor shards of one replica) must get the same batches; shard a data loader over ``size`` by ``index``.
+    On unequal sites the sites' replicas are numbered in site order."""
+    layout = unequal_sites.job_layout(mesh)
+    if layout is not None:
+        return unequal_sites.data_parallel_coordinate(layout, mesh)
     data_parallel = submesh(mesh, "data_parallel")
     return data_parallel.get_local_rank(), data_parallel.size()
 

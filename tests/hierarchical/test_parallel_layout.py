@@ -139,6 +139,40 @@ def test_mismatched_world_always_raises_and_suggestions_fit(sizes, world):
             assert ParallelLayout(**{**kwargs, name: int(value)}, world_size=world).world_size == world
 
 
+def test_unequal_sites_differ_in_dp_shard_only_and_resolve_without_a_process_group():
+    layout = ParallelLayout(site_sizes=(4, 2), tensor_parallel_size=2)
+    assert layout.unequal_sites and (layout.num_sites, layout.world_size) == (2, 6)
+    assert layout.dp_shards == (2, 1) and layout.dp_size == 3
+    assert [layout.site_of(r) for r in range(6)] == [0, 0, 0, 0, 1, 1]
+    axes = dict.fromkeys(MESH_AXES, 0)
+    assert layout.coordinates(2) == {**axes, "dp_shard": 1}
+    assert layout.coordinates(5) == {**axes, "site": 1, "tp": 1}
+    assert layout.site_layout(0).shape == (1, 1, 1, 2, 2) and layout.site_layout(1).shape == (1, 1, 1, 1, 2)
+    assert layout.describe() == "6 ranks = sites of [4, 2] x pp 1 x dp_replicate 1 x dp_shard [2, 1] x tp 2"
+    with pytest.raises(ValueError, match="has no single mesh; each site has its own"):
+        layout.shape  # noqa: B018
+    equal = ParallelLayout(site_sizes=(2, 2))  # equal sizes: the usual layout
+    assert not equal.unequal_sites and equal.shape == (2, 1, 1, 2, 1)
+
+
+UNEQUAL_INVALID = [
+    (dict(site_sizes=(3, 1), dp_shard=1), "leave dp_shard and MULTIDC_DP_SHARD unset"),
+    (dict(site_sizes=(3, 1), tensor_parallel_size=2), "site 0 has 3 ranks, not a multiple of"),
+    (dict(site_sizes=(4, 2), pipeline_parallel_size="auto"), "['pipeline_parallel_size'] cannot be inferred"),
+    (dict(site_sizes=(3, 1), num_sites=3), "num_sites=3 but site_sizes=[3, 1] has 2 sites"),
+    (dict(site_sizes=(3, 1), world_size=5), "add up to 4 ranks, but world_size=5"),
+    (dict(site_sizes=(3, 0)), "a positive int per site"),
+    (dict(site_sizes=(3, 1), data_parallel_size=2), "data_parallel_size=2, but sites of [3, 1] ranks hold 4"),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", UNEQUAL_INVALID, ids=[str(k) for k, _ in UNEQUAL_INVALID])
+def test_unequal_sites_refuse_sizes_other_than_dp_shard_naming_the_fix(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        ParallelLayout(**kwargs)
+    assert words in str(info.value)
+
+
 def _mesh_groups_and_errors(rank, world, kwargs):
     """One spawn, four checks (spawning ranks is the slow part): groups, sites counted from MULTIDC_SITE, bad
     sites, disagreeing sizes."""

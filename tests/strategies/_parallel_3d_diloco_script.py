@@ -6,7 +6,8 @@ tests/strategies/test_parallel_3d_diloco.py:
 
 4 ranks as 2 sites x tensor parallelism 2 (``configure_model`` applies it; FSDP2 and DiLoCo are the strategy's;
 ``--tp 1``: sites2 x dp_shard2). ``--fits``: more fits in the same processes afterwards (other settings, layouts,
-checkpoints), each writing DIR/<name>_rank{r}.pt (weights and report, top-k residuals at the start and end).
+checkpoints, unequal sites by ``MULTIDC_SITE`` names), each writing DIR/<name>_rank{r}.pt (weights and report, top-k
+residuals at the start and end).
 The data-parallel replica ``l`` of site ``s`` trains on ``test_parallel_3d_diloco.rows(s, l, k)`` at step ``k`` of
 each epoch (``steps_per_epoch`` steps, no sampler), so the single-process reference can replay it.
 ``ModelCheckpoint`` saves every ``steps_per_epoch`` steps (at an epoch's end, which Lightning resumes exactly).
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 from multidc.hierarchical import DiLoCoConfig
 from multidc.hierarchical.parallel import data_parallel_coordinate
+from multidc.hierarchical.parallel.parallelize import layout_of
 from multidc.strategies import Parallel3DStrategy, apply_tensor_parallel
 from tests._gpt_diloco import LR, full, model, rows
 from tests._tiny_models import loss_fn
@@ -66,8 +68,10 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         mesh = self.trainer.strategy.device_mesh
-        index, size = data_parallel_coordinate(mesh)
-        site, local = mesh.get_local_rank("site"), index % (size // mesh.size(0))
+        layout = layout_of(mesh)  # the job's; on unequal sites the mesh is this site's
+        index, _ = data_parallel_coordinate(mesh)
+        site = layout.site_of(dist.get_rank())
+        local = index - sum(layout.dp_replicate * d for d in layout.dp_shards[:site])
         batches = [rows(site, local, k) for k in range(1, self.steps_per_epoch + 1)]
         data = TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         return DataLoader(data, batch_size=len(batches[0][0]))
@@ -133,7 +137,17 @@ def _strategy(spec: dict) -> Parallel3DStrategy:
 
 
 def fit(spec: dict, max_steps: int, steps_per_epoch: int, logger):
-    """One ``Trainer.fit`` of ``spec`` (config, tp, root, ckpt_path): ``(weights, info, trainer)``."""
+    """One ``Trainer.fit`` of ``spec`` (config, tp, root, ckpt_path; ``sites``: each rank's ``MULTIDC_SITE``, e.g.
+    ``"aaab"`` for unequal sites of 3 + 1 ranks): ``(weights, info, trainer)``."""
+    if spec.get("sites"):  # as a launcher sets it per rank (Lightning starts the ranks here: rank = LOCAL_RANK)
+        os.environ["MULTIDC_SITE"] = spec["sites"][int(os.environ.get("LOCAL_RANK", "0"))]
+    try:
+        return _fit(spec, max_steps, steps_per_epoch, logger)
+    finally:
+        os.environ.pop("MULTIDC_SITE", None)
+
+
+def _fit(spec: dict, max_steps: int, steps_per_epoch: int, logger):
     strategy = _strategy(spec)
     module = Net(steps_per_epoch)
     checkpoints = ModelCheckpoint(dirpath=f"{spec['root']}/ckpts", every_n_train_steps=steps_per_epoch,

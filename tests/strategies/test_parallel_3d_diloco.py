@@ -44,6 +44,17 @@ CASES = {
     # a module that shards itself over "data_parallel" (ModelParallelStrategy style), adopted: adopt_sharded
     "self_sharded_sites2xdp_replicate2": dict(layout=dict(num_sites=2, dp_replicate=2, dp_shard=1),
                                               config=dict(sync_every=4), self_sharded=True, meter=True),
+    # unequal sites: dp_shard 3 and 1 (uneven FSDP2 chunks), each site weighs its samples (3:1)
+    "sites3+1": dict(layout=dict(site_sizes=(3, 1)), config=dict(sync_every=4), meter=True),
+    # three sites, dp_shard 2, 1, 1, streaming with overlap (2:1:1)
+    "sites2+1+1_streaming": dict(layout=dict(site_sizes=(2, 1, 1)),
+                                 config=dict(sync_every=4, fragments=2, overlap_steps=1)),
+}
+# 6 ranks: sites of 4 + 2 ranks with tensor parallelism 2 (dp_shard 2 and 1): a column of ranks per tensor shard
+# (pipeline stages make columns the same way; their syncs are those of equal sites, tested above)
+SIX_RANK_CASES = {
+    "sites4+2xtp2": dict(layout=dict(site_sizes=(4, 2), tensor_parallel_size=2), tp="transformer",
+                         config=dict(sync_every=4), meter=True),
 }
 STEPS = 10  # syncs at 4 and 8 (fragments: 2, 4, 6, 8, 10); local and global differ at the end
 
@@ -58,10 +69,12 @@ def site_batch(replicas: int, site: int, step: int):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def reference(replicas: int, steps: int, config: dict) -> dict:
+def reference(replicas: list[int], steps: int, config: dict) -> dict:
+    """Site ``s`` trains ``replicas[s]`` replicas' rows a step and weighs as many samples (the default weighting)."""
     return run_reference(
-        model(), sites=2, steps=steps, batch=lambda s, t: site_batch(replicas, s, t), loss_fn=loss_fn,
-        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), blocks=lambda m: m.blocks(), **config,
+        model(), sites=len(replicas), steps=steps, batch=lambda s, t: site_batch(replicas[s], s, t), loss_fn=loss_fn,
+        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), blocks=lambda m: m.blocks(),
+        site_weights=[float(r) for r in replicas], **config,
     )
 
 
@@ -78,15 +91,15 @@ class CrossSiteCalls:
              "gather", "scatter", "send", "recv", "batch_isend_irecv", "barrier",
              "all_gather_object", "broadcast_object_list")
 
-    def __init__(self, site_size: int) -> None:
-        self.site_size, self.calls, self._saved = site_size, 0, {}
+    def __init__(self, site_of) -> None:
+        self.site_of, self.calls, self._saved = site_of, 0, {}
         for name in self.NAMES:
             original = getattr(dist, name)
             self._saved[name] = original
             setattr(dist, name, self._counting(name, original))
 
     def _site(self, rank: int) -> int:
-        return rank // self.site_size
+        return self.site_of(rank)
 
     def _crosses(self, name: str, bound: dict) -> bool:
         mine = self._site(dist.get_rank())
@@ -117,9 +130,11 @@ def _train_case(rank: int, world: int, case: dict) -> dict:
     from multidc.hierarchical import DiLoCoConfig, WanConfig
     from multidc.hierarchical.parallel import build_diloco, data_parallel_coordinate, parallelize
     from multidc.hierarchical.parallel.layout import ParallelLayout
+    from multidc.hierarchical.parallel.parallelize import layout_of
     from multidc.hierarchical.parallel.pipeline import PipelineConfig
 
     mesh = ParallelLayout(**case["layout"]).build_mesh()
+    layout = layout_of(mesh)  # the job's (on unequal sites, the mesh is this site's)
     net, wan = model(), WanConfig(chunk_mb=0.001, streams=2)
     pipeline = PipelineConfig(**case["pipeline"]) if "pipeline" in case else None
     unsharded_error = None
@@ -130,13 +145,14 @@ def _train_case(rank: int, world: int, case: dict) -> dict:
                          cross_site="diloco")
     opt = torch.optim.SGD(list(pm.parameters()), lr=LR)
     diloco = build_diloco(pm, opt, DiLoCoConfig(**case["config"]))
-    index, size = data_parallel_coordinate(mesh)
-    site, per_site = mesh.get_local_rank("site"), size // mesh.size(0)
-    meter = CrossSiteCalls(world // mesh.size(0)) if case.get("meter") else None
+    index, _ = data_parallel_coordinate(mesh)
+    site, replicas = layout.site_of(rank), [layout.dp_replicate * d for d in layout.dp_shards]
+    local_index = index - sum(replicas[:site])
+    meter = CrossSiteCalls(layout.site_of) if case.get("meter") else None
     sent, crossing, norms = [], [], []
     for t in range(1, STEPS + 1):
         before = (pm.topology.wan_stats.snapshot()["bytes_sent"], meter.calls if meter else 0)
-        pm.step(*rows(site, index % per_site, t), loss_fn)
+        pm.step(*rows(site, local_index, t), loss_fn)
         norms.append(pm.clip_grad_norm_(1e9).item())  # no change (coefficient 1): the site's own norm
         if t == STEPS and pm.pipeline is None:
             grads = full((n, p.grad) for n, p in net.named_parameters())
@@ -151,7 +167,7 @@ def _train_case(rank: int, world: int, case: dict) -> dict:
         glob = full(net.named_parameters())
     local = full(net.named_parameters())
     diloco.close()
-    return {"site": site, "replicas": per_site, "local": local, "global": glob, "sent": sent, "crossing": crossing,
+    return {"site": site, "replicas": replicas, "local": local, "global": glob, "sent": sent, "crossing": crossing,
             "norms": norms, "stats": vars(diloco.stats), "unsharded_error": unsharded_error}
 
 
@@ -176,10 +192,46 @@ def _self_sharded(net, mesh, wan):
     return pm, None
 
 
+def _six_rank_cases(rank: int, world: int) -> dict:
+    return {name: _train_case(rank, world, case) for name, case in SIX_RANK_CASES.items()}
+
+
 def _all_cases(rank: int, world: int, names: list[str]) -> dict:
-    results = {name: _train_case(rank, world, CASES[name]) for name in names}
+    results = {name: _train_case(rank, world, {**CASES, **SIX_RANK_CASES}[name]) for name in names}
     results["errors"] = _bad_settings(rank)
+    results["unequal_errors"] = _unequal_refusals(rank)
     return results
+
+
+def _unequal_refusals(rank: int) -> list[str]:
+    """What unequal sites refuse, on every rank alike: each case's ValueError (or "")."""
+    from multidc.hierarchical import DiLoCoConfig
+    from multidc.hierarchical.parallel import build_diloco, parallelize
+    from multidc.hierarchical.parallel.layout import ParallelLayout
+
+    def attempt(env: dict, build) -> str:
+        os.environ.update(env)
+        try:
+            build()
+            return ""
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            for name in env:
+                del os.environ[name]
+
+    site = {"MULTIDC_SITE": "aaab"[rank]}
+    unequal = ParallelLayout(site_sizes=(3, 1)).build_mesh
+    return [
+        attempt({}, lambda: parallelize(model(), unequal(), cross_site="allreduce")),
+        attempt({}, lambda: build_diloco(parallelize(net := model(), unequal(), cross_site="diloco"),
+                                         torch.optim.SGD(net.parameters(), lr=LR),
+                                         DiLoCoConfig(sync_every=4, compression="topk"))),
+        attempt({**site, "MULTIDC_PP_SIZE": "2" if rank < 3 else "1"}, lambda: ParallelLayout().build_mesh()),
+        attempt({**site, "MULTIDC_TP_SIZE": "1" if rank < 3 else "2"}, lambda: ParallelLayout().build_mesh()),
+        attempt(site, lambda: ParallelLayout(tensor_parallel_size=2).build_mesh()),
+        attempt(site, lambda: ParallelLayout(dp_shard=1).build_mesh()),
+    ]
 
 
 def _bad_settings(rank: int) -> list[str]:
@@ -209,7 +261,7 @@ def _bad_settings(rank: int) -> list[str]:
 def framework_free():
     """Every case in one spawn of 4 ranks (starting ranks is the slow part): {case: per-rank results}."""
     per_rank = run_ranks(_all_cases, 4, list(CASES), timeout=300)
-    return {name: [r[name] for r in per_rank] for name in [*CASES, "errors"]}
+    return {name: [r[name] for r in per_rank] for name in [*CASES, "errors", "unequal_errors"]}
 
 
 @pytest.mark.timeout(360)
@@ -217,7 +269,7 @@ def framework_free():
 def test_3d_diloco_equals_the_single_process_reference(framework_free, name):
     results = framework_free[name]
     ref = reference(results[0]["replicas"], STEPS, CASES[name]["config"])
-    merged_local: dict = {0: {}, 1: {}}
+    merged_local: dict = {site: {} for site in range(len(results[0]["replicas"]))}
     for r in results:  # under pipeline parallelism each rank holds its stage's parameters
         for key, value in r["global"].items():
             torch.testing.assert_close(value, ref["global"][key], rtol=0, atol=1e-6, msg=key)
@@ -225,8 +277,42 @@ def test_3d_diloco_equals_the_single_process_reference(framework_free, name):
         for key, value in r["local"].items():
             torch.testing.assert_close(value, ref["local"][r["site"]][key], rtol=0, atol=1e-6, msg=key)
         assert r["stats"]["inner_steps"] == STEPS
-    for site in (0, 1):
-        assert set(merged_local[site]) == set(ref["local"][site])
+    for site, names in merged_local.items():
+        assert set(names) == set(ref["local"][site])
+    if CASES[name]["layout"].get("site_sizes"):  # each rank took its shard of one average: all equal, bitwise
+        for r in results[1:]:
+            assert all(torch.equal(r["global"][k], v) for k, v in results[0]["global"].items())
+
+
+@pytest.mark.timeout(360)
+def test_unequal_sites_with_tensor_parallelism_equal_the_reference():
+    """Sites of 4 + 2 ranks under tp2 (FSDP2 over TP: strided shards): each tensor shard syncs over its own column
+    of ranks, nothing crosses sites on inner steps, and every rank equals the reference weighted 2:1."""
+    per_rank = run_ranks(_six_rank_cases, 6, timeout=300)
+    for name, case in SIX_RANK_CASES.items():
+        results = [r[name] for r in per_rank]
+        ref = reference(results[0]["replicas"], STEPS, case["config"])
+        assert results[0]["replicas"] == [2, 1]
+        for r in results:
+            for kind, expected in (("global", ref["global"]), ("local", ref["local"][r["site"]])):
+                for key, value in r[kind].items():
+                    torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6, msg=f"{name} {kind} {key}")
+            if case.get("meter"):
+                assert [t for t, c in enumerate(r["crossing"], start=1) if c] == [4, 8], (name, r["crossing"])
+
+
+@pytest.mark.timeout(360)
+def test_unequal_sites_send_the_wan_bytes_of_equal_sites(framework_free):
+    """Sites of 3 + 1 ranks send, per site, what sites of 2 + 2 send (the same model and syncs): each site the
+    fragment once, however many ranks it has."""
+    def per_site(results):
+        sent = {}
+        for r in results:
+            sent[r["site"]] = sent.get(r["site"], 0) + sum(r["sent"])
+        return sent
+
+    equal, unequal = per_site(framework_free["sites2xdp_shard2"]), per_site(framework_free["sites3+1"])
+    assert equal[0] > 0 and unequal == equal, (unequal, equal)
 
 
 @pytest.mark.timeout(360)
@@ -237,9 +323,11 @@ def test_nothing_crosses_sites_on_inner_steps(framework_free, name):
     config = CASES[name]["config"]
     every = config["sync_every"] // config.get("fragments", 1)
     syncs = [t for t in range(1, STEPS + 1) if t % every == 0]
+    sending: dict = {}  # per site: the steps some rank sent WAN bytes (on unequal sites only the rails send)
     for r in framework_free[name]:
         assert [t for t, c in enumerate(r["crossing"], start=1) if c] == syncs, r["crossing"]
-        assert [t for t, b in enumerate(r["sent"], start=1) if b] == syncs, r["sent"]
+        sending.setdefault(r["site"], set()).update(t for t, b in enumerate(r["sent"], start=1) if b)
+    assert all(sorted(steps) == syncs for steps in sending.values()), sending
 
 
 @pytest.mark.timeout(360)
@@ -264,6 +352,19 @@ def test_bad_settings_raise_the_same_clear_error_on_every_rank(framework_free):
     assert "disagree on the DiLoCo settings" in disagree
 
 
+@pytest.mark.timeout(360)
+def test_unequal_sites_refuse_what_cannot_work_with_the_same_clear_error_on_every_rank(framework_free):
+    per_rank = framework_free["unequal_errors"]
+    assert all(messages == per_rank[0] for messages in per_rank), per_rank
+    allreduce, topk, pp, tp, not_multiple, dp_shard = per_rank[0]
+    assert "sites differ in size" in allreduce and "cross_site='diloco'" in allreduce, allreduce
+    assert "compression='topk'" in topk and "unequal sites" in topk, topk
+    assert "pipeline_parallel_size: 2 on ranks [0, 1, 2] (site 'a'), 1 on ranks [3] (site 'b')" in pp, pp
+    assert "tensor_parallel_size: 1 on ranks [0, 1, 2] (site 'a'), 2 on ranks [3] (site 'b')" in tp, tp
+    assert "blocks of [3, 1] ranks" in not_multiple and "not a multiple of" in not_multiple, not_multiple
+    assert "leave dp_shard and MULTIDC_DP_SHARD unset" in dp_shard, dp_shard
+
+
 def test_parallelize_takes_allreduce_or_diloco_only():
     from multidc.hierarchical.parallel.diloco import check_cross_site
 
@@ -279,6 +380,7 @@ TRAINER_CONFIG = {"sync_every": 4, "fragments": 2, "overlap_steps": 1}
 TRAINER_STEPS, PER_EPOCH = 11, 6  # a sync starts at step 6 and merges at 7: in flight at the save
 # on sites2 x dp_shard2 (tp 1): each rank its own shard; alpha 0, as top-k with overlap requires
 TOPK_CONFIG = {**TRAINER_CONFIG, "compression": "topk", "alpha": 0.0}
+UNEQUAL = "aaab"  # MULTIDC_SITE per rank: sites of 3 + 1 ranks, dp_shard 3 and 1
 _LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -299,8 +401,9 @@ def _trainer_run(out_dir, root, *extra: str, fits: tuple = ()) -> dict:
     return {"ranks": ranks, "weights": weights, "metrics": metrics, "fits": more, "log": log}
 
 
-def _fit(name: str, config: dict, tp: int, root, ckpt_path=None) -> dict:
-    return {"name": name, "config": config, "tp": tp, "root": str(root), "ckpt_path": ckpt_path and str(ckpt_path)}
+def _fit(name: str, config: dict, tp: int, root, ckpt_path=None, sites: str = "") -> dict:
+    return {"name": name, "config": config, "tp": tp, "root": str(root), "ckpt_path": ckpt_path and str(ckpt_path),
+            "sites": sites}
 
 
 @pytest.fixture(scope="module")
@@ -311,12 +414,16 @@ def trainer_runs(tmp_path_factory):
     require_module("lightning", "lightning")
     tmp = tmp_path_factory.mktemp("p3d_diloco")
     step = f"ckpts/epoch=0-step={PER_EPOCH}.ckpt"
-    unbroken = _trainer_run(tmp / "unbroken", tmp / "root", fits=(_fit("topk", TOPK_CONFIG, 1, tmp / "topk"),))
+    unbroken = _trainer_run(tmp / "unbroken", tmp / "root", fits=(_fit("topk", TOPK_CONFIG, 1, tmp / "topk"),
+                                                                  _fit("unequal", TRAINER_CONFIG, 1, tmp / "unequal",
+                                                                       sites=UNEQUAL)))
     resumed = _trainer_run(tmp / "resumed", tmp / "root2", "--ckpt-path", str(tmp / "root" / step), "--validate",
                            fits=(_fit("topk", TOPK_CONFIG, 1, tmp / "topk2", tmp / "topk" / step),
                                  _fit("none_to_topk", TOPK_CONFIG, 2, tmp / "cross1", tmp / "root" / step),
                                  _fit("topk_to_int8", {**TRAINER_CONFIG, "compression": "int8"}, 1, tmp / "cross2",
-                                      tmp / "topk" / step)))
+                                      tmp / "topk" / step),
+                                 _fit("unequal", TRAINER_CONFIG, 1, tmp / "unequal2", tmp / "unequal" / step,
+                                      sites=UNEQUAL)))
     return unbroken, resumed
 
 
@@ -441,3 +548,34 @@ def test_strategy_settings_that_cannot_work_fail_at_construction(monkeypatch):
     monkeypatch.setenv("MULTIDC_CROSS_SITE", "gossip")
     with pytest.raises(ValueError, match="MULTIDC_CROSS_SITE='gossip': choose 'allreduce'"):
         Parallel3DStrategy()
+
+
+@pytest.mark.timeout(700)
+def test_trainer_unequal_sites_equal_the_reference_weighted_by_samples(trainer_runs):
+    """Sites of 3 + 1 ranks (MULTIDC_SITE names; dp_shard 3 and 1 inferred), streaming with overlap: every rank
+    equals the one-process reference whose sites weigh their samples 3:1, and holds the same global values."""
+    unbroken, _ = trainer_runs
+    ref = run_reference(
+        model(), sites=2, steps=TRAINER_STEPS, loss_fn=loss_fn, blocks=lambda m: m.blocks(), site_weights=[3.0, 1.0],
+        batch=lambda s, t: site_batch((3, 1)[s], s, (t - 1) % PER_EPOCH + 1),
+        inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR), **TRAINER_CONFIG,
+    )
+    runs = unbroken["fits"]["unequal"]
+    for rank, run in enumerate(runs):
+        site = 0 if rank < 3 else 1
+        assert run["info"]["site"] == site and run["info"]["stats"]["outer_syncs"] == 5
+        for kind, expected in (("local", ref["local"][site]), ("global", ref["global"])):
+            assert set(run[kind]) == set(expected)
+            for name, value in run[kind].items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=f"{kind} {name}")
+        assert all(torch.equal(value, runs[0]["global"][name]) for name, value in run["global"].items())
+
+
+@pytest.mark.timeout(700)
+def test_trainer_unequal_sites_resume_with_a_sync_in_flight_ends_like_the_unbroken_run(trainer_runs):
+    unbroken, resumed = trainer_runs
+    for a, b in zip(unbroken["fits"]["unequal"], resumed["fits"]["unequal"]):
+        assert (b["info"]["global_step"], b["info"]["batches_run"]) == (TRAINER_STEPS, TRAINER_STEPS - PER_EPOCH)
+        for kind in ("local", "global"):
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
