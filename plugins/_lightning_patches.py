@@ -140,6 +140,9 @@ def install_regional_checkpoints(answers: Callable[[object], object | None]) -> 
             # a mapping's text: Lightning's setup would open it with get_filesystem; of the rest it does for a
             # given dirpath, the regional calls above take the checks, and this keeps rank 0's directory
             self.dirpath = trainer.strategy.broadcast(self.dirpath)
+            if self.save_last == "link":  # Lightning refuses it for every path that is not local
+                raise ValueError(f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got a "
+                                 f"mapping of regional paths: dirpath={self.dirpath}. Use save_last=True.")
             return None
         return setup
 

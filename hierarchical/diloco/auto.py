@@ -228,8 +228,15 @@ def auto_schedule(config, wan, topology, fragments: list) -> AutoSchedule:
     (``Topology.build`` prepares ``AUTO_STREAMS[-1]`` for ``streams="auto"``).
 
     Raises:
-        ValueError: ``chunk_mb="auto"`` with a top-k codec (on every rank alike: the settings are agreed).
+        ValueError: ``chunk_mb="auto"`` with a top-k codec, or WAN settings on auto with rounds by time
+            (``sync_every_s``): on every rank alike, the settings are agreed.
     """
+    if config.sync_every_s is not None:
+        raise ValueError(
+            f"WanConfig chunk_mb/streams='auto' with DiLoCoConfig.sync_every_s={config.sync_every_s}: the WAN "
+            f"pipeline is decided at the ends of fixed or 'auto' rounds, not yet with rounds by time. Give chunk_mb "
+            f"and streams numbers (MULTIDC_WAN_CHUNK_MB, MULTIDC_WAN_STREAMS), or unset sync_every_s."
+        )
     if wan.chunk_mb_auto and is_sparse(config.compression):
         raise ValueError(
             f"WanConfig.chunk_mb='auto' with compression={config.compression!r}: each rank's top-k error-feedback "
@@ -241,7 +248,10 @@ def auto_schedule(config, wan, topology, fragments: list) -> AutoSchedule:
     current = (wan.chunk_mb, wan.streams)
     pipelines = [current] + [(c, n) for c in chunks for n in streams if (c, n) != current]
     return AutoSchedule(
-        params=sum(f.global_flat.numel() for f in fragments), sites=topology.num_sites, rails=topology.num_rails,
+        # what the WAN carries per sync: under unequal parallel_3d sites (common_layout) the full fragment, the
+        # same on every site, not this rank's shard (the sites would otherwise decide differently)
+        params=sum(f.common.numel if getattr(f, "common", None) is not None else f.global_flat.numel()
+                   for f in fragments), sites=topology.num_sites, rails=topology.num_rails,
         fragments=config.fragments, overlap_steps=config.overlap_steps, compression=config.compression,
         sync_every=None if config.sync_every_auto else config.sync_every, pipelines=pipelines,
         target=config.target_utilization or DEFAULT_TARGET, log=dist.get_rank() == 0)

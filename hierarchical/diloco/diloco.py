@@ -303,7 +303,7 @@ class DiLoCo:
         delta = fragment.global_flat.clone()
         for local, view in zip(fragment.params, _views(delta, fragment.params)):
             view.sub_(local)  # global - local, in float32
-        before = self._wan_bytes()
+        before, seconds_before = self._wan_bytes(), self._wan_seconds()  # before the sync is submitted
         topology, wan = self._sync_target()
         residual = error_feedback.residual(fragment, topology, wan)
         sent = fragment.common.gather(delta) if fragment.common is not None else delta  # inside the site
@@ -315,7 +315,7 @@ class DiLoCo:
             for local, view in zip(fragment.params, started_from):
                 view.copy_(local)
         self._in_flight = _InFlight(index, t + self.config.overlap_steps, delta, future, before, started_from,
-                                    self._wan_seconds(), sent if sent is not delta else None)
+                                    seconds_before, sent if sent is not delta else None)
 
     def _take_weight(self, index: int) -> float | None:
         """This rank's part of its site's weight for fragment ``index``'s sync starting now (what it trained since

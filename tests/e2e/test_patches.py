@@ -102,3 +102,23 @@ def test_an_unpickled_strategy_or_checkpoint_io_installs_the_last_checkpoint_loo
             "print(hasattr(ModelCheckpoint._find_last_checkpoints, '__multidc_original__'))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.stdout.strip() == "True", done.stderr[-3000:]
+
+
+def test_a_mapping_dirpath_with_save_last_link_is_refused_as_lightning_refuses_remote_paths(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from multidc.plugins._lightning_patches import install_regional_checkpoints
+
+    for owner, name in ((_CheckpointConnector, "_parse_ckpt_path"), (_CheckpointConnector, "resume_start"),
+                        (ModelCheckpoint, "file_exists"), (ModelCheckpoint, "setup"),
+                        (ModelCheckpoint, "_ModelCheckpoint__warn_if_dir_not_empty"),
+                        (ModelCheckpoint, "_ModelCheckpoint__init_ckpt_dir")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test: the patches are global
+    install_regional_checkpoints(lambda trainer: None)
+    callback = ModelCheckpoint(dirpath={"a": "s3://ckpt-a/run", "b": "s3://ckpt-b/run"}, save_last="link")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda value: value))
+    with pytest.raises(ValueError, match="save_last='link'.*mapping of regional paths"):
+        callback.setup(trainer, None, "fit")

@@ -407,3 +407,22 @@ def test_wan_settings_on_auto_switch_every_rank_to_the_pipeline_with_fewer_round
         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     for r in results:  # the syncs under either pipeline sum the same values
         torch.testing.assert_close(r["global"], reference["global"]["0.weight"].reshape(-1), rtol=0, atol=1e-6)
+
+
+def test_wan_settings_on_auto_with_rounds_by_time_are_refused_naming_both():
+    from multidc.hierarchical.diloco.auto import auto_schedule
+
+    with pytest.raises(ValueError, match=r"chunk_mb/streams='auto' with DiLoCoConfig.sync_every_s=1.5"):
+        auto_schedule(DiLoCoConfig(sync_every=4, sync_every_s=1.5), WanConfig(streams="auto"), None, [])
+
+
+def test_auto_plans_with_the_fragment_the_wan_carries_under_unequal_sites(monkeypatch):
+    from multidc.hierarchical.diloco import auto
+
+    monkeypatch.setattr(auto.dist, "get_rank", lambda: 0)  # no process group: one process
+
+    topo = SimpleNamespace(num_sites=2, num_rails=1, streams=2)
+    shard = SimpleNamespace(global_flat=torch.zeros(10), common=SimpleNamespace(numel=40))  # a quarter of the whole
+    plain = SimpleNamespace(global_flat=torch.zeros(7))
+    schedule = auto.auto_schedule(DiLoCoConfig(sync_every="auto"), WanConfig(), topo, [shard, plain])
+    assert schedule._plan["params"] == 47  # the full fragment (the same on every site), not this rank's 10
