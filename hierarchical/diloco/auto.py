@@ -198,7 +198,9 @@ class AutoSchedule:
         figures = measured(rows, site_of, self._plan["sites"])
         if self._plan["sites"] < 2 or not needs_replan(self.decision, figures):
             return None
-        decision = decide(figures, **self._plan, pipelines=self.pipelines, target=self.target)
+        in_use = (self.decision.chunk_mb, self.decision.streams) if self.decision is not None else None
+        pipelines = sorted(self.pipelines, key=lambda p: p != in_use)  # the one in use first: a tie keeps it
+        decision = decide(figures, **self._plan, pipelines=pipelines, target=self.target)
         if self._log:
             log_decision(decision, self.decision, target=self.target, round_index=self.rounds_ended)
         self.decision = decision
