@@ -486,8 +486,10 @@ class DiLoCo:
         on auto) of the syncs that start from now on."""
         if self.config.sync_every_auto:
             self._rounds.steps = (decision.sync_every,) * self.topology.num_sites
-        if self._auto_wan:
-            self.wan = dataclasses.replace(self.wan, chunk_mb=decision.chunk_mb, streams=decision.streams)
+        if self.wan.chunk_mb_auto:  # only the settings on auto: a resume may have fixed the other
+            self.wan = dataclasses.replace(self.wan, chunk_mb=decision.chunk_mb)
+        if self.wan.streams_auto:
+            self.wan = dataclasses.replace(self.wan, streams=decision.streams)
 
     def _ping(self) -> float:
         """A round-trip time (``rounds.ping``). Collective; a test may fake it."""
