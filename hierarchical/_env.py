@@ -76,28 +76,27 @@ DILOCO_WEIGHTING = "MULTIDC_DILOCO_WEIGHTING"
 DILOCO_TARGET_UTILIZATION = "MULTIDC_DILOCO_TARGET_UTILIZATION"
 
 
-def read_int_or_auto(name: str) -> int | str | None:
-    """Return ``name`` as ``"auto"`` (any case) or an int, ``None`` when unset; ValueError naming the variable."""
+def _or_auto(name: str, read_value, wanted: str, fix: str):
+    """``name`` as ``"auto"`` (any case) or ``read_value(name)``, ``None`` when unset; ValueError naming the variable,
+    ``wanted`` (what it must be) and ``fix`` (what to set it to)."""
     value = read(name)
     if value is not None and value.lower() == "auto":
         return "auto"
     try:
-        return read_int(name)
+        return read_value(name)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer (nor 'auto'); set it to a whole number, to 'auto', "
-                         f"or unset it.") from None
+        raise ValueError(f"{name}={value!r} is not {wanted} (nor 'auto'); set it to {fix}, to 'auto', or unset "
+                         f"it.") from None
+
+
+def read_int_or_auto(name: str) -> int | str | None:
+    """Return ``name`` as ``"auto"`` (any case) or an int, ``None`` when unset; ValueError naming the variable."""
+    return _or_auto(name, read_int, "an integer", "a whole number")
 
 
 def read_float_or_auto(name: str) -> float | str | None:
     """Return ``name`` as ``"auto"`` (any case) or a float, ``None`` when unset; ValueError naming the variable."""
-    value = read(name)
-    if value is not None and value.lower() == "auto":
-        return "auto"
-    try:
-        return read_float(name)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number (nor 'auto'); set it to a number, to 'auto', or unset "
-                         f"it.") from None
+    return _or_auto(name, read_float, "a number", "a number")
 
 
 def read_bool(name: str) -> bool | None:
