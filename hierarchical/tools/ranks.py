@@ -4,6 +4,11 @@
 ``init_process_group("gloo")`` over a file:// rendezvous, and returns the per-rank return values (which must
 pickle). A rank that raises makes ``run_ranks`` raise with that rank's traceback; a hang past ``timeout``
 kills every rank and raises.
+
+Ranks are forked from a forkserver that imported torch once (per calling process), not spawned: a spawned rank
+imports torch anew, seconds of CPU on a small machine, which the test suite paid once per rank of every call.
+Each rank still starts as a spawned one would: with the caller's environment and working directory at the time of
+the call (not the server's), then ``env``, and torch's default seed (the server draws no random number).
 """
 
 from __future__ import annotations
@@ -16,10 +21,23 @@ import tempfile
 import traceback
 from datetime import timedelta
 
-_CTX = mp.get_context("spawn")
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["torch", "torch.distributed"]
+_CTX.set_forkserver_preload(_PRELOAD)
 
 
-def _entry(fn, rank, world, init_file, env, args, results):
+def preload(modules: list[str]) -> None:
+    """Have the forkserver also import ``modules`` (e.g. ``lightning.pytorch``, which a rank would import in seconds
+    of CPU); call it before this process's first ``run_ranks``. A module that fails to import is left out there and
+    imported by the rank that needs it, as without this call."""
+    _CTX.set_forkserver_preload([*_PRELOAD, *modules])
+
+
+def _entry(fn, rank, world, init_file, caller, env, args, results):
+    environ, cwd = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(env.get(rank, {}) if isinstance(env, dict) else env[rank])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -43,11 +61,11 @@ def _entry(fn, rank, world, init_file, env, args, results):
 
 def run_ranks(fn, world: int, *args, env=None, timeout: float = 120.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; ``env[rank]`` adds environment variables."""
-    env = env or {}
+    env, caller = env or {}, (dict(os.environ), os.getcwd())
     with tempfile.TemporaryDirectory() as tmp:
         results = _CTX.Queue()
         procs = [
-            _CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), env, args, results))
+            _CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), caller, env, args, results))
             for r in range(world)
         ]
         for p in procs:

@@ -107,7 +107,8 @@ def test_trainer_with_time_rounds_and_a_slow_site_ends_on_both_sites_at_the_same
     fast, slow = sorted(time_rounds_run["ranks"], key=lambda rank: rank["site"])
     assert fast["plans"] == slow["plans"] and len(fast["plans"]) >= 3, (fast["plans"], slow["plans"])
     # site 0 runs more steps per round; the last round is cut to site 0's end (1 step left: [1, 1] is a right plan)
-    assert all(h0 > h1 for h0, h1 in fast["plans"][1:-1]) and fast["plans"][-1][0] >= fast["plans"][-1][1], fast["plans"]
+    plans = fast["plans"]
+    assert all(h0 > h1 for h0, h1 in plans[1:-1]) and plans[-1][0] >= plans[-1][1], plans
     # site 0 ends first, at max_steps exactly; site 1 at the same (last) round, earlier; both stopped by DiLoCo
     assert fast["global_step"] == TIME_STEPS > slow["global_step"] == slow["stats"]["inner_steps"]
     assert fast["diloco_should_stop"] and slow["diloco_should_stop"] and slow["should_stop"]
