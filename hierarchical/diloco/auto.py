@@ -211,18 +211,20 @@ class AutoSchedule:
         """Round ends seen, the warm-up's included."""
         self.cold = COLD_ROUNDS
         """Measured warm-up rounds still to leave out (0 once a decision is in force, made or loaded)."""
+        self.stale = False
+        """The loaded decision was made with H fixed and this run has H on auto: the next round end decides H."""
 
     def round_end(self, rows: list[tuple[float, ...]], site_of: list[int]) -> Decision | None:
         """A round ended with every rank's ``(step_s, wan_bytes, wan_s, syncs, rtt_s)`` gathered: the new decision when
-        this round decides (the first measured round after the cold one, a capped decision's next round, or
-        a link rate moved by more than ``REPLAN_FACTOR``), else None. With one site nothing crosses a WAN and the
+        this round decides (the first measured round after the cold one, a capped decision's next round, the first
+        after loading a decision made with H fixed, or a link rate moved by more than ``REPLAN_FACTOR``), else None. With one site nothing crosses a WAN and the
         warm-up settings stay."""
         self.rounds_ended += 1
         figures = measured(rows, site_of, self._plan["sites"])
         if figures is not None and self.cold > 0:  # the same on every rank: the figures are gathered
             self.cold -= 1
             return None
-        if self._plan["sites"] < 2 or not needs_replan(self.decision, figures):
+        if self._plan["sites"] < 2 or not (needs_replan(self.decision, figures) or (self.stale and figures)):
             return None
         in_use = (self.decision.chunk_mb, self.decision.streams) if self.decision is not None else None
         pipelines = sorted(self.pipelines, key=lambda p: p != in_use)  # the one in use first: a tie keeps it
@@ -231,23 +233,25 @@ class AutoSchedule:
                           largest=MAX_GROWTH * current)
         if self._log:
             log_decision(decision, self.decision, target=self.target, round_index=self.rounds_ended)
-        self.decision = decision
+        self.decision, self.stale = decision, False
         return decision
 
     def state(self) -> list[float]:
-        """``[rounds ended, H, utilization, reached, step_s, bandwidth_bps, rtt_s, chunk_mb, streams, capped]`` of the
-        decision in force (H 0: none yet)."""
-        d = self.decision
+        """``[rounds ended, H, utilization, reached, step_s, bandwidth_bps, rtt_s, chunk_mb, streams, capped, H on
+        auto]`` of the decision in force (H 0: none yet)."""
+        d, h_auto = self.decision, float(self._plan["sync_every"] is None)
         if d is None:
-            return [float(self.rounds_ended)] + [0.0] * 9
+            return [float(self.rounds_ended)] + [0.0] * 9 + [h_auto]
         m = d.measured
         return [float(self.rounds_ended), float(d.sync_every), d.utilization, float(d.reached), m.step_s,
-                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams), float(d.capped)]
+                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams), float(d.capped), h_auto]
 
     def load(self, saved: list[float]) -> None:
-        """Restore ``state()`` output (also one saved before ``capped`` was kept: 9 numbers)."""
-        ended, h, utilization, reached, step_s, bandwidth, rtt, chunk_mb, streams, capped = (list(saved) + [0.0])[:10]
+        """Restore ``state()`` output (also one saved before ``capped`` and ``H on auto`` were kept: 9 numbers)."""
+        ended, h, utilization, reached, step_s, bandwidth, rtt, chunk_mb, streams, capped, h_auto = (
+            list(saved) + [0.0, -1.0][len(saved) - 9:])[:11]
         self.rounds_ended, self.cold = int(ended), COLD_ROUNDS if h < 1 else 0
+        self.stale = h >= 1 and h_auto == 0 and self._plan["sync_every"] is None
         figures = Measured(step_s, bandwidth, rtt)
         self.decision = None if h < 1 else Decision(int(h), utilization, bool(reached), figures, chunk_mb, int(streams),
                                                     bool(capped))

@@ -169,6 +169,22 @@ def test_one_decision_grows_h_at_most_4x_and_a_capped_one_re_plans_at_the_next_r
     assert (held.sync_every, held.capped, held.reached) == (8, False, False)
 
 
+def test_a_decision_made_with_h_fixed_loaded_into_h_on_auto_decides_h_at_the_next_round_end():
+    fixed = _schedule(sync_every=8, pipelines=[(4.0, 2), (4.0, 1)])  # WAN settings on auto, H fixed
+    fixed.round_end(_round(0.03, RATE), [0, 1])
+    assert fixed.round_end(_round(0.03, RATE), [0, 1]).sync_every == 8
+    on_auto = _schedule(pipelines=[(4.0, 2), (4.0, 1)])
+    on_auto.load(fixed.state())
+    decision = on_auto.round_end(_round(0.03, RATE), [0, 1])  # the same link: only the loaded H's origin re-plans
+    assert decision.sync_every == 16 and on_auto.round_end(_round(0.03, RATE), [0, 1]) is None
+    again = _schedule(sync_every=8)
+    again.load(fixed.state())  # fixed into fixed: nothing to re-decide on the same link
+    assert again.round_end(_round(0.03, RATE), [0, 1]) is None
+    legacy = _schedule()
+    legacy.load(fixed.state()[:9])  # a state of 9 numbers (before capped and H-on-auto were kept) loads as it was
+    assert legacy.decision.sync_every == 8 and legacy.round_end(_round(0.03, RATE), [0, 1]) is None
+
+
 def test_auto_holds_the_warm_up_h_and_the_default_target(monkeypatch):
     config = DiLoCoConfig(sync_every="auto")
     assert (config.sync_every, config.sync_every_auto, config.target_utilization) == (8, True, 0.95)
