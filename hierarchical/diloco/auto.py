@@ -217,8 +217,8 @@ class AutoSchedule:
     def round_end(self, rows: list[tuple[float, ...]], site_of: list[int]) -> Decision | None:
         """A round ended with every rank's ``(step_s, wan_bytes, wan_s, syncs, rtt_s)`` gathered: the new decision when
         this round decides (the first measured round after the cold one, a capped decision's next round, the first
-        after loading a decision made with H fixed, or a link rate moved by more than ``REPLAN_FACTOR``), else None. With one site nothing crosses a WAN and the
-        warm-up settings stay."""
+        after loading a decision made with H fixed, or a link rate moved by more than ``REPLAN_FACTOR``), else None.
+        With one site nothing crosses a WAN and the warm-up settings stay."""
         self.rounds_ended += 1
         figures = measured(rows, site_of, self._plan["sites"])
         if figures is not None and self.cold > 0:  # the same on every rank: the figures are gathered
