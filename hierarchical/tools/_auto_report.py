@@ -68,8 +68,8 @@ def rate_change(records: list[dict]) -> dict:
     ``rounds_late`` counts the round ends from the change to the re-plan (1: that round's end). Met when every rank
     re-planned at the same round end, 1 round late."""
     ranks = [r for r in records if r["row"] == "rate_change"]
-    if not ranks:
-        return {"met": None}
+    if not ranks or ranks[0]["change_step"] is None:
+        return {"met": None, "why": "no rate change: the run ended before a round end from --change-after on"}
     at = ranks[0]["rounds_at_change"]
     replans = []
     for r in ranks:
@@ -110,4 +110,4 @@ def print_tables(results: dict) -> None:
               f"round end {change['replan_round']} ({change['rounds_late']} round(s) later), H {change['h_before']} "
               f"-> {change['h_after']} -> {'met' if change['met'] else 'NOT met'} (target: 1 round)")
     elif change:
-        print(f"\nrate change: no re-plan recorded on every rank ({change})")
+        print(f"\nrate change: not judged ({change.get('why', change)})")

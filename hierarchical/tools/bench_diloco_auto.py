@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 
+from multidc.hierarchical.diloco.auto import REPLAN_FACTOR
 from multidc.hierarchical.tools.bench_diloco import add_model_arguments
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
@@ -161,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
             results["rates"][rate] = {"shaped": shaped, "rows": table, "verdicts": report.verdicts(table)}
         if not args.no_change and results["rates"][rates[0]]["shaped"]:
             new_rate = f"{parse_rate(rates[0]) / args.cut:.0f}bit"
+            if args.cut <= REPLAN_FACTOR:
+                print(f"[multidc bench diloco --auto] note: --cut {args.cut:g} is within the re-plan threshold (a "
+                      f"measured rate more than {REPLAN_FACTOR:g}x away re-plans): whether it re-plans depends on "
+                      f"how close to line rate each rate is measured", flush=True)
             records, _ = _job(args, _plan(args, grid, rows="auto"), rates[0], f"change-{rates[0]}", tmp, new_rate)
             results["rate_change"] = report.rate_change(records) | {"from": rates[0], "to": new_rate}
         elif not args.no_change:

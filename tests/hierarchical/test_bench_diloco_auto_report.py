@@ -90,6 +90,13 @@ def test_a_late_missing_or_uneven_re_plan_is_not_met(per_rank):
     assert report.rate_change(_change(per_rank))["met"] is False
 
 
+def test_a_run_that_ended_before_the_change_is_not_judged():
+    records = _change([[[16, 2, 16, 8e6]]] * 2, at=None)
+    for r in records:
+        r["change_step"] = None
+    assert report.rate_change(records)["met"] is None
+
+
 def _args(**kwargs) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench_diloco_auto.add_arguments(parser)
