@@ -404,7 +404,7 @@ def two_sites():
              "overlap": (_train, ({"config": OVERLAP, "total": 60},)),
              "into fixed": (_train, ({"config": PLAIN, "total": 30, "save": 30, "into": {"sync_every": 8}},)),
              "into fixed, wan auto": (_train, ({"config": PLAIN, "total": 46, "save": 30, "into": {"sync_every": 8},
-                                                "into_wan": {"streams": "auto"}},)),
+                                                "into_wan": {"chunk_mb": "auto"}},)),
              "wan": (_train_wan, ())}
     return run_cases(cases, 2, timeout=240)
 
