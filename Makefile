@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.multidc-installed
 
-.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-diloco-hetero bench-checkpoint bench-checkpoint-regions bench-pipeline faults clean
+.PHONY: demo test test-fast lint docs bench bench-allreduce bench-diloco bench-diloco-hetero bench-diloco-auto bench-checkpoint bench-checkpoint-regions bench-pipeline faults clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,10 @@ bench-diloco: $(STAMP)
 # (equal vs token weights). Rewrites docs/bench_diloco_hetero.png and .json (docs/benchmarks.md).
 bench-diloco-hetero: $(STAMP)
 	$(BIN)/multidc bench diloco --heterogeneous --json docs/bench_diloco_hetero.json
+
+# "auto" settings against a grid of H at two lab WAN rates, then the link's rate halved mid-run (docs/benchmarks.md).
+bench-diloco-auto: $(STAMP)
+	$(BIN)/multidc bench diloco --auto --rates 50mbit,200mbit --json docs/bench_diloco_auto.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png

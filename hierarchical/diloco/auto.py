@@ -11,6 +11,14 @@ round's one small all-reduce (``DiLoCo._exchange_round``, shared with rounds by 
 utilization reaches ``DiLoCoConfig.target_utilization``, and the WAN pipeline that needs the smallest H (or, with a
 fixed H, predicts the highest utilization).
 
+The first measured round (the warm-up's) is not decided on: its syncs create the communicators (NCCL and gloo build
+them lazily; the first syncs are slow) and its steps are cold, so its figures would ask for too large an H; the second
+warm-up round decides. A resumed run keeps the loaded decision and decides as the unbroken run would (a resume ends
+where the unbroken run ends). One decision grows H at most ``MAX_GROWTH`` times the H in force (the warm-up's for the
+first), which also bounds what a cold round after a resume can do; a decision the cap held back re-plans at the next
+round end, until the target is reached or the cap no longer binds. Shrinking is not capped: a too small H shows itself
+at the next round end.
+
 The invariant this module protects: every rank decides alike. ``measured`` and ``decide`` read only the gathered
 numbers (float64, the same on every rank) and settings every rank agreed on, so no rank can adopt another plan. A
 decision is re-made only when a later round's measured link rate differs from the one it used by more than
@@ -36,6 +44,10 @@ DEFAULT_TARGET = 0.95
 """The target utilization when ``DiLoCoConfig.target_utilization`` is unset (only WAN settings on auto)."""
 MAX_SYNC_EVERY = 1 << 20
 """The largest H ``decide`` picks: a link too slow for the target at this H gets it, marked not reached."""
+MAX_GROWTH = 4
+"""One decision sets H to at most this many times the H in force (the warm-up's for the first decision)."""
+COLD_ROUNDS = 1
+"""Measured warm-up rounds not decided on (cold communicators and steps): the first; the second decides."""
 
 _log = logging.getLogger("multidc.hierarchical.diloco")
 
@@ -69,6 +81,8 @@ class Decision:
     """``WanConfig.chunk_mb`` of the syncs from now on."""
     streams: int = 2
     """``WanConfig.streams`` of the syncs from now on."""
+    capped: bool = False
+    """``MAX_GROWTH`` held H below what the target needs: the next round end re-plans."""
 
 
 def warmup_sync_every(fragments: int, overlap_steps: int) -> int:
@@ -103,12 +117,13 @@ def measured(rows: list[tuple[float, ...]], site_of: list[int], sites: int) -> M
 
 def decide(figures: Measured, *, params: int, sites: int, rails: int, fragments: int, overlap_steps: int,
            compression: str, pipelines: list[tuple[float, int]], target: float,
-           sync_every: int | None = None) -> Decision:
+           sync_every: int | None = None, largest: int = MAX_SYNC_EVERY) -> Decision:
     """The plan for ``params`` float32 parameters synced over ``sites`` x ``rails`` at the measured step time, link
     rate and round-trip time: per WAN pipeline of ``pipelines`` (``(chunk_mb, streams)``, the one in use first) the
-    smallest H (from a round's minimum to ``MAX_SYNC_EVERY``) whose predicted utilization reaches ``target``, or the
-    fixed ``sync_every``; the pipeline with the smallest H, then the highest utilization, wins (a tie keeps the
-    earlier one).
+    smallest H (from a round's minimum to ``largest``, at most ``MAX_SYNC_EVERY``) whose predicted utilization
+    reaches ``target``, or the fixed ``sync_every``; the pipeline with the smallest H, then the highest utilization,
+    wins (a tie keeps the earlier one). ``Decision.capped``: the target needs more than ``largest`` (below
+    ``MAX_SYNC_EVERY``), so H is ``largest``.
 
     Predicted utilization never falls as H grows (a round's syncs are spread over more compute), so a bisection over
     the integers finds H; pure float64 arithmetic, the same on every rank for the same arguments.
@@ -116,22 +131,24 @@ def decide(figures: Measured, *, params: int, sites: int, rails: int, fragments:
     job = Job(params=params, step_s=figures.step_s, sites=sites, ranks_per_site=rails)
     link = Link(bandwidth_bps=figures.bandwidth_bps, rtt_s=figures.rtt_s)
     method = "diloco" if (fragments, overlap_steps) == (1, 0) else "streaming_diloco"
-    best = None
+    best, lowest = None, fragments * (overlap_steps + 1)
+    largest = max(lowest, min(largest, MAX_SYNC_EVERY))
     for chunk_mb, streams in pipelines:
         def utilization(h: int, chunk_mb: float = chunk_mb, streams: int = streams) -> float:
             setting = Setting(method=method, compression=compression, sync_every=h, fragments=fragments,
                               overlap_steps=overlap_steps, chunk_mb=chunk_mb, streams=streams)
             return predict(setting, job, link).utilization
 
-        h = sync_every if sync_every is not None else _smallest_h(utilization, fragments * (overlap_steps + 1), target)
+        h = sync_every if sync_every is not None else _smallest_h(utilization, lowest, largest, target)
         u = utilization(h)
         if best is None or (h, -u) < (best.sync_every, -best.utilization):
-            best = Decision(h, u, u >= target, figures, chunk_mb, streams)
+            capped = sync_every is None and u < target and largest < MAX_SYNC_EVERY
+            best = Decision(h, u, u >= target, figures, chunk_mb, streams, capped)
     return best
 
 
-def _smallest_h(utilization, lowest: int, target: float) -> int:
-    lo, hi = lowest, MAX_SYNC_EVERY
+def _smallest_h(utilization, lowest: int, largest: int, target: float) -> int:
+    lo, hi = lowest, largest
     if utilization(hi) < target:
         return hi
     while lo < hi:
@@ -141,11 +158,12 @@ def _smallest_h(utilization, lowest: int, target: float) -> int:
 
 
 def needs_replan(decision: Decision | None, figures: Measured | None) -> bool:
-    """Whether a round's ``figures`` call for a (new) decision: none made yet, or the link rate moved by more than
-    ``REPLAN_FACTOR`` either way from the one ``decision`` used."""
+    """Whether a round's ``figures`` call for a (new) decision: none made yet, ``MAX_GROWTH`` held the last one back
+    (``Decision.capped``), or the link rate moved by more than ``REPLAN_FACTOR`` either way from the one ``decision``
+    used."""
     if figures is None:
         return False
-    if decision is None:
+    if decision is None or decision.capped:
         return True
     ratio = figures.bandwidth_bps / decision.measured.bandwidth_bps
     return ratio > REPLAN_FACTOR or ratio < 1 / REPLAN_FACTOR
@@ -154,10 +172,11 @@ def needs_replan(decision: Decision | None, figures: Measured | None) -> bool:
 def log_decision(decision: Decision, previous: Decision | None, *, target: float, round_index: int) -> None:
     """One INFO line with the decision and the figures it came from (call it on one rank: the job's rank 0)."""
     m = decision.measured
-    why = "first decision" if previous is None else (
+    why = "first decision" if previous is None else "H capped at the last decision" if previous.capped else (
         f"re-plan: link {m.bandwidth_bps / 1e6:.4g} Mbit/s vs {previous.measured.bandwidth_bps / 1e6:.4g} Mbit/s "
         f"when H={previous.sync_every} was chosen")
-    reached = "" if decision.reached else " (target not reached)"
+    capped = f", H grows at most {MAX_GROWTH}x per decision" if decision.capped else ""
+    reached = "" if decision.reached else f" (target not reached{capped})"
     _log.info("DiLoCo 'auto' settings after round %d (%s): H=%d, chunk_mb=%g, streams=%d, predicted utilization "
               "%.1f%% for target %.1f%%%s; measured step %.4g s, WAN %.4g Mbit/s per site, rtt %.3g s", round_index,
               why, decision.sync_every, decision.chunk_mb, decision.streams, 100 * decision.utilization, 100 * target,
@@ -174,6 +193,7 @@ class AutoSchedule:
         sites, rails: the topology's sites and rails (ranks of a site that carry its WAN traffic).
         fragments, overlap_steps, compression: the agreed ``DiLoCoConfig``'s.
         sync_every: None when H is on auto, else the fixed H.
+        warmup: the warm-up H (``DiLoCoConfig.sync_every``): the first decision's H is at most ``MAX_GROWTH`` x it.
         pipelines: the ``(chunk_mb, streams)`` to choose from, the warm-up's first.
         target: ``DiLoCoConfig.target_utilization`` (0.95 when only WAN settings are on auto).
         log: whether this rank logs the decisions (the job's rank 0 only, so each is logged once).
@@ -181,47 +201,60 @@ class AutoSchedule:
 
     def __init__(self, *, params: int, sites: int, rails: int, fragments: int, overlap_steps: int,
                  compression: str, sync_every: int | None, pipelines: list[tuple[float, int]], target: float,
-                 log: bool) -> None:
+                 log: bool, warmup: int = 1) -> None:
         self._plan = {"params": params, "sites": sites, "rails": rails, "fragments": fragments,
                       "overlap_steps": overlap_steps, "compression": compression, "sync_every": sync_every}
-        self.pipelines, self.target, self._log = pipelines, target, log
+        self.pipelines, self.target, self._log, self.warmup = pipelines, target, log, warmup
         self.decision: Decision | None = None
         """The decision in force (None during the warm-up)."""
         self.rounds_ended = 0
         """Round ends seen, the warm-up's included."""
+        self.cold = COLD_ROUNDS
+        """Measured warm-up rounds still to leave out (0 once a decision is in force, made or loaded)."""
+        self.stale = False
+        """The loaded decision was made with H fixed and this run has H on auto: the next round end decides H."""
 
     def round_end(self, rows: list[tuple[float, ...]], site_of: list[int]) -> Decision | None:
         """A round ended with every rank's ``(step_s, wan_bytes, wan_s, syncs, rtt_s)`` gathered: the new decision when
-        this round decides (the first measured round, or a link rate moved by more than ``REPLAN_FACTOR``), else None.
+        this round decides (the first measured round after the cold one, a capped decision's next round, the first
+        after loading a decision made with H fixed, or a link rate moved by more than ``REPLAN_FACTOR``), else None.
         With one site nothing crosses a WAN and the warm-up settings stay."""
         self.rounds_ended += 1
         figures = measured(rows, site_of, self._plan["sites"])
-        if self._plan["sites"] < 2 or not needs_replan(self.decision, figures):
+        if figures is not None and self.cold > 0:  # the same on every rank: the figures are gathered
+            self.cold -= 1
+            return None
+        if self._plan["sites"] < 2 or not (needs_replan(self.decision, figures) or (self.stale and figures)):
             return None
         in_use = (self.decision.chunk_mb, self.decision.streams) if self.decision is not None else None
         pipelines = sorted(self.pipelines, key=lambda p: p != in_use)  # the one in use first: a tie keeps it
-        decision = decide(figures, **self._plan, pipelines=pipelines, target=self.target)
+        current = self.decision.sync_every if self.decision is not None else self.warmup
+        decision = decide(figures, **self._plan, pipelines=pipelines, target=self.target,
+                          largest=MAX_GROWTH * current)
         if self._log:
             log_decision(decision, self.decision, target=self.target, round_index=self.rounds_ended)
-        self.decision = decision
+        self.decision, self.stale = decision, False
         return decision
 
     def state(self) -> list[float]:
-        """``[rounds ended, H, utilization, reached, step_s, bandwidth_bps, rtt_s, chunk_mb, streams]`` of the
-        decision in force (H 0: none yet)."""
-        d = self.decision
+        """``[rounds ended, H, utilization, reached, step_s, bandwidth_bps, rtt_s, chunk_mb, streams, capped, H on
+        auto]`` of the decision in force (H 0: none yet)."""
+        d, h_auto = self.decision, float(self._plan["sync_every"] is None)
         if d is None:
-            return [float(self.rounds_ended)] + [0.0] * 8
+            return [float(self.rounds_ended)] + [0.0] * 9 + [h_auto]
         m = d.measured
         return [float(self.rounds_ended), float(d.sync_every), d.utilization, float(d.reached), m.step_s,
-                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams)]
+                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams), float(d.capped), h_auto]
 
     def load(self, saved: list[float]) -> None:
-        """Restore ``state()`` output."""
-        ended, h, utilization, reached, step_s, bandwidth, rtt, chunk_mb, streams = saved
-        self.rounds_ended = int(ended)
-        self.decision = None if h < 1 else Decision(int(h), utilization, bool(reached),
-                                                    Measured(step_s, bandwidth, rtt), chunk_mb, int(streams))
+        """Restore ``state()`` output (also one saved before ``capped`` and ``H on auto`` were kept: 9 numbers)."""
+        ended, h, utilization, reached, step_s, bandwidth, rtt, chunk_mb, streams, capped, h_auto = (
+            list(saved) + [0.0, -1.0][len(saved) - 9:])[:11]
+        self.rounds_ended, self.cold = int(ended), COLD_ROUNDS if h < 1 else 0
+        self.stale = h >= 1 and h_auto == 0 and self._plan["sync_every"] is None
+        figures = Measured(step_s, bandwidth, rtt)
+        self.decision = None if h < 1 else Decision(int(h), utilization, bool(reached), figures, chunk_mb, int(streams),
+                                                    bool(capped))
 
 
 def auto_schedule(config, wan, topology, fragments: list) -> AutoSchedule:
@@ -256,7 +289,7 @@ def auto_schedule(config, wan, topology, fragments: list) -> AutoSchedule:
                    for f in fragments), sites=topology.num_sites, rails=topology.num_rails,
         fragments=config.fragments, overlap_steps=config.overlap_steps, compression=config.compression,
         sync_every=None if config.sync_every_auto else config.sync_every, pipelines=pipelines,
-        target=config.target_utilization or DEFAULT_TARGET, log=dist.get_rank() == 0)
+        target=config.target_utilization or DEFAULT_TARGET, log=dist.get_rank() == 0, warmup=config.sync_every)
 
 
 def check_auto_saved(saved: bool, wanted: bool) -> None:

@@ -544,8 +544,12 @@ class DiLoCo:
             self._auto.load(auto["decision"].tolist())
             if self._auto.decision is not None:
                 self._adopt(self._auto.decision)
-            rounds.steps = (int(auto["steps"]),) * self.topology.num_sites
-            rounds.start, rounds.history = int(auto["start"]), [rounds.steps]
+            saved_h, start = int(auto["steps"]), int(auto["start"])
+            h = saved_h if self.config.sync_every_auto else self.config.sync_every
+            if h != saved_h:  # saved under sync_every="auto", resumed with a fixed H: a new round of it starts here
+                start = self.stats.inner_steps
+            rounds.steps, rounds.start = (h,) * self.topology.num_sites, start
+            rounds.history = [rounds.steps]
             return
         if rounds is None or saved is None:
             return

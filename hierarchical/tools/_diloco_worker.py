@@ -55,7 +55,7 @@ class _Run:
         self.diloco = None
         if method["kind"] == "diloco":
             self.diloco = DiLoCo(self.ddp, self.opt, topo, DiLoCoConfig(**method["diloco"]),
-                                 wan=WanConfig(streams=plan["streams"]))
+                                 wan=WanConfig(**method.get("wan", {"streams": plan["streams"]})))
 
     @torch.no_grad()
     def evaluate(self, val: torch.Tensor, batch: int) -> float:

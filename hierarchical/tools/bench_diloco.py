@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heterogeneous", action="store_true",
                         help="the benchmark of unequal sites instead (slowed, unequally sized), with options of its "
                              "own: multidc bench diloco --heterogeneous --help")
+    parser.add_argument("--auto", action="store_true",
+                        help="the benchmark of 'auto' settings against a grid of H instead, with options of its own: "
+                             "multidc bench diloco --auto --help")
     parser.add_argument("--timeout-s", type=float, default=3600.0,
                         help="give up on a job after this many seconds (default 3600: the quality phase trains 5 "
                              "methods x --steps; it ran past 1800 s on 2 busy cores)")

@@ -1,4 +1,5 @@
-"""The ``multidc`` command: ``multidc bench allreduce|diloco`` (``diloco --heterogeneous``: unequal sites),
+"""The ``multidc`` command: ``multidc bench allreduce|diloco`` (``diloco --heterogeneous``: unequal sites;
+``diloco --auto``: "auto" settings against a grid),
 ``multidc lab run``, ``multidc lighthouse``, ``multidc doctor``, ``multidc plan``, and the commands the installed
 layers above declare under the ``multidc.commands`` entry point group (``multidc ckpt ls|verify|rm``, from
 ``multidc.plugins``: this layer names none of them).
@@ -30,7 +31,8 @@ _COMMANDS = {
 }
 
 # A flag that turns a subcommand into another benchmark with its own options: subcommand path -> (flag, module)
-_VARIANTS = {("bench", "diloco"): ("--heterogeneous", "multidc.hierarchical.tools.bench_diloco_hetero")}
+_VARIANTS = {("bench", "diloco"): (("--heterogeneous", "multidc.hierarchical.tools.bench_diloco_hetero"),
+                                   ("--auto", "multidc.hierarchical.tools.bench_diloco_auto"))}
 
 
 def _commands() -> dict[tuple[str, ...], tuple[str, str]]:
@@ -55,8 +57,8 @@ def _parser(selected: tuple[str, ...] | None, argv: list[str] = ()) -> argparse.
                     dest="subcommand", required=True)
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
         if path == selected:
-            flag, variant = _VARIANTS.get(path, (None, None))
-            module = importlib.import_module(variant if flag in argv else module_name)
+            variant = next((name for flag, name in _VARIANTS.get(path, ()) if flag in argv), module_name)
+            module = importlib.import_module(variant)
             if path not in _COMMANDS and module.__doc__:  # a declared command describes itself
                 sub.description = module.__doc__.split("\n\n")[0].replace("``", "")
             module.add_arguments(sub)

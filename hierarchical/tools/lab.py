@@ -173,6 +173,14 @@ class Lab:
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
             "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", "50ms")
 
+    def set_rate(self, rate: str) -> None:
+        """Re-shape every site's WAN link, both directions, to ``rate`` (e.g. ``"100mbit"``) while jobs run on it
+        (``tc qdisc replace``: connections stay up). A lab built unshaped (``rate=None``) is shaped from now on."""
+        self.rate, self.rate_bps = rate, parse_rate(rate)
+        for site in range(self.num_sites):
+            self._shape(self.netns(site), SITE_IFACE)
+            self._shape(self.wan_netns, f"h{site}")
+
     # -- faults and counters -------------------------------------------------------------------------------
     def set_link(self, site: int, up: bool) -> None:
         """Cut (``up=False``) or restore ``site``'s WAN link, as a failed interconnect would."""

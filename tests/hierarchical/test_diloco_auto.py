@@ -1,8 +1,8 @@
 """``DiLoCoConfig(sync_every="auto")``: the decision against the planning model's equations by hand, the settings,
 and real gloo ranks (2 sites x 1 rank) whose measured step times differ (a fake clock per rank) and whose WAN rate
-drops 3x mid-run (a fake throughput): every rank adopts the same H, logged once; the drop re-plans at the next round
-end; the merge equals the single-process reference of the adopted plan; a resume ends bitwise where the unbroken run
-ends."""
+drops 3x mid-run (a fake throughput): every rank adopts the same H, logged once, decided on the second round (the first
+measures cold communicators); the drop re-plans at the next round end; the merge equals the single-process reference
+of the adopted plan; a resume ends bitwise where the unbroken run ends; a resume into a fixed H keeps that H."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multidc.hierarchical import DiLoCo, DiLoCoConfig, Topology, WanConfig, register_site_ddp_hook
 from multidc.hierarchical.diloco.auto import (
+    MAX_GROWTH,
     MAX_SYNC_EVERY,
+    AutoSchedule,
     Decision,
     Measured,
     auto_schedule,
@@ -120,6 +122,67 @@ def test_only_a_rate_more_than_2x_away_from_the_decisions_re_plans(rate, replan)
     decision = Decision(16, 0.96, True, Measured(0.03, 1e6))
     assert needs_replan(decision, Measured(0.5, rate)) is replan  # the step time alone never re-plans
     assert needs_replan(None, Measured(0.5, rate)) and not needs_replan(decision, None)
+
+
+def _schedule(**kwargs) -> AutoSchedule:
+    plan = {"params": 756, "sites": 2, "rails": 1, "fragments": 1, "overlap_steps": 0, "compression": "none",
+            "sync_every": None, "pipelines": [(4.0, 2)], "target": TARGET, "log": False, "warmup": 8}
+    return AutoSchedule(**(plan | kwargs))
+
+
+def _round(step_s: float, rate: float, sync_bytes: float = 756 * 4) -> list[tuple[float, ...]]:
+    """Two sites' rows of one round with one sync of ``sync_bytes`` at ``rate`` bits/s."""
+    return [(step_s, sync_bytes, 8 * sync_bytes / rate, 1, 0.0)] * 2
+
+
+def test_a_slow_first_sync_is_left_out_and_the_second_round_decides():
+    schedule = _schedule()
+    assert schedule.round_end(_round(0.03, RATE / 100), [0, 1]) is None  # cold: 100x slower, not decided on
+    decision = schedule.round_end(_round(0.03, RATE), [0, 1])
+    assert decision.sync_every == _blocking_h(8 * 756 * 4 / RATE, 0.03, TARGET) == 16 and decision.reached
+    assert decision.measured.bandwidth_bps == pytest.approx(RATE)
+    assert schedule.round_end(_round(0.03, RATE), [0, 1]) is None  # same link: no re-plan
+    resumed = _schedule()
+    resumed.load(schedule.state())  # a loaded decision is in force: the next round decides as the unbroken run's
+    assert resumed.round_end(_round(0.03, RATE / 100), [0, 1]).sync_every == 16 * MAX_GROWTH
+    unsettled = _schedule()
+    unsettled.load(_schedule().state())  # saved in the warm-up: the first measured round is still left out
+    assert unsettled.round_end(_round(0.03, RATE / 100), [0, 1]) is None
+
+
+def test_one_decision_grows_h_at_most_4x_and_a_capped_one_re_plans_at_the_next_round_end():
+    step_s, rate = 0.03, RATE / 20
+    uncapped = decide(Measured(step_s, rate), params=756, sites=2, rails=1, fragments=1, overlap_steps=0,
+                      compression="none", pipelines=[(4.0, 2)], target=TARGET).sync_every
+    assert uncapped == _blocking_h(8 * 756 * 4 / rate, step_s, TARGET) == 307
+    schedule = _schedule()
+    schedule.round_end(_round(step_s, rate), [0, 1])  # cold
+    chosen = [schedule.round_end(_round(step_s, rate), [0, 1]) for _ in range(4)]
+    assert [d.sync_every for d in chosen[:3]] == [8 * MAX_GROWTH, 8 * MAX_GROWTH ** 2, uncapped]
+    assert [(d.capped, d.reached) for d in chosen[:3]] == [(True, False), (True, False), (False, True)]
+    assert chosen[3] is None  # the target reached: no re-plan on the same link
+    faster = schedule.round_end(_round(step_s, rate * 20), [0, 1])  # shrinking is not capped
+    assert faster.sync_every == 16 and not faster.capped
+    fixed = _schedule(sync_every=8)  # a fixed H is never capped
+    fixed.round_end(_round(step_s, rate), [0, 1])
+    held = fixed.round_end(_round(step_s, rate), [0, 1])
+    assert (held.sync_every, held.capped, held.reached) == (8, False, False)
+
+
+def test_a_decision_made_with_h_fixed_loaded_into_h_on_auto_decides_h_at_the_next_round_end():
+    fixed = _schedule(sync_every=8, pipelines=[(4.0, 2), (4.0, 1)])  # WAN settings on auto, H fixed
+    fixed.round_end(_round(0.03, RATE), [0, 1])
+    assert fixed.round_end(_round(0.03, RATE), [0, 1]).sync_every == 8
+    on_auto = _schedule(pipelines=[(4.0, 2), (4.0, 1)])
+    on_auto.load(fixed.state())
+    decision = on_auto.round_end(_round(0.03, RATE), [0, 1])  # the same link: only the loaded H's origin re-plans
+    assert decision.sync_every == 16 and on_auto.round_end(_round(0.03, RATE), [0, 1]) is None
+    again = _schedule(sync_every=8)
+    again.load(fixed.state())  # fixed into fixed: nothing to re-decide on the same link
+    assert again.round_end(_round(0.03, RATE), [0, 1]) is None
+    legacy = _schedule()
+    legacy.load(fixed.state()[:9])  # a state of 9 numbers (before capped and H-on-auto were kept) loads as it was
+    assert legacy.decision.sync_every == 8 and legacy.round_end(_round(0.03, RATE), [0, 1]) is None
 
 
 def test_auto_holds_the_warm_up_h_and_the_default_target(monkeypatch):
@@ -223,8 +286,8 @@ class _FakeLink:
         return sent, self.seconds, self.diloco._arrived
 
 
-def _build(rank: int, config: dict):
-    topo = Topology.build(site=rank)
+def _build(rank: int, config: dict, wan: dict | None = None):
+    topo = Topology.build(site=rank, wan=WanConfig(**wan) if wan else None)
     model = _model()
     ddp = DistributedDataParallel(model)
     register_site_ddp_hook(ddp, topo)
@@ -264,8 +327,8 @@ def _train(rank: int, world: int, case: dict) -> dict:
             state = copy.deepcopy({"diloco": diloco.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()})
             plans = diloco.round_plans[:-1]  # the loaded round is the resumed run's first plan
             diloco.close()
-            topo, model, ddp, opt, diloco = _build(rank, case.get("into", case["config"]))
-            if "into" in case:
+            topo, model, ddp, opt, diloco = _build(rank, case.get("into", case["config"]), case.get("into_wan"))
+            if "into" in case and "into_wan" not in case:
                 try:
                     diloco.load_state_dict(state["diloco"])
                 except ValueError as exc:
@@ -336,10 +399,12 @@ def _train_wan(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_sites():
-    cases = {"plain": (_train, ({"config": PLAIN, "total": 86},)),
-             "resumed": (_train, ({"config": PLAIN, "total": 86, "save": 30},)),
+    cases = {"plain": (_train, ({"config": PLAIN, "total": 78},)),
+             "resumed": (_train, ({"config": PLAIN, "total": 78, "save": 20},)),
              "overlap": (_train, ({"config": OVERLAP, "total": 60},)),
              "into fixed": (_train, ({"config": PLAIN, "total": 30, "save": 30, "into": {"sync_every": 8}},)),
+             "into fixed, wan auto": (_train, ({"config": PLAIN, "total": 46, "save": 30, "into": {"sync_every": 8},
+                                                "into_wan": {"chunk_mb": "auto"}},)),
              "wan": (_train_wan, ())}
     return run_cases(cases, 2, timeout=240)
 
@@ -351,8 +416,9 @@ def test_every_rank_adopts_the_h_of_the_slower_site_and_the_drop_re_plans_at_the
     first = _blocking_h(8 * bytes_per_sync / RATE, max(CLOCK), TARGET)
     dropped = _blocking_h(8 * bytes_per_sync / (RATE / 3), max(CLOCK), TARGET)
     assert (first, dropped) == (16, 46)
-    # warm-up 8; decided at its end; the round ending at 24 measured the old rate, the one ending at 40 the new
-    expected = [(8, 8), (16, 16), (16, 16), (46, 46), (46, 46)]
+    # warm-up 8, twice (the first round's figures are cold); decided at step 16; the round ending at 32 measured the
+    # new rate (from step 25 on)
+    expected = [(8, 8), (8, 8), (16, 16), (46, 46), (46, 46)]
     assert all(r["plans"] == expected for r in results), [r["plans"] for r in results]
     assert len(results[0]["logs"]) == 2 and results[1]["logs"] == []  # once per decision, on rank 0
     assert "chunk_mb=4, streams=2" in results[0]["logs"][0]  # WAN settings not on auto stay
@@ -363,11 +429,11 @@ def test_every_rank_adopts_the_h_of_the_slower_site_and_the_drop_re_plans_at_the
 
 def test_the_merge_equals_the_single_process_reference_of_the_adopted_plan(two_sites):
     results = two_sites["plain"]
-    plans = results[0]["plans"][:-1]  # the round starting at step 86 never ran
+    plans = results[0]["plans"][:-1]  # the round starting at step 78 never ran
     reference = run_round_reference(
         _model(), plans=plans, batch=lambda s, t: _rows(s, 0, t), loss_fn=nn.functional.mse_loss,
         inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
-    assert reference["steps"] == [86, 86]
+    assert reference["steps"] == [78, 78]
     for r in results:
         for name, value in r["named_global"].items():
             torch.testing.assert_close(value, reference["global"][name], rtol=0, atol=1e-6)
@@ -394,12 +460,25 @@ def test_an_auto_state_into_a_fixed_run_is_refused_on_every_rank(two_sites):
     assert all(r["refused"] and "saved with 'auto' settings" in r["refused"] for r in two_sites["into fixed"])
 
 
+def test_an_auto_h_state_resumed_with_a_fixed_h_and_wan_on_auto_runs_the_fixed_h_from_the_resume(two_sites):
+    results = two_sites["into fixed, wan auto"]
+    # saved at step 30 inside the round 16-32 of the auto H 16; resumed with H 8: new rounds from 30 (not 32, 48)
+    assert all(r["plans"] == [(8, 8), (8, 8), (8, 8), (8, 8), (8, 8)] for r in results), [r["plans"] for r in results]
+    # one sync per site pairs the 14 steps before the save with the first 8 after it: a round of 22
+    reference = run_round_reference(
+        _model(), plans=[(8, 8), (8, 8), (22, 22), (8, 8)], batch=lambda s, t: _rows(s, 0, t),
+        loss_fn=nn.functional.mse_loss, inner_optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
+    for r in results:
+        for name, value in r["named_global"].items():
+            torch.testing.assert_close(value, reference["global"][name], rtol=0, atol=1e-6)
+
+
 def test_wan_settings_on_auto_switch_every_rank_to_the_pipeline_with_fewer_round_trips_at_a_round_end(two_sites):
     results = two_sites["wan"]
     assert results[0]["bytes_per_sync"] == 512 * 512 * 4  # the float32 weight, a 2-site ring
-    # 4 chunks in 2 streams: 2 rings of round trips + 1 to fill = 0.3 s a sync; decided at the first round's end:
+    # 4 chunks in 2 streams: 2 rings of round trips + 1 to fill = 0.3 s a sync; decided at the second round's end:
     # the first candidate with one ring, 4 MiB (one chunk) in 1 stream: max(8 MiB / 1 Gbit/s, 0.1) + 0.1 = 0.2 s
-    expected = [(0.25, 2)] * (WAN_H - 1) + [(4.0, 1)] * (2 * WAN_H + 1)
+    expected = [(0.25, 2)] * (2 * WAN_H - 1) + [(4.0, 1)] * (WAN_H + 1)  # the first round is cold
     assert all(r["pipelines"] == expected for r in results), [r["pipelines"] for r in results]
     assert len([m for m in results[0]["logs"] if "chunk_mb=4, streams=1" in m]) == 1 and results[1]["logs"] == []
     reference = run_round_reference(

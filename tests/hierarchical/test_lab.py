@@ -65,6 +65,23 @@ def test_lab_shapes_both_directions_and_removes_namespaces():
     assert not names & _netns()
 
 
+@needs_lab
+def test_set_rate_re_shapes_every_link_of_a_running_lab_both_directions():
+    def rates(lab) -> list[str]:
+        return [subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev], capture_output=True,
+                               text=True, check=True).stdout
+                for ns, dev in [(lab.netns(0), "wan0"), (lab.wan_netns, "h0"), (lab.netns(1), "wan0"),
+                                (lab.wan_netns, "h1")]]
+
+    with Lab(2, "40mbit") as lab:
+        lab.set_rate("20mbit")
+        assert all("tbf" in q and "20Mbit" in q for q in rates(lab)), rates(lab)
+        assert lab.rate_bps == 20e6
+    with Lab(2) as unshaped:  # an unshaped lab is shaped from then on
+        unshaped.set_rate("5mbit")
+        assert all("5Mbit" in q for q in rates(unshaped)), rates(unshaped)
+
+
 _SERVER = textwrap.dedent("""
     import socket
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
