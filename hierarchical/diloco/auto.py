@@ -36,8 +36,10 @@ from multidc.hierarchical.compression import is_sparse
 from multidc.hierarchical.config import AUTO_CHUNK_MB, AUTO_STREAMS
 from multidc.hierarchical.planning.model import Job, Link, Setting, predict
 
-REPLAN_FACTOR = 2.0
-"""A measured link rate this many times above or below the decision's re-plans at the next round end."""
+REPLAN_FACTOR = 1.5
+"""A measured link rate this many times above or below the decision's re-plans at the next round end: below 2, so
+that a link halved (or doubled) re-plans however close to its line rate each sync measured it; above the
+round-to-round scatter of measured rates (+-20% on loaded hosts), so noise does not."""
 WARMUP_SYNC_EVERY = 8
 """The warm-up H of ``sync_every="auto"`` (raised to ``fragments * (overlap_steps + 1)`` when that is larger)."""
 DEFAULT_TARGET = 0.95

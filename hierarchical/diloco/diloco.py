@@ -114,8 +114,8 @@ class DiLoCo:
     With ``"auto"`` settings (``DiLoCoConfig(sync_every="auto")``, ``WanConfig(chunk_mb="auto", streams="auto")``)
     a round is one sync of every fragment; at each round's end the ranks exchange their measured step times and WAN
     throughput in one small all-reduce, and every rank adopts the same H and WAN pipeline for the next round, chosen
-    by the planning model; a link rate that moves by more than 2x re-plans (``multidc.hierarchical.diloco.auto``,
-    docs/guides/plan.md#auto-in-the-job).
+    by the planning model; a link rate that moves by more than ``REPLAN_FACTOR`` (1.5x) re-plans
+    (``multidc.hierarchical.diloco.auto``, docs/guides/plan.md#auto-in-the-job).
 
     Construction is collective over the topology's ranks: the settings, the fragments' sizes and a SHA-256 of
     each fragment's parameter bytes are compared in one small gather (the same ValueError on every rank when the

@@ -13,8 +13,8 @@ among the grid rows at least as busy (1% tolerance).
 Then the rate change (skipped on loopback): one more job, auto only, at the first rate; right after the first round
 end from step ``--change-after`` on, the lab's link is re-shaped to the rate divided by ``--cut`` (``Lab.set_rate``)
 while the ranks wait; reported: the round end at which every rank re-planned (target: the first one after the change,
-whose sync runs at the new rate). A decision re-plans when the measured rate moves by more than 2x
-(``REPLAN_FACTOR``); a cut of exactly 2 sits on that threshold.
+whose sync runs at the new rate). A decision re-plans when the measured rate moves by more than 1.5x
+(``REPLAN_FACTOR``), so a cut of 2 re-plans even where the syncs measured the link below its line rate.
 
 Prints a table per rate, writes JSON. Example::
 
