@@ -60,7 +60,10 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 ], ids=["3x1", "2x2-ddp-int8"])
 def test_a_killed_site_leaves_the_others_training_and_rejoins_live(tmp_path, lighthouse, sites, per_site, extra,
                                                                     atol):
-    run = run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, *extra)
+    # the survivors train on until the restarted site took part in a step (or --max-steps): 400 steps (~20 s idle)
+    # ended them before it was back twice on loaded cores (a torchrun start took longer); 3000 keeps them waiting
+    # for the 240 s the test allows, and costs nothing when the restart is quick
+    run = run_with_a_kill(tmp_path, lighthouse.address, sites, per_site, sites - 1, "--max-steps", "3000", *extra)
     first, survivor = check_rejoined(run, sites, STEPS)
     # from the state the survivor started with (received from a peer if it joined after step 0)
     expected = reference(survivor["log"], per_site, survivor["initial"])
