@@ -8,7 +8,7 @@ kills every rank and raises.
 Ranks are forked from a forkserver that imported torch once (per calling process), not spawned: a spawned rank
 imports torch anew, seconds of CPU on a small machine, which the test suite paid once per rank of every call.
 Each rank still starts as a spawned one would: with the caller's environment and working directory at the time of
-the call (not the server's), then ``env``, and torch's default seed (the server draws no random number).
+the call (not the server's), then ``env``, and random generators seeded anew (torch's, numpy's, Python's).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -44,6 +45,11 @@ def _entry(fn, rank, world, init_file, caller, env, args, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # a fresh seed per rank, as a spawned interpreter draws one: forked from one server, every rank would share its
+    # generator state, and ranks that must be made alike (a broadcast at set-up) would be alike by accident
+    torch.seed()
+    if "numpy" in sys.modules:  # Python's random reseeds itself after a fork; numpy's global generator does not
+        sys.modules["numpy"].random.seed()
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
