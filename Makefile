@@ -63,7 +63,8 @@ bench-diloco-hetero: $(STAMP)
 
 # "auto" settings against a grid of H at two lab WAN rates, then the link's rate halved mid-run (docs/benchmarks.md).
 bench-diloco-auto: $(STAMP)
-	$(BIN)/multidc bench diloco --auto --rates 50mbit,200mbit --json docs/bench_diloco_auto.json
+	$(BIN)/multidc bench diloco --auto --rates 50mbit,200mbit --ranks-per-site 1 --steps 192 --grid 8,16,32,64 \
+		--change-after 64 --json docs/bench_diloco_auto.json
 
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/bench_checkpoint.py --size-mb 256 --repeats 4 --plot docs/bench_checkpoint.png

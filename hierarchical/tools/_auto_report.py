@@ -24,24 +24,32 @@ def rows(records: list[dict], *, shaped: bool, tokens_per_step: int) -> dict[str
             per_site[r["site"]] = per_site.get(r["site"], 0) + r["iface_tx_bytes" if shaped else "payload_bytes"]
         losses = [r["val_loss"] for r in ends if r.get("val_loss") is not None]
         wan = max(per_site.values())
+        settled = [r["settled"] for r in ends if r.get("settled")]
         out[name] = {"kind": ends[0]["kind"], "h": ends[0].get("h"), "plans": ends[0].get("plans", []),
                      "pipeline": ends[0].get("pipeline"), "steps": steps, "seconds": seconds,
+                     "settled_steps_per_s": ((settled[0]["to_step"] - settled[0]["from_step"])
+                                             / max(s["seconds"] for s in settled)) if settled else None,
                      "steps_per_s": steps / seconds, "tokens_per_s": tokens_per_step * steps / seconds,
                      "wan_bytes": wan, "wan_bytes_per_step": wan / steps,
                      "val_loss": sum(losses) / len(losses) if losses else None}
     alone = out[ALONE]["steps_per_s"] if ALONE in out else None
     for row in out.values():
         row["utilization"] = row["steps_per_s"] / alone if alone else None
+        settled = row.pop("settled_steps_per_s")
+        row["settled_utilization"] = settled / alone if alone and settled else None
     return out
 
 
 def verdicts(table: dict[str, dict]) -> dict:
     """The issue's two targets at one rate, from ``rows``:
 
-    * utilization: auto's utilization >= ``UTILIZATION_SHARE`` x the best utilization of the grid rows;
-    * loss: the reference is the lowest validation loss among the grid rows at least as busy as auto (utilization
-      >= auto's; none: the grid row of the highest utilization); met when auto's loss <= reference x
-      (1 + ``LOSS_TOLERANCE``).
+    * utilization: the auto-chosen settings' utilization (``settled_utilization``: the window from the round end that
+      adopted the last decision to the last round end; the whole run's when there is none) >= ``UTILIZATION_SHARE``
+      x the best utilization of the grid rows. The whole run's (warm-up rounds and earlier decisions included) is
+      reported beside it;
+    * loss: the reference is the lowest validation loss among the grid rows at least as busy as the auto-chosen
+      settings (utilization >= theirs; none: the grid row of the highest utilization); met when auto's loss <=
+      reference x (1 + ``LOSS_TOLERANCE``).
 
     ``met`` is None when a figure is missing (no grid row, no auto row, no sites_alone row)."""
     grid = {name: row for name, row in table.items() if row["kind"] == "grid" and row["utilization"] is not None}
@@ -49,14 +57,15 @@ def verdicts(table: dict[str, dict]) -> dict:
     if not grid or auto is None or auto["utilization"] is None:
         return {"utilization": {"met": None}, "loss": {"met": None}}
     best = max(grid, key=lambda n: (grid[n]["utilization"], n))
-    share = auto["utilization"] / grid[best]["utilization"]
-    busy = {n: r for n, r in grid.items() if r["utilization"] >= auto["utilization"] and r["val_loss"] is not None}
+    chosen = auto.get("settled_utilization") or auto["utilization"]
+    share = chosen / grid[best]["utilization"]
+    busy = {n: r for n, r in grid.items() if r["utilization"] >= chosen and r["val_loss"] is not None}
     pool = busy or {best: grid[best]}
     reference = min(pool, key=lambda n: (pool[n]["val_loss"] if pool[n]["val_loss"] is not None else float("inf"), n))
     ref_loss, auto_loss = pool[reference]["val_loss"], auto["val_loss"]
     loss_met = None if ref_loss is None or auto_loss is None else auto_loss <= ref_loss * (1 + LOSS_TOLERANCE)
-    return {"utilization": {"best_row": best, "best": grid[best]["utilization"], "auto": auto["utilization"],
-                            "share": share, "met": share >= UTILIZATION_SHARE},
+    return {"utilization": {"best_row": best, "best": grid[best]["utilization"], "auto": chosen,
+                            "auto_whole_run": auto["utilization"], "share": share, "met": share >= UTILIZATION_SHARE},
             "loss": {"reference_row": reference, "reference": ref_loss, "auto": auto_loss,
                      "rows_at_least_as_busy": sorted(busy), "met": loss_met}}
 
@@ -75,6 +84,9 @@ def rate_change(records: list[dict]) -> dict:
     for r in ranks:
         after = [d for d in r["decisions"] if d[1] > r["rounds_at_change"]]
         replans.append(None if not after else after[0][1])
+    if all(p is None for p in replans) and all(r.get("rounds_at_end") == r["rounds_at_change"] for r in ranks):
+        return {"met": None, "change_step": ranks[0]["change_step"],
+                "why": "the run ended before a round end after the change (more steps: --change-steps)"}
     same = len(set(replans)) == 1 and replans[0] is not None
     late = replans[0] - at if same else None
     before = [d for d in ranks[0]["decisions"] if d[1] <= at]
@@ -98,9 +110,10 @@ def print_tables(results: dict) -> None:
                   f"{row['wan_bytes'] / 1e6:>9.2f}{row['wan_bytes_per_step']:>11.0f}")
         v = part["verdicts"]
         if v["utilization"]["met"] is not None:
-            print(f"utilization: auto {100 * v['utilization']['auto']:.1f}% = {100 * v['utilization']['share']:.1f}% "
-                  f"of the grid's best ({v['utilization']['best_row']}) -> "
-                  f"{'met' if v['utilization']['met'] else 'NOT met'} (>= {100 * UTILIZATION_SHARE:.0f}%)")
+            u = v["utilization"]
+            print(f"utilization: auto's chosen settings {100 * u['auto']:.1f}% (whole run, warm-up included: "
+                  f"{100 * u['auto_whole_run']:.1f}%) = {100 * u['share']:.1f}% of the grid's best ({u['best_row']})"
+                  f" -> {'met' if u['met'] else 'NOT met'} (>= {100 * UTILIZATION_SHARE:.0f}%)")
         if v["loss"]["met"] is not None:
             print(f"loss: auto {v['loss']['auto']:.4f} vs {v['loss']['reference']:.4f} ({v['loss']['reference_row']}"
                   f", the best grid row at least as busy) -> {'met' if v['loss']['met'] else 'NOT met'}")

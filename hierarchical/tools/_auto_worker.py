@@ -37,14 +37,17 @@ def main(plan: dict) -> None:
     data = TopicData(vocab=plan["model"]["vocab"], topics=plan["topics"], seed=plan["seed"])
     seq, batch, steps = plan["model"]["seq"], plan["batch"], plan["steps"]
     weights = data.site_weights(topo.site, topo.num_sites, plan["own_share"])
-    train = data.sample(steps * batch, seq + 1, weights, seed=10_000 * (topo.site + 1) + 100 * local)
+    most = max(steps, plan["change"]["steps"] if plan.get("change") else 0)  # the rate change's job may run longer
+    train = data.sample(most * batch, seq + 1, weights, seed=10_000 * (topo.site + 1) + 100 * local)
     val = data.sample(plan["val_sequences"], seq + 1, data.mixed_weights(), seed=7)
     records = []
     for method in plan["methods"]:
+        steps = plan["change"]["steps"] if method["row"] == "auto" and plan.get("change") else plan["steps"]
         method = {**method, "steps": steps}
         run = _Run(method, plan, topo)
         change = plan.get("change") if method["row"] == "auto" else None
         seen = {"decision": None, "decisions": [], "change_step": None}
+        stamps = [0.0] * (steps + 1)  # after each step t: the settled window's seconds (auto)
         dist.barrier()
         for t in range(1, steps + 1):
             if t == plan["warmup"] + 1:
@@ -57,21 +60,32 @@ def main(plan: dict) -> None:
                 if change and seen["change_step"] is None and t >= change["after_step"] \
                         and run.diloco._rounds.start == t:  # a round ended at t: the same on every rank
                     _change_rate(change, t, seen, run.diloco._auto.rounds_ended)
+            stamps[t] = time.perf_counter()
         elapsed = time.perf_counter() - start
+        settled = None
+        if run.diloco is not None and run.diloco._auto is not None and seen["decisions"]:
+            # the decision in force at the end, from the round end that adopted it to the last round end: the
+            # chosen settings' own window (no warm-up round, no earlier decision, no unsynced tail)
+            first, last = seen["decisions"][-1][0], run.diloco._rounds.start
+            if last > first:
+                settled = {"from_step": first, "to_step": last, "seconds": stamps[last] - stamps[first]}
         loss = run.evaluate(val, batch) if local == 0 else None
         pipeline = [run.diloco.wan.chunk_mb, run.diloco.wan.streams] if run.diloco is not None else None
         plans = [list(p) for p in run.diloco.round_plans] if run.diloco is not None else []
+        auto = run.diloco._auto if run.diloco is not None else None
+        rounds_at_end = auto.rounds_ended if auto is not None else None
         run.close()  # waits for a sync still in flight: the window ends with all its bytes sent
         dist.barrier()
         records.append({"row": method["row"], "kind": method["kind_row"], "h": method.get("h"),
                         "rank": dist.get_rank(), "site": topo.site, "local": local, "seconds": elapsed,
                         "timed_steps": steps - plan["warmup"], "val_loss": loss, "plans": plans,
-                        "pipeline": pipeline,
+                        "pipeline": pipeline, "settled": settled,
                         "payload_bytes": topo.wan_stats.snapshot()["bytes_sent"] - sent0,
                         "iface_tx_bytes": (_tx_bytes(plan["iface"]) - tx0) if local == 0 and plan["iface"] else 0})
         if change:
             records.append({"row": "rate_change", "rank": dist.get_rank(), "change_step": seen["change_step"],
-                            "rounds_at_change": seen.get("rounds_at_change"), "decisions": seen["decisions"]})
+                            "rounds_at_change": seen.get("rounds_at_change"), "decisions": seen["decisions"],
+                            "rounds_at_end": rounds_at_end})
     finish(records, plan["out"], topo)
 
 

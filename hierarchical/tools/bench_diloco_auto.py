@@ -37,7 +37,8 @@ from multidc.hierarchical.tools.bench_diloco import add_model_arguments
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
 
-QUICK = {"dim": 32, "layers": 2, "batch": 2, "seq": 16, "steps": 48, "grid": "4,8", "change_after": 16}
+QUICK = {"dim": 32, "layers": 2, "batch": 2, "seq": 16, "steps": 48, "grid": "4,8", "change_after": 16,
+         "change_steps": 64}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 2: halved)")
     parser.add_argument("--change-after", type=int, default=128, help="the rate changes at the first round end "
                         "from this step on (default 128)")
+    parser.add_argument("--change-steps", type=int, default=384, help="inner steps of the rate change's job (default "
+                        "384: the rounds after the change must end within it)")
     parser.add_argument("--no-change", action="store_true", help="skip the rate change")
     add_model_arguments(parser)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (warm-up, cosine; default 2e-3)")
@@ -87,6 +90,9 @@ def _validate(args) -> tuple[list[str], list[int]]:
         raise ValueError(f"--grid {args.grid!r} needs H values >= 1.")
     if args.steps <= args.warmup or args.warmup < 0:
         raise ValueError(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0).")
+    if not args.no_change and args.change_steps <= args.change_after:
+        raise ValueError(f"--change-steps {args.change_steps} must exceed --change-after {args.change_after}: the "
+                         f"rounds after the rate change must end within the job.")
     if args.cut <= 1:
         raise ValueError(f"--cut {args.cut} must be > 1 (the new rate is the first rate divided by it).")
     from multidc.hierarchical.diloco import DiLoCoConfig  # the settings' own checks, with their messages
@@ -112,7 +118,8 @@ def _job(args, plan: dict, rate: str, tag: str, tmp: str, new_rate: str | None =
     """Run the ranks at ``rate``; with ``new_rate``, re-shape the link when the ranks ask (see ``_auto_worker``)."""
     plan["out"] = os.path.join(tmp, f"{tag}.json")
     if new_rate is not None:
-        plan["change"] = {"after_step": args.change_after, "request": os.path.join(tmp, f"{tag}.request"),
+        plan["change"] = {"after_step": args.change_after, "steps": args.change_steps,
+                          "request": os.path.join(tmp, f"{tag}.request"),
                           "ack": os.path.join(tmp, f"{tag}.ack")}
     job = SiteJob([sys.executable, "-m", "multidc.hierarchical.tools._auto_worker"], sites=args.sites,
                   ranks_per_site=args.ranks_per_site, wan_rate=rate, loopback=args.loopback,

@@ -134,3 +134,26 @@ def test_the_cli_flag_selects_the_auto_benchmark(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "diloco", "--help"])
     assert "--auto" in capsys.readouterr().out
+
+
+def test_the_utilization_verdict_judges_the_auto_chosen_settings_window_and_reports_the_whole_run():
+    # the whole run (warm-up rounds at a small H, an earlier decision) at 10/12 = 83%; the window of the decision in
+    # force at the end: 60 steps in 6.2 s against the sites alone's 100 in 10 s (96.8%)
+    records = _ends("sites_alone", "alone", 10.0, None) + _ends("h32", "grid", 10.2, 3.05, h=32)
+    records += _ends("auto", "auto", 12.0, 3.0)
+    for r in records[-4:]:
+        r["settled"] = {"from_step": 40, "to_step": 100, "seconds": 6.2 - 0.1 * r["rank"]}
+    verdicts = report.verdicts(report.rows(records, shaped=True, tokens_per_step=1))["utilization"]
+    assert verdicts["auto"] == pytest.approx((60 / 6.2) / 10.0)
+    assert verdicts["auto_whole_run"] == pytest.approx(10.0 / 12.0) and verdicts["met"] is True
+
+
+def test_a_rate_change_with_no_round_end_after_it_is_not_judged():
+    records = _change([[[16, 2, 73, 8e6]], [[16, 2, 73, 8e6]]], at=4)
+    for r in records:
+        r["rounds_at_end"] = 4  # the run ended inside the round that began at the change
+    got = report.rate_change(records)
+    assert got["met"] is None and "--change-steps" in got["why"]
+    for r in records:
+        r["rounds_at_end"] = 5  # a round ended after the change and nothing re-planned: a miss, judged
+    assert report.rate_change(records)["met"] is False
