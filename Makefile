@@ -28,7 +28,7 @@ demo: $(STAMP)
 # write bytecode itself (PYTHONDONTWRITEBYTECODE, as on this machine class) each one compiled multidc and the tests
 # from source again: about a second of CPU per process on 2 loaded cores.
 test: $(STAMP)
-	$(BIN)/python -m compileall -q hierarchical plugins strategies tests benchmarks examples > /dev/null
+	$(BIN)/python -m compileall -q hierarchical plugins strategies tests benchmarks examples
 	MULTIDC_REQUIRE_TEST_RESOURCES=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The inner loop: tests that start no process (tests/conftest.py marks the others `dist`).

@@ -24,7 +24,7 @@ from multidc.hierarchical.tools import processes, ranks
 from multidc.hierarchical.tools.lab import Lab
 from multidc.hierarchical.tools.launch import SiteJob
 from multidc.hierarchical.tools.seaweed import SeaweedS3, weed_binary
-from tests import _launch
+from tests import _launch, _preload
 from tests._resources import require_weed
 
 # Modules and objects whose use means: this test starts processes (ranks, launchers, S3 servers, namespaces).
@@ -54,8 +54,8 @@ def _start(tmp_path_factory, fixture: str) -> SeaweedS3:
 
 def pytest_configure(config: pytest.Config) -> None:
     """The ranks ``run_ranks`` forks import these once, in its forkserver (per pytest process), rather than each rank
-    anew: seconds of CPU per rank on 2 cores, for the many cases whose ranks use Lightning, Accelerate or torchft."""
-    ranks.preload(["lightning.pytorch", "accelerate", "torchft"])
+    anew: seconds of CPU per rank on 2 cores, for the many cases whose ranks use Lightning or Accelerate."""
+    ranks.preload(_preload.MODULES, on_start=_preload.on_rank_start)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

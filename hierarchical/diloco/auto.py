@@ -38,8 +38,8 @@ from multidc.hierarchical.planning.model import Job, Link, Setting, predict
 
 REPLAN_FACTOR = 1.5
 """A measured link rate this many times above or below the decision's re-plans at the next round end: below 2, so
-that a link halved (or doubled) re-plans however close to its line rate each sync measured it; above the
-round-to-round scatter of measured rates (+-20% on loaded hosts), so noise does not."""
+that a link halved (or doubled) re-plans although syncs measure a link below its line rate; above the round-to-round
+scatter of measured rates (+-20% on loaded hosts), so that noise alone does not."""
 WARMUP_SYNC_EVERY = 8
 """The warm-up H of ``sync_every="auto"`` (raised to ``fragments * (overlap_steps + 1)`` when that is larger)."""
 DEFAULT_TARGET = 0.95
@@ -240,19 +240,21 @@ class AutoSchedule:
 
     def state(self) -> list[float]:
         """``[rounds ended, H, utilization, reached, step_s, bandwidth_bps, rtt_s, chunk_mb, streams, capped, H on
-        auto]`` of the decision in force (H 0: none yet)."""
-        d, h_auto = self.decision, float(self._plan["sync_every"] is None)
+        auto, cold rounds left]`` of the decision in force (H 0: none yet)."""
+        d, h_auto, cold = self.decision, float(self._plan["sync_every"] is None), float(self.cold)
         if d is None:
-            return [float(self.rounds_ended)] + [0.0] * 9 + [h_auto]
+            return [float(self.rounds_ended)] + [0.0] * 9 + [h_auto, cold]
         m = d.measured
         return [float(self.rounds_ended), float(d.sync_every), d.utilization, float(d.reached), m.step_s,
-                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams), float(d.capped), h_auto]
+                m.bandwidth_bps, m.rtt_s, d.chunk_mb, float(d.streams), float(d.capped), h_auto, cold]
 
     def load(self, saved: list[float]) -> None:
-        """Restore ``state()`` output (also one saved before ``capped`` and ``H on auto`` were kept: 9 numbers)."""
+        """Restore ``state()`` output (also one saved before ``capped`` and ``H on auto`` were kept: 9 numbers; or
+        before the cold rounds left were: 11, which restarts the warm-up's count when no decision was in force)."""
         ended, h, utilization, reached, step_s, bandwidth, rtt, chunk_mb, streams, capped, h_auto = (
             list(saved) + [0.0, -1.0][len(saved) - 9:])[:11]
-        self.rounds_ended, self.cold = int(ended), COLD_ROUNDS if h < 1 else 0
+        cold = int(saved[11]) if len(saved) > 11 else (COLD_ROUNDS if h < 1 else 0)
+        self.rounds_ended, self.cold = int(ended), cold
         self.stale = h >= 1 and h_auto == 0 and self._plan["sync_every"] is None
         figures = Measured(step_s, bandwidth, rtt)
         self.decision = None if h < 1 else Decision(int(h), utilization, bool(reached), figures, chunk_mb, int(streams),

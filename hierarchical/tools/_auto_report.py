@@ -3,6 +3,8 @@ verdicts, the rate change, the table. Pure: no process group, no lab."""
 
 from __future__ import annotations
 
+from multidc.hierarchical.diloco.auto import REPLAN_FACTOR
+
 ALONE, AUTO = "sites_alone", "auto"
 UTILIZATION_SHARE = 0.95
 """Auto's utilization must reach this share of the grid's best."""
@@ -45,10 +47,11 @@ def verdicts(table: dict[str, dict]) -> dict:
 
     * utilization: the auto-chosen settings' utilization (``settled_utilization``: the window from the round end that
       adopted the last decision to the last round end; the whole run's when there is none) >= ``UTILIZATION_SHARE``
-      x the best utilization of the grid rows. The whole run's (warm-up rounds and earlier decisions included) is
-      reported beside it;
+      x the best utilization of the grid rows, each on its own settled window too (from its first round end to its
+      last: its cold first sync left out as auto's are; the whole run's when it has none). The whole runs'
+      (auto's warm-up rounds and earlier decisions included) are reported beside;
     * loss: the reference is the lowest validation loss among the grid rows at least as busy as the auto-chosen
-      settings (utilization >= theirs; none: the grid row of the highest utilization); met when auto's loss <=
+      settings (settled utilization >= theirs; none: the grid row of the highest); met when auto's loss <=
       reference x (1 + ``LOSS_TOLERANCE``).
 
     ``met`` is None when a figure is missing (no grid row, no auto row, no sites_alone row)."""
@@ -56,15 +59,19 @@ def verdicts(table: dict[str, dict]) -> dict:
     auto = table.get(AUTO)
     if not grid or auto is None or auto["utilization"] is None:
         return {"utilization": {"met": None}, "loss": {"met": None}}
-    best = max(grid, key=lambda n: (grid[n]["utilization"], n))
-    chosen = auto.get("settled_utilization") or auto["utilization"]
-    share = chosen / grid[best]["utilization"]
-    busy = {n: r for n, r in grid.items() if r["utilization"] >= chosen and r["val_loss"] is not None}
+
+    def util(row: dict) -> float:
+        return row.get("settled_utilization") or row["utilization"]
+
+    best = max(grid, key=lambda n: (util(grid[n]), n))
+    chosen = util(auto)
+    share = chosen / util(grid[best])
+    busy = {n: r for n, r in grid.items() if util(r) >= chosen and r["val_loss"] is not None}
     pool = busy or {best: grid[best]}
     reference = min(pool, key=lambda n: (pool[n]["val_loss"] if pool[n]["val_loss"] is not None else float("inf"), n))
     ref_loss, auto_loss = pool[reference]["val_loss"], auto["val_loss"]
     loss_met = None if ref_loss is None or auto_loss is None else auto_loss <= ref_loss * (1 + LOSS_TOLERANCE)
-    return {"utilization": {"best_row": best, "best": grid[best]["utilization"], "auto": chosen,
+    return {"utilization": {"best_row": best, "best": util(grid[best]), "auto": chosen,
                             "auto_whole_run": auto["utilization"], "share": share, "met": share >= UTILIZATION_SHARE},
             "loss": {"reference_row": reference, "reference": ref_loss, "auto": auto_loss,
                      "rows_at_least_as_busy": sorted(busy), "met": loss_met}}
@@ -75,7 +82,8 @@ def rate_change(records: list[dict]) -> dict:
     "decisions": [[step, rounds_ended, H, bandwidth_bps], ...]}`` (each decision the rank adopted, in order): the
     change is made right after a round end, so the round after it is the first whose sync runs at the new rate;
     ``rounds_late`` counts the round ends from the change to the re-plan (1: that round's end). Met when every rank
-    re-planned at the same round end, 1 round late."""
+    re-planned at the same round end, 1 round late, on a measured rate that moved by more than ``REPLAN_FACTOR``
+    (a re-plan for another reason, a capped decision's, does not show the change was seen)."""
     ranks = [r for r in records if r["row"] == "rate_change"]
     if not ranks or ranks[0]["change_step"] is None:
         return {"met": None, "why": "no rate change: the run ended before a round end from --change-after on"}
@@ -95,7 +103,8 @@ def rate_change(records: list[dict]) -> dict:
             "rounds_late": late, "every_rank_alike": same,
             "h_before": before[-1][2] if before else None, "h_after": after[0][2] if after else None,
             "bandwidth_before_bps": before[-1][3] if before else None,
-            "bandwidth_after_bps": after[0][3] if after else None, "met": same and late == 1}
+            "bandwidth_after_bps": after[0][3] if after else None,
+            "met": same and late == 1 and bool(before) and after[0][3] * REPLAN_FACTOR < before[-1][3]}
 
 
 def print_tables(results: dict) -> None:

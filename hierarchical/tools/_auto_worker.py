@@ -62,13 +62,15 @@ def main(plan: dict) -> None:
                     _change_rate(change, t, seen, run.diloco._auto.rounds_ended)
             stamps[t] = time.perf_counter()
         elapsed = time.perf_counter() - start
-        settled = None
+        first = last = 0
         if run.diloco is not None and run.diloco._auto is not None and seen["decisions"]:
             # the decision in force at the end, from the round end that adopted it to the last round end: the
             # chosen settings' own window (no warm-up round, no earlier decision, no unsynced tail)
             first, last = seen["decisions"][-1][0], run.diloco._rounds.start
-            if last > first:
-                settled = {"from_step": first, "to_step": last, "seconds": stamps[last] - stamps[first]}
+        elif method.get("h"):  # a grid row alike: from its first round end (its cold first sync left out)
+            first, last = method["h"], steps // method["h"] * method["h"]
+        settled = {"from_step": first, "to_step": last, "seconds": stamps[last] - stamps[first]} if last > first \
+            else None
         loss = run.evaluate(val, batch) if local == 0 else None
         pipeline = [run.diloco.wan.chunk_mb, run.diloco.wan.streams] if run.diloco is not None else None
         plans = [list(p) for p in run.diloco.round_plans] if run.diloco is not None else []

@@ -25,16 +25,22 @@ from datetime import timedelta
 _CTX = mp.get_context("forkserver")
 _PRELOAD = ["torch", "torch.distributed"]
 _CTX.set_forkserver_preload(_PRELOAD)
+_ON_START = None
 
 
-def preload(modules: list[str]) -> None:
+def preload(modules: list[str], on_start=None) -> None:
     """Have the forkserver also import ``modules`` (e.g. ``lightning.pytorch``, which a rank would import in seconds
-    of CPU); call it before this process's first ``run_ranks``. A module that fails to import is left out there and
-    imported by the rank that needs it, as without this call."""
+    of CPU); call it before this process's first ``run_ranks``. A module that raises ImportError there is left out
+    and imported by the rank that needs it, as without this call (any other error stops the server: every
+    ``run_ranks`` then fails). What such a module read from the environment at import it read in the server's:
+    ``on_start`` (a module-level function, called in each rank once its environment is set, before ``fn``) may
+    redo it."""
+    global _ON_START
     _CTX.set_forkserver_preload([*_PRELOAD, *modules])
+    _ON_START = on_start
 
 
-def _entry(fn, rank, world, init_file, caller, env, args, results):
+def _entry(fn, rank, world, init_file, caller, env, args, results, on_start):
     environ, cwd = caller
     os.environ.clear()
     os.environ.update(environ)
@@ -51,6 +57,8 @@ def _entry(fn, rank, world, init_file, caller, env, args, results):
     if "numpy" in sys.modules:  # Python's random reseeds itself after a fork; numpy's global generator does not
         sys.modules["numpy"].random.seed()
     try:
+        if on_start is not None:
+            on_start()
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
         )
@@ -71,7 +79,8 @@ def run_ranks(fn, world: int, *args, env=None, timeout: float = 120.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         results = _CTX.Queue()
         procs = [
-            _CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), caller, env, args, results))
+            _CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), caller, env, args, results,
+                                                    _ON_START))
             for r in range(world)
         ]
         for p in procs:

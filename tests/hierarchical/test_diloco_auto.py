@@ -149,6 +149,12 @@ def test_a_slow_first_sync_is_left_out_and_the_second_round_decides():
     unsettled = _schedule()
     unsettled.load(_schedule().state())  # saved in the warm-up: the first measured round is still left out
     assert unsettled.round_end(_round(0.03, RATE / 100), [0, 1]) is None
+    # saved after the cold round, before the decision: the resumed run decides at the same round end as the unbroken
+    # one (it restarted the warm-up's count and decided a round later)
+    unbroken, resumed = _schedule(), _schedule()
+    assert unbroken.round_end(_round(0.03, RATE / 100), [0, 1]) is None
+    resumed.load(unbroken.state())
+    assert resumed.round_end(_round(0.03, RATE), [0, 1]) == unbroken.round_end(_round(0.03, RATE), [0, 1]) is not None
 
 
 def test_one_decision_grows_h_at_most_4x_and_a_capped_one_re_plans_at_the_next_round_end():
