@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--until", help="the job ends at the step this file holds, once a test wrote it (a step "
                         "ahead of every site); until then it goes on, to --max-steps at most")
     parser.add_argument("--hold-until", help="before ending, wait until this file exists (at most 120 s)")
+    parser.add_argument("--start-after", help="built, write FILE.ready, then wait until FILE exists (at most 120 s) "
+                        "before the first step: a restart that looks at once, however slowly its processes started")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,6 +76,10 @@ def main() -> None:
     if rank == 0:
         open(os.path.join(args.out, f"{args.site}.built"), "w").close()
     time.sleep(args.hold_s)
+    if args.start_after:
+        if rank == 0:
+            open(f"{args.start_after}.ready", "w").close()
+        wait_for_file(args.start_after)
     log, discarded, joined_at, last, last_step, first_quorum_s = [], 0, None, [], -1, None
     # the job steps whose state this site would save: after which event (is_leader), or through save_once
     leads = {"quorum": [], "commit": [], "once": []}

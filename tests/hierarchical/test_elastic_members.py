@@ -50,26 +50,38 @@ def test_a_second_process_of_a_live_site_is_refused_and_the_job_goes_on(tmp_path
 
 
 def test_a_site_restarted_right_after_a_crash_waits_until_the_lighthouse_drops_it_then_rejoins(tmp_path):
-    # the killed member's last heartbeat is still within the lighthouse's heartbeat timeout (12 s: longer than a
-    # restart takes, and than LIVE_AFTER_S) when the restarted site looks: it must wait for it, not refuse it
+    # the killed member's last heartbeat is still within the lighthouse's heartbeat timeout (12 s: longer than
+    # LIVE_AFTER_S) when the restarted site looks: it must wait for it, not refuse it. The restart is started and
+    # built before the kill and looks right after it: a torchrun start on loaded cores took longer than the 12 s
+    # (CI, once), and the site then looked after the lighthouse had dropped its member
     server = start_lighthouse("127.0.0.1:0", min_sites=1, heartbeat_timeout_ms=12_000, join_timeout_ms=1000)
     address = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    names = ["site0", "site1"]
-    trees = {name: start_site(name, 1, 2, address, tmp_path, "--steps", "40") for name in names}
+    names, go = ["site0", "site1"], tmp_path / "go"
+    # the restart first (its log site1.0.log), the same command but held before its first look until `go` exists;
+    # 120 steps: the first site1 is still training when the restart is built
+    restart = start_site("site1", 1, 2, address, tmp_path, "--steps", "120", "--start-after", str(go))
+    trees = {name: start_site(name, 1, 2, address, tmp_path, "--steps", "120") for name in names}
     try:
         deadline = time.monotonic() + TIMEOUT_S
         wait_for_steps(tmp_path, trees, KILL_AT, deadline, ["site1"])
+        while not (tmp_path / "go.ready").exists():
+            assert restart.process.poll() is None, site_logs(tmp_path, "site1")
+            assert time.monotonic() < deadline, "the restart was never built"
+            time.sleep(0.05)
+        assert trees["site1"].process.poll() is None, "the first site1 ended before the restart was built"
         trees["site1"].kill()  # every process of the site
         killed_at = progress(tmp_path, "site1")
         (tmp_path / "site1.progress").unlink()
-        trees["site1"] = start_site("site1", 1, 2, address, tmp_path, "--steps", "40")  # at once, the same command
+        go.touch()
+        trees["site1"] = restart
         finish_all(trees, tmp_path, deadline - time.monotonic())
     finally:
         for tree in trees.values():
             tree.kill()
+        restart.kill()
         server.shutdown()
     assert re.search(r"site 'site1' waits for its member site1:\S+ \(heard \d+\.\d s ago\) to leave the job",
-                     (tmp_path / "site1.1.log").read_text()), site_logs(tmp_path, "site1")
+                     (tmp_path / "site1.0.log").read_text()), site_logs(tmp_path, "site1")
     survivor, restarted = (torch.load(tmp_path / f"{name}_rank0.pt") for name in names)
     # it joined live, at the job's step, not from step 0; possibly the very quorum whose forming dropped its old
     # member (the survivor's quorum waited for that member's heartbeat to lapse, which also ends the name check)
