@@ -136,14 +136,21 @@ def _selected(args) -> list[str]:
     return [m for m in METHODS if m in names]
 
 
-def _validate(args) -> list[str]:
+def sites_and_rates(args, example: str) -> list[str]:
+    """``--sites`` / ``--ranks-per-site`` checked and ``--rates`` parsed (shared with ``--auto``); ValueError naming
+    the flag, ``example`` the rates to suggest."""
     if args.sites < 2 or args.ranks_per_site < 1:
         raise ValueError(f"--sites {args.sites} must be >= 2 (DiLoCo syncs between sites) and --ranks-per-site >= 1.")
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if not rates:
-        raise ValueError("--rates needs at least one rate, e.g. 10mbit,50mbit,200mbit.")
+        raise ValueError(f"--rates needs at least one rate, e.g. {example}.")
     for rate in rates:
         parse_rate(rate)
+    return rates
+
+
+def _validate(args) -> list[str]:
+    rates = sites_and_rates(args, "10mbit,50mbit,200mbit")
     if min(args.steps, args.ddp_steps, args.sync_every, args.dim, args.layers, args.batch, args.seq) < 1:
         raise ValueError("--steps, --ddp-steps, --sync-every, --dim, --layers, --batch and --seq must be >= 1.")
     if args.eval_every < 1:

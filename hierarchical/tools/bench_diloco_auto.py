@@ -33,7 +33,7 @@ import tempfile
 import threading
 
 from multidc.hierarchical.diloco.auto import REPLAN_FACTOR
-from multidc.hierarchical.tools.bench_diloco import add_model_arguments
+from multidc.hierarchical.tools.bench_diloco import add_model_arguments, sites_and_rates
 from multidc.hierarchical.tools.lab import SITE_IFACE, parse_rate
 from multidc.hierarchical.tools.launch import SiteJob
 
@@ -75,13 +75,7 @@ def _validate(args) -> tuple[list[str], list[int]]:
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
-    if args.sites < 2 or args.ranks_per_site < 1:
-        raise ValueError(f"--sites {args.sites} must be >= 2 (DiLoCo syncs between sites) and --ranks-per-site >= 1.")
-    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    if not rates:
-        raise ValueError("--rates needs at least one rate, e.g. 50mbit,200mbit.")
-    for rate in rates:
-        parse_rate(rate)
+    rates = sites_and_rates(args, "50mbit,200mbit")
     try:
         grid = sorted({int(h) for h in args.grid.split(",") if h.strip()})
     except ValueError:
